@@ -1,0 +1,96 @@
+// megamoe/config.h — what the layer is (MoeGeometry) and how it runs (MoeConfig).
+//
+// Contract:
+// - validate() returns ok or kInvalidArgument whose message names the field, its value and the rule
+//   ("invalid geometry: hidden=2880, must be a multiple of 128 (pad to 2944 with padded())").
+// - max_tokens_per_rank is the per-rank bound of one forward's tokens; it sizes every buffer. No
+//   dp/ep factor is ever applied to it.
+// - to_string() prints "MoeGeometry(hidden=7168, ...)".
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "megamoe/status.h"
+#include "megamoe/types.h"
+
+namespace megamoe {
+
+// Hidden and intermediate sizes must be multiples of this (one fp8 1x128 scale block).
+constexpr int64_t kDimAlignment = 128;
+
+struct MoeGeometry {
+  int64_t hidden = 0;                // H
+  int64_t intermediate = 0;          // I (per expert; w13 has 2I rows)
+  int64_t num_experts = 0;           // E (global)
+  int64_t top_k = 0;                 // k
+  int64_t ep_size = 1;               // R
+  int64_t ep_rank = 0;               // r in [0, R)
+  int64_t max_tokens_per_rank = 0;   // T_max (per rank, per forward)
+
+  Status validate() const;
+  std::string to_string() const;
+
+  int64_t experts_per_rank() const { return ep_size > 0 ? num_experts / ep_size : 0; }
+  int64_t first_local_expert() const { return ep_rank * experts_per_rank(); }
+  // The rank that owns global expert e.
+  int64_t owner_of(int64_t expert) const { return expert / experts_per_rank(); }
+  // The same geometry with hidden and intermediate rounded up to a multiple of `multiple`.
+  // A padded layer computes the same function when x and the weights are zero-padded.
+  MoeGeometry padded(int64_t multiple = kDimAlignment) const;
+  // The same geometry seen from another rank.
+  MoeGeometry for_rank(int64_t rank) const {
+    MoeGeometry g = *this;
+    g.ep_rank = rank;
+    return g;
+  }
+  bool same_shape(const MoeGeometry& o) const {
+    return hidden == o.hidden && intermediate == o.intermediate && num_experts == o.num_experts &&
+           top_k == o.top_k && ep_size == o.ep_size && max_tokens_per_rank == o.max_tokens_per_rank;
+  }
+};
+
+// Tuning knobs. 0 means "let the heuristic / knob cache decide". Tuned values belong in the knob
+// cache (megamoe/knobs.h), not in code.
+struct Knobs {
+  int32_t block_m = 0;  // expert-segment padding and GEMM M tile: 0, 64 or 128
+  int32_t block_n = 0;  // GEMM N tile: 0, 64, 128, 256 (GPU backends)
+  int32_t num_sms = 0;  // SMs a persistent kernel may use: 0 = all (GPU backends)
+
+  Status validate() const;
+  std::string to_string() const;
+  bool operator==(const Knobs& o) const {
+    return block_m == o.block_m && block_n == o.block_n && num_sms == o.num_sms;
+  }
+};
+
+constexpr int32_t kDefaultBlockM = 128;
+
+struct MoeConfig {
+  Backend backend = Backend::kAuto;
+  WeightFormat weight_format = WeightFormat::kFp8Block;
+  DispatchFormat dispatch_format = DispatchFormat::kFp8Block;
+  CombineDtype combine_dtype = CombineDtype::kBf16;
+  // Power-of-two (ue8m0) fp32 scales for the fp8-block formats (DeepSeek-V3 "scale_fmt: ue8m0").
+  bool pow2_scales = false;
+  // FC2 epilogue adds weighted bf16 partials straight into the source rank's output (bf16 wire only;
+  // summation order then depends on arrival, so results are not bitwise reproducible).
+  bool in_kernel_fc2_reduce = false;
+  // auto: mega when 0 < max_tokens_per_rank <= this, routed above. Overridden by a measured
+  // crossover from the knob cache when one exists.
+  int64_t mega_max_tokens_per_rank = 1024;
+  Knobs knobs;
+
+  Status validate() const;
+  // Rules that need the geometry too (e.g. the nvfp4 combine wire needs hidden % 16 == 0).
+  Status validate(const MoeGeometry& geometry) const;
+  std::string to_string() const;
+
+  // Format of the SwiGLU output that FC2 consumes: fp8-block for the fp8-family weight formats
+  // (requantised in the FC1 epilogue), bf16 for bf16 weights.
+  DispatchFormat intermediate_format() const;
+  // Block size used to pad each expert's rows (knob, else kDefaultBlockM).
+  int32_t block_m() const { return knobs.block_m > 0 ? knobs.block_m : kDefaultBlockM; }
+};
+
+}  // namespace megamoe

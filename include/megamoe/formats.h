@@ -1,0 +1,380 @@
+// megamoe/formats.h — the number formats megamoe stores and sends, and their block codecs.
+//
+// One header for host C++ and CUDA device code (it includes no CUDA header): every function is
+// `__host__ __device__` under nvcc and `inline` elsewhere, and the host and device builds of a
+// function return the same bits for the same input. To make that hold:
+// - bit casts use memcpy on the host and __float_as_uint / __uint_as_float on the device;
+// - every fp32 multiply / divide goes through mul_rn / div_rn (IEEE round-to-nearest-even; on the
+//   device __fmul_rn / __fdiv_rn, which nvcc never contracts into an FMA or approximates), whose NaN
+//   results are all the canonical 0x7FFFFFFF (so a dequantised NaN element is 0x7FFFFFFF);
+// - encoders work on the integer bits, so they do not depend on the fp32 rounding or flush mode.
+// The codecs assume IEEE fp32 with subnormals (no -ftz / --use_fast_math, no host FTZ/DAZ).
+// The hardware conversions cvt.rn.satfinite.e4m3x2.f32 and cvt.rn.bf16.f32 return the same codes as
+// float_to_e4m3 / float_to_bf16 for every non-NaN input (tests/gpu/test_formats_device.cpp), so
+// kernels may use them; for NaN, cvt bf16 gives 0x7FFF where float_to_bf16 keeps sign and payload.
+//
+// Formats (OCP 8-bit Floating Point Specification (OFP8) rev 1.0; OCP Microscaling Formats (MX)
+// Specification v1.0; NVIDIA NVFP4):
+//   bf16  S.8.7, bias 127. Encode: round to nearest even; overflow rounds to inf as IEEE does;
+//         NaN stays NaN: quieted (mantissa bit 6 set), sign and top payload bits kept.
+//   e4m3  ("e4m3fn") S.4.3, bias 7, max normal 448 = S.1111.110, min normal 2^-6, subnormals
+//         m * 2^-9 (min 2^-9); S.1111.111 is NaN; no infinities. Encode: round to nearest even,
+//         "satfinite": |v| > 448 (including inf) gives +-448. NaN gives 0x7F whatever its sign
+//         (canonical NaN, as CUDA's __nv_cvt_float_to_fp8 does). -0 (and a negative value that
+//         rounds to zero) gives 0x80.
+//   e2m1  S.2.1, bias 1: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives; no NaN, no infinities.
+//         Encode: round to nearest even, |v| > 6 (including inf) gives +-6; NaN gives +6 (0x7), as
+//         CUDA's __nv_cvt_float_to_fp4 does. -0 gives 0x8. Codes live in the low 4 bits.
+//   e8m0  unsigned exponent-only scale: code c is 2^(c - 127) (c = 0 is 2^-127, an fp32 subnormal);
+//         0xFF is NaN.
+//
+// Block formats (the "block" is along the contiguous dimension unless said otherwise):
+//   fp8 1x128 / 128x128  e4m3 element, fp32 scale s = fp8_block_scale(block amax): value = code * s.
+//                        1x128 for activations, 128x128 for weights (DeepSeek-V3 checkpoints).
+//   mxfp8                e4m3 element, e8m0 scale per 32 (OCP MX rule, see mxfp8_scale_code).
+//   nvfp4                e2m1 element, e4m3 scale per 16, fp32 global scale per tensor (per expert
+//                        matrix for weights): value = e2m1 * (e4m3 scale * global scale).
+// Block amax is taken over the finite elements only: an infinite element encodes as the saturated
+// +-max and a NaN element as the format's NaN (e2m1: +6), without spoiling its block's scale.
+// Every quantiser divides by the scale (code = encode(x / s)); every dequantiser multiplies.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define MEGAMOE_FMT_HD __host__ __device__ __forceinline__
+#else
+#define MEGAMOE_FMT_HD inline
+#endif
+
+namespace megamoe {
+namespace fmt {
+
+constexpr float kE4M3Max = 448.f;
+constexpr float kE2M1Max = 6.f;
+constexpr int kFp8BlockSize = 128;  // 1x128 (activations) and 128x128 (weights)
+constexpr int kMxfp8BlockSize = 32;
+constexpr int kNvfp4BlockSize = 16;
+// The smallest normal fp32, 2^-126: fp32 scales are clamped up to it so they are never subnormal.
+constexpr float kMinNormalFp32 = 1.17549435082228750797e-38f;
+
+// ---------------------------------------------------------------------------------------------
+// Bit casts and IEEE arithmetic that agree on host and device.
+
+MEGAMOE_FMT_HD uint32_t float_as_bits(float v) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(v);
+#else
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof(u));
+  return u;
+#endif
+}
+
+MEGAMOE_FMT_HD float bits_as_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float v;
+  std::memcpy(&v, &u, sizeof(v));
+  return v;
+#endif
+}
+
+// The canonical NaN of every NaN that mul_rn / div_rn return: NVIDIA GPUs produce 0x7FFFFFFF for any
+// NaN result, x86 propagates an operand's payload; mapping both to this one value keeps host and
+// device bit-identical on NaN too.
+constexpr uint32_t kCanonicalNaNBits = 0x7FFFFFFFu;
+
+MEGAMOE_FMT_HD float canonicalize_nan(float v) {
+  return (float_as_bits(v) & 0x7FFFFFFFu) > 0x7F800000u ? bits_as_float(kCanonicalNaNBits) : v;
+}
+
+MEGAMOE_FMT_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return canonicalize_nan(__fmul_rn(a, b));
+#else
+  return canonicalize_nan(a * b);
+#endif
+}
+
+MEGAMOE_FMT_HD float div_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return canonicalize_nan(__fdiv_rn(a, b));
+#else
+  return canonicalize_nan(a / b);
+#endif
+}
+
+// |v| for finite v, 0 for inf and NaN: the contribution of one element to a block amax.
+MEGAMOE_FMT_HD float finite_abs(float v) {
+  const uint32_t a = float_as_bits(v) & 0x7FFFFFFFu;
+  return a < 0x7F800000u ? bits_as_float(a) : 0.f;
+}
+
+// ---------------------------------------------------------------------------------------------
+// bf16
+
+MEGAMOE_FMT_HD float bf16_to_float(uint16_t bits) { return bits_as_float(static_cast<uint32_t>(bits) << 16); }
+
+MEGAMOE_FMT_HD uint16_t float_to_bf16(float v) {
+  uint32_t u = float_as_bits(v);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);  // quiet NaN
+  // Round to nearest even on the 16 dropped bits; a carry into the exponent is the right rounding
+  // (up to the next binade, or to inf past the largest bf16).
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+MEGAMOE_FMT_HD float round_to_bf16(float v) { return bf16_to_float(float_to_bf16(v)); }
+
+// ---------------------------------------------------------------------------------------------
+// e4m3 (OCP e4m3fn)
+
+MEGAMOE_FMT_HD float e4m3_to_float(uint8_t code) {
+  const uint32_t sign = static_cast<uint32_t>(code & 0x80u) << 24;
+  const uint32_t exp = (code >> 3) & 0xFu;
+  const uint32_t man = code & 0x7u;
+  if (exp == 0xFu && man == 0x7u) return bits_as_float(sign | 0x7FC00000u);  // NaN
+  if (exp == 0) {
+    // Subnormal: man * 2^-9, exact in fp32 (a normal fp32 number).
+    const float mag = mul_rn(static_cast<float>(man), 0.001953125f);
+    return bits_as_float(sign | float_as_bits(mag));
+  }
+  // Normal: (1 + man/8) * 2^(exp - 7): fp32 biased exponent exp - 7 + 127.
+  return bits_as_float(sign | ((exp + 120u) << 23) | (man << 20));
+}
+
+MEGAMOE_FMT_HD uint8_t float_to_e4m3(float v) {
+  const uint32_t u = float_as_bits(v);
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+  const uint32_t a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return 0x7Fu;          // NaN -> canonical NaN (sign dropped)
+  if (a >= 0x43E00000u) return sign | 0x7Eu;  // |v| >= 448 (incl. inf): satfinite
+  const uint32_t biased = a >> 23;
+  if (biased >= 121u) {
+    // Normal e4m3 range [2^-6, 448): keep 3 of the 23 mantissa bits, round to nearest even. A carry
+    // from the mantissa into the exponent is the correct rounding; |v| < 448 never reaches 0x7F.
+    const uint32_t mant = a & 0x7FFFFFu;
+    uint32_t code = ((biased - 120u) << 3) | (mant >> 20);
+    const uint32_t rest = mant & 0xFFFFFu;
+    if (rest > 0x80000u || (rest == 0x80000u && (code & 1u))) ++code;
+    return sign | static_cast<uint8_t>(code);
+  }
+  // Subnormal e4m3 range [0, 2^-6): code = round_even(|v| * 2^9). With the implicit bit,
+  // |v| = sig * 2^(biased - 150), so |v| * 2^9 = sig >> (141 - biased). Below 2^-10 (biased < 117)
+  // the result is 0 (2^-10 itself is the tie between 0 and 2^-9 and goes to 0, the even code).
+  if (biased < 117u) return sign;
+  const uint32_t sig = (a & 0x7FFFFFu) | 0x800000u;
+  const uint32_t shift = 141u - biased;  // 21..24
+  uint32_t code = sig >> shift;
+  const uint32_t rest = sig & ((1u << shift) - 1u);
+  const uint32_t half = 1u << (shift - 1u);
+  if (rest > half || (rest == half && (code & 1u))) ++code;  // 8 (= 2^-6, the min normal) is code 0x08
+  return sign | static_cast<uint8_t>(code);
+}
+
+// ---------------------------------------------------------------------------------------------
+// e2m1 (OCP FP4)
+
+MEGAMOE_FMT_HD float e2m1_to_float(uint8_t code) {
+  const uint32_t sign = static_cast<uint32_t>(code & 0x8u) << 28;
+  const uint32_t exp = (code >> 1) & 0x3u;
+  const uint32_t man = code & 0x1u;
+  if (exp == 0) return bits_as_float(sign | (man ? 0x3F000000u : 0u));  // 0 or 0.5
+  return bits_as_float(sign | ((exp + 126u) << 23) | (man << 22));      // (1 + man/2) * 2^(exp-1)
+}
+
+MEGAMOE_FMT_HD uint8_t float_to_e2m1(float v) {
+  const uint32_t u = float_as_bits(v);
+  const uint32_t a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return 0x7u;  // NaN -> +6
+  const uint8_t sign = static_cast<uint8_t>((u >> 28) & 0x8u);
+  // Nearest of the 8 magnitudes: the code is the number of midpoints |v| lies above. A midpoint
+  // (compared as fp32 bits, exact for non-negative floats) goes to the even code, so it counts when
+  // the code above it is even (>=) and not when the code below is (>). Above 5 (and inf) it is 6.
+  const uint8_t code = static_cast<uint8_t>((a > 0x3E800000u) +   // 0.25: 0   | 0.5, tie -> 0
+                                            (a >= 0x3F400000u) +  // 0.75: 0.5 | 1,   tie -> 1
+                                            (a > 0x3FA00000u) +   // 1.25: 1   | 1.5, tie -> 1
+                                            (a >= 0x3FE00000u) +  // 1.75: 1.5 | 2,   tie -> 2
+                                            (a > 0x40200000u) +   // 2.5:  2   | 3,   tie -> 2
+                                            (a >= 0x40600000u) +  // 3.5:  3   | 4,   tie -> 4
+                                            (a > 0x40A00000u));   // 5:    4   | 6,   tie -> 4
+  return sign | code;
+}
+
+// ---------------------------------------------------------------------------------------------
+// e8m0 (OCP MX scale)
+
+MEGAMOE_FMT_HD float e8m0_to_float(uint8_t code) {
+  if (code == 0xFFu) return bits_as_float(0x7FC00000u);
+  if (code == 0) return bits_as_float(0x00400000u);  // 2^-127 (fp32 subnormal)
+  return bits_as_float(static_cast<uint32_t>(code) << 23);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scale rules
+
+// fp32 scale of an fp8 block with max |x| = amax such that amax / s <= 448:
+//   pow2 = false: s = amax / 448 (so the amax element lands on 448);
+//   pow2 = true : the smallest power of two with amax <= 448 * s (DeepSeek "ue8m0" scales).
+// amax == 0 (or negative / NaN) gives 1. s is clamped up to 2^-126 (never subnormal), which keeps
+// amax / s <= 448. amax = +inf gives +inf; the block codecs never pass one (amax over finite values).
+MEGAMOE_FMT_HD float fp8_block_scale(float amax, bool pow2) {
+  if (!(amax > 0.f)) return 1.f;
+  const uint32_t a = float_as_bits(amax);
+  if (a >= 0x7F800000u) return amax;
+  if (!pow2) {
+    const float s = div_rn(amax, kE4M3Max);
+    return s < kMinNormalFp32 ? kMinNormalFp32 : s;
+  }
+  if (a < 0x00800000u) return kMinNormalFp32;  // subnormal amax
+  // amax = m * 2^e, m in [1, 2); 448 = 1.75 * 2^8. amax <= 448 * 2^k  <=>  m <= 1.75 * 2^(k + 8 - e),
+  // smallest k: e - 8 when m <= 1.75 (mantissa field <= 0x600000), else e - 7.
+  int32_t biased = static_cast<int32_t>(a >> 23) - 8 + ((a & 0x7FFFFFu) > 0x600000u ? 1 : 0);
+  if (biased < 1) biased = 1;
+  return bits_as_float(static_cast<uint32_t>(biased) << 23);
+}
+
+// e8m0 code of the shared scale of an mxfp8 block (OCP MX v1.0, section 6.3):
+//   X = 2^(floor(log2(amax)) - 8), 8 = emax of e4m3, code = floor(log2(amax)) - 8 + 127 clamped to
+//   [0, 254]. The elements are then encoded as e4m3(x / X) with saturation, so elements with
+//   |x| / X in (448, 512) clamp to 448 (relative error up to 1/8): that is the spec's rule.
+// amax == 0 (or negative) gives 127 (X = 1); NaN gives 0xFF; +inf gives 254. Finite amax gives
+// codes in [0, 246].
+MEGAMOE_FMT_HD uint8_t mxfp8_scale_code(float amax) {
+  if (amax != amax) return 0xFFu;
+  if (!(amax > 0.f)) return 127u;
+  const uint32_t a = float_as_bits(amax);
+  if (a >= 0x7F800000u) return 254u;
+  // Normal amax: floor(log2(amax)) + 127 is the biased exponent. Subnormal amax (biased 0) has
+  // floor(log2) < -126, so its code clamps to 0 either way.
+  const int32_t code = static_cast<int32_t>(a >> 23) - 8;
+  return static_cast<uint8_t>(code < 0 ? 0 : code);
+}
+
+// fp32 global scale of an nvfp4 tensor: amax / (448 * 6), so that the largest block scale
+// (block amax / 6) / global fits e4m3. amax == 0 (or negative / NaN) gives 1; clamped up to 2^-126.
+MEGAMOE_FMT_HD float nvfp4_global_scale(float amax) {
+  if (!(amax > 0.f)) return 1.f;
+  const float s = div_rn(amax, kE4M3Max * kE2M1Max);
+  return s < kMinNormalFp32 ? kMinNormalFp32 : s;
+}
+
+// max over i < n of finite_abs(x[i]) (0 for n == 0 or no finite element).
+MEGAMOE_FMT_HD float amax_finite(const float* x, int64_t n) {
+  float m = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float a = finite_abs(x[i]);
+    if (a > m) m = a;
+  }
+  return m;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Contiguous block codecs. Preconditions: n (or rows, cols) a multiple of the block size; output
+// arrays sized as stated; global_scale finite and > 0.
+
+// fp8 1x128: q[n] e4m3, scales[n / 128] fp32 (fp8_block_scale of each block's amax).
+MEGAMOE_FMT_HD void quantize_fp8_1x128(const float* x, int64_t n, uint8_t* q, float* scales, bool pow2) {
+  for (int64_t b = 0; b < n / kFp8BlockSize; ++b) {
+    const float* xb = x + b * kFp8BlockSize;
+    const float s = fp8_block_scale(amax_finite(xb, kFp8BlockSize), pow2);
+    scales[b] = s;
+    for (int i = 0; i < kFp8BlockSize; ++i) q[b * kFp8BlockSize + i] = float_to_e4m3(div_rn(xb[i], s));
+  }
+}
+
+MEGAMOE_FMT_HD void dequantize_fp8_1x128(const uint8_t* q, const float* scales, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = mul_rn(e4m3_to_float(q[i]), scales[i / kFp8BlockSize]);
+}
+
+// fp8 128x128: w row-major [rows, cols], q [rows, cols] e4m3, scales [rows/128, cols/128] fp32.
+MEGAMOE_FMT_HD void quantize_fp8_128x128(const float* w, int64_t rows, int64_t cols, uint8_t* q, float* scales,
+                                         bool pow2) {
+  const int64_t scale_cols = cols / kFp8BlockSize;
+  for (int64_t br = 0; br < rows / kFp8BlockSize; ++br) {
+    for (int64_t bc = 0; bc < scale_cols; ++bc) {
+      const int64_t r0 = br * kFp8BlockSize, c0 = bc * kFp8BlockSize;
+      float amax = 0.f;
+      for (int64_t r = r0; r < r0 + kFp8BlockSize; ++r) {
+        const float a = amax_finite(w + r * cols + c0, kFp8BlockSize);
+        if (a > amax) amax = a;
+      }
+      const float s = fp8_block_scale(amax, pow2);
+      scales[br * scale_cols + bc] = s;
+      for (int64_t r = r0; r < r0 + kFp8BlockSize; ++r) {
+        for (int64_t c = c0; c < c0 + kFp8BlockSize; ++c) q[r * cols + c] = float_to_e4m3(div_rn(w[r * cols + c], s));
+      }
+    }
+  }
+}
+
+MEGAMOE_FMT_HD void dequantize_fp8_128x128(const uint8_t* q, const float* scales, int64_t rows, int64_t cols,
+                                           float* out) {
+  const int64_t scale_cols = cols / kFp8BlockSize;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* srow = scales + (r / kFp8BlockSize) * scale_cols;
+    for (int64_t c = 0; c < cols; ++c)
+      out[r * cols + c] = mul_rn(e4m3_to_float(q[r * cols + c]), srow[c / kFp8BlockSize]);
+  }
+}
+
+// mxfp8: q[n] e4m3, scales[n / 32] e8m0 (mxfp8_scale_code of each block's amax).
+MEGAMOE_FMT_HD void quantize_mxfp8(const float* x, int64_t n, uint8_t* q, uint8_t* scales) {
+  for (int64_t b = 0; b < n / kMxfp8BlockSize; ++b) {
+    const float* xb = x + b * kMxfp8BlockSize;
+    const uint8_t code = mxfp8_scale_code(amax_finite(xb, kMxfp8BlockSize));
+    scales[b] = code;
+    const float s = e8m0_to_float(code);
+    for (int i = 0; i < kMxfp8BlockSize; ++i) q[b * kMxfp8BlockSize + i] = float_to_e4m3(div_rn(xb[i], s));
+  }
+}
+
+MEGAMOE_FMT_HD void dequantize_mxfp8(const uint8_t* q, const uint8_t* scales, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = mul_rn(e4m3_to_float(q[i]), e8m0_to_float(scales[i / kMxfp8BlockSize]));
+}
+
+// nvfp4 block scale code: e4m3((block_amax / 6) / global_scale).
+MEGAMOE_FMT_HD uint8_t nvfp4_block_scale_code(float block_amax, float global_scale) {
+  return float_to_e4m3(div_rn(div_rn(block_amax, kE2M1Max), global_scale));
+}
+
+// The divisor of an nvfp4 block: decoded block scale * global scale.
+MEGAMOE_FMT_HD float nvfp4_block_divisor(uint8_t scale_code, float global_scale) {
+  return mul_rn(e4m3_to_float(scale_code), global_scale);
+}
+
+// One nvfp4 element: e2m1(x / divisor); a block whose divisor is 0 (its scale encoded to 0: an
+// all-zero block, or one far below the global amax) stores code 0 for every element.
+MEGAMOE_FMT_HD uint8_t nvfp4_encode_element(float x, float divisor) {
+  return divisor > 0.f ? float_to_e2m1(div_rn(x, divisor)) : static_cast<uint8_t>(0);
+}
+
+// nvfp4: packed[n / 2] (element 2i in the low nibble of byte i, 2i+1 in the high nibble),
+// scales[n / 16] e4m3 block scales; value = e2m1 * (e4m3 scale * global_scale).
+MEGAMOE_FMT_HD void quantize_nvfp4(const float* x, int64_t n, float global_scale, uint8_t* packed, uint8_t* scales) {
+  for (int64_t b = 0; b < n / kNvfp4BlockSize; ++b) {
+    const float* xb = x + b * kNvfp4BlockSize;
+    const uint8_t code = nvfp4_block_scale_code(amax_finite(xb, kNvfp4BlockSize), global_scale);
+    scales[b] = code;
+    const float divisor = nvfp4_block_divisor(code, global_scale);
+    for (int i = 0; i < kNvfp4BlockSize; i += 2) {
+      const uint8_t lo = nvfp4_encode_element(xb[i], divisor);
+      const uint8_t hi = nvfp4_encode_element(xb[i + 1], divisor);
+      packed[(b * kNvfp4BlockSize + i) / 2] = static_cast<uint8_t>(lo | (hi << 4));
+    }
+  }
+}
+
+MEGAMOE_FMT_HD void dequantize_nvfp4(const uint8_t* packed, const uint8_t* scales, float global_scale, int64_t n,
+                                     float* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t code = static_cast<uint8_t>((packed[i / 2] >> ((i & 1) * 4)) & 0xFu);
+    out[i] = mul_rn(e2m1_to_float(code), nvfp4_block_divisor(scales[i / kNvfp4BlockSize], global_scale));
+  }
+}
+
+}  // namespace fmt
+}  // namespace megamoe

@@ -1,0 +1,88 @@
+// megamoe/layer.h — the MoE layer: built once, warmed up once, then forward() per step.
+//
+// Contract:
+// - MoeLayer::create() validates geometry and config, resolves `auto` to one backend (once; never per
+//   call), and prepares this rank's expert weights. It allocates nothing collective.
+// - warmup() does everything collective or blocking (workspace allocation, registration, tuning, host
+//   syncs). Call it on every rank of the group, before any CUDA-graph capture. Idempotent.
+// - forward(x, topk_ids, topk_weights, y, stream[, x_scale]) computes, for this rank's T tokens,
+//     y[t] = sum_j topk_weights[t, j] * FC2_e(silu(FC1g_e(x_t)) * FC1u_e(x_t)),  e = topk_ids[t, j]
+//   summed in fp32 in slot order j = 0..k-1 and written as bf16. topk_ids = -1 skips a slot.
+//     x            [T, H] bf16, or e4m3 with x_scale [T, H/128] fp32
+//     topk_ids     [T, k] int32, values in [-1, E)
+//     topk_weights [T, k] fp32
+//     y            [T, H] bf16 (written; never read)
+//   T may be 0 (the rank still takes part). T > max_tokens_per_rank, wrong shapes, dtypes or devices,
+//   and expert ids outside [-1, E) are refused with a message naming the argument and the rule.
+//   Every rank of the group calls forward() the same number of times.
+// - Selection rule for `auto` (TensorRT-LLM's MEGAMOE_AUTO semantics): mega if
+//   0 < max_tokens_per_rank <= mega_max_tokens_per_rank and mega's capability gate passes; else
+//   routed if its gate passes; else cpu. Each fallback is logged (stderr, and selection_log()).
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "megamoe/comm.h"
+#include "megamoe/config.h"
+#include "megamoe/status.h"
+#include "megamoe/tensor.h"
+#include "megamoe/weights.h"
+
+namespace megamoe {
+
+// Static capability checks (arch, formats, alignment); never touch the network.
+Status mega_capability(const MoeGeometry& geometry, const MoeConfig& config);
+Status routed_capability(const MoeGeometry& geometry, const MoeConfig& config);
+Status cpu_capability(const MoeGeometry& geometry, const MoeConfig& config);
+
+struct BackendSelection {
+  Backend backend = Backend::kCpu;
+  std::string reason;  // one line per decision, fallbacks with their cause
+};
+
+// The pure selection rule, given the gates' answers (tests drive it with made-up gates).
+BackendSelection select_backend(const MoeGeometry& geometry, const MoeConfig& config,
+                                const Status& mega_gate, const Status& routed_gate);
+// The same, evaluating the real gates and the knob cache's measured crossover, if any.
+BackendSelection select_backend(const MoeGeometry& geometry, const MoeConfig& config);
+
+class MoeLayer {
+ public:
+  // `comm` may be null when ep_size == 1. For ep_size > 1 it must be this rank's handle of a group
+  // of ep_size ranks with rank() == geometry.ep_rank.
+  static Status create(const MoeGeometry& geometry, const MoeConfig& config, const MoeWeights& weights,
+                       std::shared_ptr<Communicator> comm, std::unique_ptr<MoeLayer>* out);
+
+  virtual ~MoeLayer() = default;
+
+  virtual Status warmup() = 0;
+  virtual Status forward(const TensorView& x, const TensorView& topk_ids, const TensorView& topk_weights,
+                         const TensorView& y, void* stream = nullptr,
+                         const TensorView& x_scale = TensorView()) = 0;
+
+  virtual Backend backend() const = 0;
+  // The device the layer's tensors live on (cpu for the cpu backend).
+  virtual Device device() const = 0;
+  const MoeGeometry& geometry() const { return geometry_; }
+  const MoeConfig& config() const { return config_; }
+  const BackendSelection& selection() const { return selection_; }
+  const PreparedWeights& prepared_weights() const { return weights_; }
+
+ protected:
+  MoeLayer(const MoeGeometry& g, const MoeConfig& c, BackendSelection s, PreparedWeights w)
+      : geometry_(g), config_(c), selection_(std::move(s)), weights_(std::move(w)) {}
+
+  MoeGeometry geometry_;
+  MoeConfig config_;
+  BackendSelection selection_;
+  PreparedWeights weights_;
+};
+
+// Checks forward()'s arguments against the geometry (shapes, dtypes, device, T bound). Does not
+// look at the values of topk_ids (backends report out-of-range ids with the first bad token).
+Status validate_forward_args(const MoeGeometry& geometry, const MoeConfig& config, Device device,
+                             const TensorView& x, const TensorView& x_scale, const TensorView& topk_ids,
+                             const TensorView& topk_weights, const TensorView& y);
+
+}  // namespace megamoe

@@ -1,0 +1,61 @@
+// megamoe/weights.h — expert weights as the caller has them, and as the layer computes with them.
+//
+// Contract:
+// - MoeWeights views this rank's experts only (E_local = E / R, global experts
+//   [r*E_local, (r+1)*E_local)), on the host.
+//   w13 [E_local, 2I, H]: rows [0, I) are the gate projection, rows [I, 2I) the up projection.
+//   w2  [E_local, H, I].
+//   Accepted sources: fp32 or bf16 (no scales), or a DeepSeek-V3 checkpoint: e4m3 with fp32
+//   `weight_scale_inv` per 128x128 block (w13_scale [E_local, 2I/128, H/128], w2_scale
+//   [E_local, H/128, I/128]); the value is code * scale.
+// - prepare_weights() converts them to config.weight_format (quantising where needed, with the
+//   rounding of megamoe/formats.h). An fp8-block source prepared as fp8-block is kept bit for bit.
+// - A QuantizedTensor holds [E_local, N, K] with K the reduction dimension; its scales follow the
+//   format's block shape along (N, K).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "megamoe/config.h"
+#include "megamoe/tensor.h"
+
+namespace megamoe {
+
+struct MoeWeights {
+  TensorView w13;
+  TensorView w13_scale;  // only for an e4m3 source
+  TensorView w2;
+  TensorView w2_scale;   // only for an e4m3 source
+};
+
+struct QuantizedTensor {
+  WeightFormat format = WeightFormat::kBf16;
+  int64_t num_experts = 0, rows = 0, cols = 0;  // [E_local, N, K]
+  // Element data, packed: bf16 (2 B), e4m3 (1 B) or two e2m1 per byte (row-major, low nibble first).
+  std::vector<uint8_t> data;
+  // Block scales: fp8-block fp32 [E, N/128, K/128]; mxfp8 e8m0 [E, N, K/32]; nvfp4 e4m3 [E, N, K/16];
+  // empty for bf16.
+  std::vector<uint8_t> scales;
+  // nvfp4 only: fp32 global scale per expert [E].
+  std::vector<float> global_scales;
+
+  DType data_dtype() const;
+  DType scale_dtype() const;
+  std::vector<int64_t> scale_shape() const;
+  int64_t data_bytes_per_expert() const;
+  // The values the experts compute with, as fp32 [E, N, K].
+  void dequantize(std::vector<float>* out) const;
+  void dequantize_expert(int64_t expert, float* out) const;
+};
+
+struct PreparedWeights {
+  WeightFormat format = WeightFormat::kBf16;
+  QuantizedTensor w13;  // [E_local, 2I, H]
+  QuantizedTensor w2;   // [E_local, H, I]
+};
+
+Status prepare_weights(const MoeGeometry& geometry, const MoeConfig& config, const MoeWeights& source,
+                       PreparedWeights* out);
+
+}  // namespace megamoe

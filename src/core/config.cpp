@@ -1,0 +1,135 @@
+#include <sstream>
+
+#include "megamoe/config.h"
+
+namespace megamoe {
+namespace {
+
+// Kernels index rows and columns with 32-bit offsets; these bounds keep every product in range.
+constexpr int64_t kMaxDim = 65536;
+constexpr int64_t kMaxTopK = 32;
+constexpr int64_t kMaxExperts = 4096;
+// A per-rank bound above this is almost certainly a dp- or ep-multiplied value (TensorRT-LLM found
+// both directions of that mistake); it would size a pool of hundreds of GiB.
+constexpr int64_t kMaxTokensPerRank = 1 << 20;
+
+std::string str(int64_t v) { return std::to_string(v); }
+
+Status check_dim(const char* field, int64_t v) {
+  if (v <= 0) return invalid_argument("geometry", field, str(v), "must be positive");
+  if (v > kMaxDim) return invalid_argument("geometry", field, str(v), "must be at most " + str(kMaxDim));
+  if (v % kDimAlignment != 0) {
+    const int64_t padded = (v + kDimAlignment - 1) / kDimAlignment * kDimAlignment;
+    return invalid_argument("geometry", field, str(v),
+                            "must be a multiple of " + str(kDimAlignment) + " (pad to " + str(padded) +
+                                " with MoeGeometry::padded(), or --pad in the tool)");
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+Status MoeGeometry::validate() const {
+  MEGAMOE_RETURN_IF_ERROR(check_dim("hidden", hidden));
+  MEGAMOE_RETURN_IF_ERROR(check_dim("intermediate", intermediate));
+  if (num_experts <= 0 || num_experts > kMaxExperts)
+    return invalid_argument("geometry", "num_experts", str(num_experts), "must be in [1, " + str(kMaxExperts) + "]");
+  if (top_k < 1 || top_k > num_experts)
+    return invalid_argument("geometry", "top_k", str(top_k),
+                            "must be in [1, num_experts=" + str(num_experts) + "]");
+  if (top_k > kMaxTopK) return invalid_argument("geometry", "top_k", str(top_k), "must be at most " + str(kMaxTopK));
+  if (ep_size < 1) return invalid_argument("geometry", "ep_size", str(ep_size), "must be at least 1");
+  if (num_experts % ep_size != 0)
+    return invalid_argument("geometry", "num_experts", str(num_experts),
+                            "must be divisible by ep_size=" + str(ep_size));
+  if (ep_rank < 0 || ep_rank >= ep_size)
+    return invalid_argument("geometry", "ep_rank", str(ep_rank), "must be in [0, ep_size=" + str(ep_size) + ")");
+  if (max_tokens_per_rank < 0)
+    return invalid_argument("geometry", "max_tokens_per_rank", str(max_tokens_per_rank), "must be >= 0");
+  if (max_tokens_per_rank > kMaxTokensPerRank)
+    return invalid_argument("geometry", "max_tokens_per_rank", str(max_tokens_per_rank),
+                            "must be at most " + str(kMaxTokensPerRank) +
+                                " (it is the per-rank bound of one forward; never multiply it by dp or ep size)");
+  return Status::ok();
+}
+
+std::string MoeGeometry::to_string() const {
+  std::ostringstream os;
+  os << "MoeGeometry(hidden=" << hidden << ", intermediate=" << intermediate << ", num_experts=" << num_experts
+     << ", top_k=" << top_k << ", ep_size=" << ep_size << ", ep_rank=" << ep_rank
+     << ", max_tokens_per_rank=" << max_tokens_per_rank << ")";
+  return os.str();
+}
+
+MoeGeometry MoeGeometry::padded(int64_t multiple) const {
+  MoeGeometry g = *this;
+  auto up = [multiple](int64_t v) { return v <= 0 ? v : (v + multiple - 1) / multiple * multiple; };
+  g.hidden = up(hidden);
+  g.intermediate = up(intermediate);
+  return g;
+}
+
+Status Knobs::validate() const {
+  if (block_m != 0 && block_m != 64 && block_m != 128)
+    return invalid_argument("knobs", "block_m", str(block_m), "must be 0 (heuristic), 64 or 128");
+  if (block_n != 0 && block_n != 64 && block_n != 128 && block_n != 256)
+    return invalid_argument("knobs", "block_n", str(block_n), "must be 0 (heuristic), 64, 128 or 256");
+  if (num_sms < 0 || num_sms > 1024)
+    return invalid_argument("knobs", "num_sms", str(num_sms), "must be in [0, 1024] (0 = all SMs)");
+  return Status::ok();
+}
+
+std::string Knobs::to_string() const {
+  std::ostringstream os;
+  os << "Knobs(block_m=" << block_m << ", block_n=" << block_n << ", num_sms=" << num_sms << ")";
+  return os.str();
+}
+
+Status MoeConfig::validate() const {
+  if (static_cast<int>(backend) < 0 || static_cast<int>(backend) > static_cast<int>(Backend::kCpu))
+    return invalid_argument("config", "backend", str(static_cast<int>(backend)), "must be auto, mega, routed or cpu");
+  if (static_cast<int>(weight_format) < 0 || static_cast<int>(weight_format) > static_cast<int>(WeightFormat::kNvfp4))
+    return invalid_argument("config", "weight_format", str(static_cast<int>(weight_format)),
+                            "must be bf16, fp8-block, mxfp8 or nvfp4");
+  if (static_cast<int>(dispatch_format) < 0 ||
+      static_cast<int>(dispatch_format) > static_cast<int>(DispatchFormat::kFp8Block))
+    return invalid_argument("config", "dispatch_format", str(static_cast<int>(dispatch_format)),
+                            "must be bf16 or fp8-block");
+  if (static_cast<int>(combine_dtype) < 0 || static_cast<int>(combine_dtype) > static_cast<int>(CombineDtype::kNvfp4))
+    return invalid_argument("config", "combine_dtype", str(static_cast<int>(combine_dtype)),
+                            "must be bf16, mxfp8 or nvfp4");
+  if (in_kernel_fc2_reduce && combine_dtype != CombineDtype::kBf16)
+    return invalid_argument("config", "combine_dtype", megamoe::to_string(combine_dtype),
+                            "in_kernel_fc2_reduce adds bf16 partials atomically into the owner's output and needs "
+                            "combine_dtype=bf16 (a quantized wire needs a staged (data, scale) pair and a "
+                            "dequantizing receiver)");
+  if (pow2_scales && weight_format != WeightFormat::kFp8Block && dispatch_format != DispatchFormat::kFp8Block)
+    return invalid_argument("config", "pow2_scales", "true",
+                            "applies to fp8-block scales only; weight_format or dispatch_format must be fp8-block");
+  if (mega_max_tokens_per_rank < 0)
+    return invalid_argument("config", "mega_max_tokens_per_rank", str(mega_max_tokens_per_rank),
+                            "must be >= 0 (0 = never pick mega in auto)");
+  return knobs.validate();
+}
+
+Status MoeConfig::validate(const MoeGeometry& geometry) const {
+  MEGAMOE_RETURN_IF_ERROR(geometry.validate());
+  MEGAMOE_RETURN_IF_ERROR(validate());
+  return Status::ok();
+}
+
+std::string MoeConfig::to_string() const {
+  std::ostringstream os;
+  os << "MoeConfig(backend=" << megamoe::to_string(backend) << ", weight_format=" << megamoe::to_string(weight_format)
+     << ", dispatch_format=" << megamoe::to_string(dispatch_format)
+     << ", combine_dtype=" << megamoe::to_string(combine_dtype) << ", pow2_scales=" << (pow2_scales ? "true" : "false")
+     << ", in_kernel_fc2_reduce=" << (in_kernel_fc2_reduce ? "true" : "false")
+     << ", mega_max_tokens_per_rank=" << mega_max_tokens_per_rank << ", knobs=" << knobs.to_string() << ")";
+  return os.str();
+}
+
+DispatchFormat MoeConfig::intermediate_format() const {
+  return weight_format == WeightFormat::kBf16 ? DispatchFormat::kBf16 : DispatchFormat::kFp8Block;
+}
+
+}  // namespace megamoe

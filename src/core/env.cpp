@@ -1,0 +1,57 @@
+#include "core/env.h"
+
+#include <cstdlib>
+#include <mutex>
+
+#include "core/log.h"
+
+namespace megamoe {
+namespace {
+
+EnvKnobs read_env() {
+  EnvKnobs k;
+  if (const char* v = std::getenv("MEGAMOE_KNOB_CACHE"); v && *v) {
+    std::string s(v);
+    if (s == "off" || s == "OFF" || s == "0") k.knob_cache_off = true;
+    else k.knob_cache_path = s;
+  }
+  if (k.knob_cache_path.empty() && !k.knob_cache_off) {
+    const char* xdg = std::getenv("XDG_CACHE_HOME");
+    const char* home = std::getenv("HOME");
+    std::string base = (xdg && *xdg) ? std::string(xdg) : std::string(home && *home ? home : "/tmp") + "/.cache";
+    k.knob_cache_path = base + "/megamoe/knobs.json";
+  }
+  if (const char* v = std::getenv("MEGAMOE_WAIT_TIMEOUT_MS"); v && *v) {
+    char* end = nullptr;
+    long long ms = std::strtoll(v, &end, 10);
+    if (end && *end == '\0' && ms > 0) k.wait_timeout_ms = ms;
+    else log_warn("ignoring MEGAMOE_WAIT_TIMEOUT_MS=%s: must be a positive integer (milliseconds)", v);
+  }
+  if (const char* v = std::getenv("MEGAMOE_LOG"); v && *v) {
+    char* end = nullptr;
+    long lvl = std::strtol(v, &end, 10);
+    if (end && *end == '\0' && lvl >= 0 && lvl <= 2) k.log_level = static_cast<int>(lvl);
+    else log_warn("ignoring MEGAMOE_LOG=%s: must be 0, 1 or 2", v);
+  }
+  return k;
+}
+
+std::mutex g_mutex;
+EnvKnobs* g_knobs = nullptr;
+
+}  // namespace
+
+const EnvKnobs& env_knobs() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (!g_knobs) g_knobs = new EnvKnobs(read_env());
+  return *g_knobs;
+}
+
+void reload_env_knobs() {
+  EnvKnobs fresh = read_env();
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (!g_knobs) g_knobs = new EnvKnobs(fresh);
+  else *g_knobs = fresh;
+}
+
+}  // namespace megamoe

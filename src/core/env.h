@@ -1,0 +1,25 @@
+// Environment knobs: every MEGAMOE_* variable is read here and nowhere else (listed in README.md).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace megamoe {
+
+struct EnvKnobs {
+  // MEGAMOE_KNOB_CACHE: path of the knob cache JSON, or "off". Default ~/.cache/megamoe/knobs.json
+  // ($XDG_CACHE_HOME/megamoe/knobs.json when set).
+  std::string knob_cache_path;
+  bool knob_cache_off = false;
+  // MEGAMOE_WAIT_TIMEOUT_MS: bound of every cross-rank wait (host threads and device), default 10000.
+  int64_t wait_timeout_ms = 10000;
+  // MEGAMOE_LOG: 0 quiet, 1 warnings and selection (default), 2 verbose.
+  int log_level = 1;
+};
+
+// Read once (first call) from the process environment.
+const EnvKnobs& env_knobs();
+// Re-read the environment (tests that set variables call this).
+void reload_env_knobs();
+
+}  // namespace megamoe

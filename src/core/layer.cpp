@@ -1,0 +1,184 @@
+// MoeLayer construction: validation, backend selection (once), weight preparation, dispatch to the
+// backend's factory. Also the forward-argument checks every backend shares.
+#include "megamoe/layer.h"
+
+#include "core/device.h"
+#include "core/log.h"
+#include "megamoe/knobs.h"
+#include "core/backends.h"
+
+namespace megamoe {
+namespace {
+
+constexpr int64_t kDefaultMegaMaxTokensPerRank = 1024;
+
+std::string str(int64_t v) { return std::to_string(v); }
+
+// Shared by the GPU backends' gates: a Hopper device must be present.
+Status hopper_device_gate(const char* backend) {
+  std::string reason;
+  if (cuda_device_count(&reason) == 0) return Status(StatusCode::kUnavailable, reason);
+  auto devices = cuda_devices();
+  if (devices.empty()) return Status(StatusCode::kUnavailable, "no CUDA device (properties unreadable)");
+  const CudaDeviceInfo& d = devices.front();
+  if (d.major != 9 || d.minor != 0) {
+    return Status(StatusCode::kUnavailable, std::string(backend) + " needs an sm_90 (Hopper) device; device 0 is " +
+                                                d.name + " (sm_" + str(d.major) + str(d.minor) + ")");
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+Status mega_capability(const MoeGeometry&, const MoeConfig&) {
+  MEGAMOE_RETURN_IF_ERROR(hopper_device_gate("the mega backend"));
+  return Status(StatusCode::kUnavailable, "the mega backend is not built yet");
+}
+
+Status routed_capability(const MoeGeometry&, const MoeConfig&) {
+  MEGAMOE_RETURN_IF_ERROR(hopper_device_gate("the routed backend"));
+  return Status(StatusCode::kUnavailable, "the routed backend is not built yet");
+}
+
+Status cpu_capability(const MoeGeometry&, const MoeConfig&) { return Status::ok(); }
+
+BackendSelection select_backend(const MoeGeometry& g, const MoeConfig& c, const Status& mega_gate,
+                                const Status& routed_gate) {
+  BackendSelection s;
+  if (c.backend != Backend::kAuto) {
+    s.backend = c.backend;
+    s.reason = std::string("backend=") + to_string(c.backend) + " requested";
+    return s;
+  }
+  const int64_t t = g.max_tokens_per_rank, threshold = c.mega_max_tokens_per_rank;
+  std::string why_not_mega;
+  if (t <= 0) why_not_mega = "max_tokens_per_rank=" + str(t) + " is not positive";
+  else if (t > threshold)
+    why_not_mega = "max_tokens_per_rank=" + str(t) + " > mega_max_tokens_per_rank=" + str(threshold);
+  else if (!mega_gate.is_ok()) why_not_mega = mega_gate.message();
+  if (why_not_mega.empty()) {
+    s.backend = Backend::kMega;
+    s.reason = "auto: mega (max_tokens_per_rank=" + str(t) + " <= mega_max_tokens_per_rank=" + str(threshold) + ")";
+    return s;
+  }
+  s.reason = "auto: mega not chosen: " + why_not_mega;
+  if (routed_gate.is_ok()) {
+    s.backend = Backend::kRouted;
+    s.reason += "; auto: routed";
+    return s;
+  }
+  s.backend = Backend::kCpu;
+  s.reason += "; auto: routed not chosen: " + routed_gate.message() + "; auto: cpu";
+  return s;
+}
+
+BackendSelection select_backend(const MoeGeometry& g, const MoeConfig& c) {
+  MoeConfig effective = c;
+  std::string crossover_note;
+  // The measured crossover replaces the default threshold (an explicit non-default value wins).
+  if (c.backend == Backend::kAuto && c.mega_max_tokens_per_rank == kDefaultMegaMaxTokensPerRank) {
+    auto devices = cuda_devices();
+    if (!devices.empty()) {
+      auto entry = process_knob_cache().lookup(make_knob_key(devices.front().name, g, c));
+      if (entry && entry->mega_max_tokens_per_rank > 0) {
+        effective.mega_max_tokens_per_rank = entry->mega_max_tokens_per_rank;
+        crossover_note = " (threshold " + str(entry->mega_max_tokens_per_rank) + " from the knob cache)";
+      }
+    }
+  }
+  BackendSelection s = select_backend(g, effective, mega_capability(g, effective), routed_capability(g, effective));
+  s.reason += crossover_note;
+  return s;
+}
+
+Status MoeLayer::create(const MoeGeometry& g, const MoeConfig& c, const MoeWeights& weights,
+                        std::shared_ptr<Communicator> comm, std::unique_ptr<MoeLayer>* out) {
+  if (!out) return invalid_argument("argument", "out", "null", "must point to a std::unique_ptr<MoeLayer>");
+  MEGAMOE_RETURN_IF_ERROR(c.validate(g));
+  if (g.ep_size > 1 && !comm)
+    return invalid_argument("argument", "comm", "null", "ep_size=" + str(g.ep_size) + " needs a communicator");
+  if (comm) {
+    if (comm->size() != g.ep_size)
+      return invalid_argument("argument", "comm.size()", str(comm->size()), "must equal ep_size=" + str(g.ep_size));
+    if (comm->rank() != g.ep_rank)
+      return invalid_argument("argument", "comm.rank()", str(comm->rank()), "must equal ep_rank=" + str(g.ep_rank));
+  }
+
+  BackendSelection selection = select_backend(g, c);
+  if (c.backend == Backend::kAuto) {
+    if (selection.backend != Backend::kMega) log_info("backend selection: %s", selection.reason.c_str());
+  } else {
+    Status gate = c.backend == Backend::kMega     ? mega_capability(g, c)
+                  : c.backend == Backend::kRouted ? routed_capability(g, c)
+                                                  : cpu_capability(g, c);
+    if (!gate.is_ok())
+      return Status(StatusCode::kUnavailable,
+                    std::string("backend=") + to_string(c.backend) + " is unavailable: " + gate.message());
+  }
+
+  PreparedWeights prepared;
+  MEGAMOE_RETURN_IF_ERROR(prepare_weights(g, c, weights, &prepared));
+
+  switch (selection.backend) {
+    case Backend::kCpu:
+      return create_cpu_layer(g, c, std::move(selection), std::move(prepared), std::move(comm), out);
+    default:
+      return Status(StatusCode::kUnavailable,
+                    std::string("backend ") + to_string(selection.backend) + " is not built yet");
+  }
+}
+
+namespace {
+
+Status check_tensor(const char* name, const TensorView& t, Device device, DType dtype, int64_t rows, int64_t cols,
+                    const char* rows_rule, const char* cols_rule) {
+  const std::string n(name);
+  if (t.ndim != 2) return invalid_argument("forward argument", n + ".ndim", str(t.ndim), "must be 2");
+  if (t.dtype != dtype)
+    return invalid_argument("forward argument", n + ".dtype", to_string(t.dtype),
+                            std::string("must be ") + to_string(dtype));
+  if (t.shape[0] != rows)
+    return invalid_argument("forward argument", n + ".shape[0]", str(t.shape[0]),
+                            "must equal " + std::string(rows_rule) + "=" + str(rows));
+  if (t.shape[1] != cols)
+    return invalid_argument("forward argument", n + ".shape[1]", str(t.shape[1]),
+                            "must equal " + std::string(cols_rule) + "=" + str(cols));
+  if (t.device != device)
+    return invalid_argument("forward argument", n + ".device", t.device.to_string(),
+                            "must be " + device.to_string() + " (the layer's device)");
+  if (!t.is_contiguous()) return invalid_argument("forward argument", n + ".strides", "non-contiguous", "must be contiguous");
+  if (rows > 0 && t.data == nullptr)
+    return invalid_argument("forward argument", n + ".data", "null", "must be set when T > 0");
+  return Status::ok();
+}
+
+}  // namespace
+
+Status validate_forward_args(const MoeGeometry& g, const MoeConfig&, Device device, const TensorView& x,
+                             const TensorView& x_scale, const TensorView& topk_ids, const TensorView& topk_weights,
+                             const TensorView& y) {
+  if (x.ndim != 2) return invalid_argument("forward argument", "x.ndim", str(x.ndim), "must be 2 ([T, hidden])");
+  const int64_t t = x.shape[0];
+  if (t < 0) return invalid_argument("forward argument", "x.shape[0]", str(t), "must be >= 0");
+  if (t > g.max_tokens_per_rank)
+    return invalid_argument("forward argument", "x.shape[0]", str(t),
+                            "T must be at most max_tokens_per_rank=" + str(g.max_tokens_per_rank));
+  if (x.dtype != DType::kBFloat16 && x.dtype != DType::kFloat8E4M3)
+    return invalid_argument("forward argument", "x.dtype", to_string(x.dtype), "must be bfloat16 or float8_e4m3");
+  MEGAMOE_RETURN_IF_ERROR(check_tensor("x", x, device, x.dtype, t, g.hidden, "T", "hidden"));
+  if (x.dtype == DType::kFloat8E4M3) {
+    if (!x_scale.present())
+      return invalid_argument("forward argument", "x_scale", "absent", "a float8_e4m3 x needs x_scale [T, hidden/128] float32");
+    MEGAMOE_RETURN_IF_ERROR(
+        check_tensor("x_scale", x_scale, device, DType::kFloat32, t, g.hidden / 128, "T", "hidden/128"));
+  } else if (x_scale.present()) {
+    return invalid_argument("forward argument", "x_scale", x_scale.to_string(), "must be absent for a bfloat16 x");
+  }
+  MEGAMOE_RETURN_IF_ERROR(check_tensor("topk_ids", topk_ids, device, DType::kInt32, t, g.top_k, "T", "top_k"));
+  MEGAMOE_RETURN_IF_ERROR(
+      check_tensor("topk_weights", topk_weights, device, DType::kFloat32, t, g.top_k, "T", "top_k"));
+  MEGAMOE_RETURN_IF_ERROR(check_tensor("y", y, device, DType::kBFloat16, t, g.hidden, "T", "hidden"));
+  return Status::ok();
+}
+
+}  // namespace megamoe

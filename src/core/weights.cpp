@@ -1,0 +1,358 @@
+// Weight preparation: validate this rank's expert weights as the caller has them and convert them to
+// the storage the experts compute with (megamoe/weights.h).
+//
+// Conversion works on 128-row slabs of one expert matrix, so the fp32 scratch is 128 x K floats per
+// worker whatever the expert size:
+//   source slab -> fp32 (fp32: copy; bf16: widen; e4m3: code * 128x128 scale)
+//               -> target (bf16: RNE; fp8-block: quantize_fp8_128x128; mxfp8 / nvfp4: per-row blocks
+//                  along K, which never straddle a row because K % 128 == 0).
+// nvfp4 takes two passes per expert: the expert's amax (its global scale) first, then the blocks.
+// An e4m3 source prepared as fp8-block is copied byte for byte, scales included (config.pow2_scales
+// applies only to scales this file computes).
+#include "megamoe/weights.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <new>
+#include <sstream>
+#include <string>
+#include <system_error>
+#include <thread>
+#include <vector>
+
+#include "megamoe/formats.h"
+
+namespace megamoe {
+namespace {
+
+constexpr int64_t kSlabRows = fmt::kFp8BlockSize;
+// Worker threads for the per-expert conversion (experts are independent).
+constexpr unsigned kMaxWorkers = 8;
+
+std::string shape_string(const std::vector<int64_t>& shape) {
+  std::ostringstream os;
+  os << "[";
+  for (size_t i = 0; i < shape.size(); ++i) os << (i ? ", " : "") << shape[i];
+  os << "]";
+  return os.str();
+}
+
+std::string shape_string(const TensorView& v) {
+  return shape_string(std::vector<int64_t>(v.shape.begin(), v.shape.begin() + std::max(v.ndim, 0)));
+}
+
+std::string strides_string(const TensorView& v) {
+  return shape_string(std::vector<int64_t>(v.strides.begin(), v.strides.begin() + std::max(v.ndim, 0)));
+}
+
+// One source matrix stack: w13 [E, 2I, H] or w2 [E, H, I], with its optional 128x128 scales.
+struct SourceSpec {
+  const char* name;        // "w13"
+  const char* scale_name;  // "w13_scale"
+  const char* dims;        // "[E_local, 2I, H]"
+  const char* scale_dims;  // "[E_local, 2I/128, H/128]"
+  const TensorView* data;
+  const TensorView* scale;
+  int64_t num_experts, rows, cols;
+};
+
+Status check_view_basics(const TensorView& v, const std::string& name, const std::vector<int64_t>& want,
+                         const std::string& dims) {
+  if (v.device.kind != DeviceKind::kCpu)
+    return invalid_argument("weights", name + ".device", v.device.to_string(),
+                            "must be cpu (prepare_weights reads host memory; copy the weights to the host first)");
+  if (v.ndim != static_cast<int>(want.size()) || !std::equal(want.begin(), want.end(), v.shape.begin()))
+    return invalid_argument("weights", name + ".shape", shape_string(v),
+                            "must be " + dims + " = " + shape_string(want));
+  if (!v.is_contiguous())
+    return invalid_argument("weights", name + ".strides", strides_string(v), "must be contiguous (row-major)");
+  if (v.data == nullptr)
+    return invalid_argument("weights", name + ".data", "null", "a " + shape_string(want) + " view needs its data");
+  return Status::ok();
+}
+
+Status validate_source(const SourceSpec& s) {
+  const std::string name = s.name, scale_name = s.scale_name;
+  const std::vector<int64_t> want = {s.num_experts, s.rows, s.cols};
+  if (!s.data->present())
+    return invalid_argument("weights", name, "absent",
+                            std::string("must view this rank's experts ") + s.dims + " = " + shape_string(want));
+  const DType dtype = s.data->dtype;
+  if (dtype != DType::kFloat32 && dtype != DType::kBFloat16 && dtype != DType::kFloat8E4M3)
+    return invalid_argument("weights", name + ".dtype", to_string(dtype),
+                            "must be float32, bfloat16, or float8_e4m3 with 128x128 fp32 scales in " + scale_name);
+  MEGAMOE_RETURN_IF_ERROR(check_view_basics(*s.data, name, want, s.dims));
+
+  const TensorView& scale = *s.scale;
+  if (dtype != DType::kFloat8E4M3) {
+    if (scale.present())
+      return invalid_argument("weights", scale_name, scale.to_string(),
+                              "only a float8_e4m3 " + name + " has scales; leave it absent for " + to_string(dtype));
+    return Status::ok();
+  }
+  const std::vector<int64_t> want_scale = {s.num_experts, s.rows / fmt::kFp8BlockSize, s.cols / fmt::kFp8BlockSize};
+  const std::string scale_dims = s.scale_dims;
+  if (!scale.present())
+    return invalid_argument("weights", scale_name, "absent",
+                            "a float8_e4m3 " + name + " needs its fp32 128x128 weight_scale_inv " + scale_dims + " = " +
+                                shape_string(want_scale));
+  if (scale.dtype != DType::kFloat32)
+    return invalid_argument("weights", scale_name + ".dtype", to_string(scale.dtype),
+                            "must be float32 (one weight_scale_inv per 128x128 block)");
+  MEGAMOE_RETURN_IF_ERROR(check_view_basics(scale, scale_name, want_scale, scale_dims));
+  // A dequantised value is code * scale: a scale must be finite and >= 0.
+  const float* sp = scale.ptr<const float>();
+  const int64_t count = scale.numel();
+  for (int64_t i = 0; i < count; ++i) {
+    if (!(sp[i] >= 0.f) || std::isinf(sp[i])) {
+      const int64_t per_expert = want_scale[1] * want_scale[2];
+      std::ostringstream value;
+      value << sp[i];
+      return invalid_argument("weights",
+                              scale_name + "[" + std::to_string(i / per_expert) + ", " +
+                                  std::to_string(i % per_expert / want_scale[2]) + ", " +
+                                  std::to_string(i % want_scale[2]) + "]",
+                              value.str(), "a weight_scale_inv must be finite and >= 0");
+    }
+  }
+  return Status::ok();
+}
+
+// Rows [r0, r0 + kSlabRows) of expert e of the source as fp32, into out[kSlabRows * cols].
+void load_slab(const SourceSpec& s, int64_t e, int64_t r0, float* out) {
+  const int64_t offset = (e * s.rows + r0) * s.cols;
+  const int64_t n = kSlabRows * s.cols;
+  switch (s.data->dtype) {
+    case DType::kFloat32: std::memcpy(out, s.data->ptr<const float>() + offset, sizeof(float) * n); break;
+    case DType::kBFloat16: {
+      const uint16_t* src = s.data->ptr<const uint16_t>() + offset;
+      for (int64_t i = 0; i < n; ++i) out[i] = fmt::bf16_to_float(src[i]);
+      break;
+    }
+    default: {  // kFloat8E4M3, validated
+      const int64_t scale_cols = s.cols / fmt::kFp8BlockSize;
+      const float* scales =
+          s.scale->ptr<const float>() + (e * (s.rows / fmt::kFp8BlockSize) + r0 / kSlabRows) * scale_cols;
+      fmt::dequantize_fp8_128x128(s.data->ptr<const uint8_t>() + offset, scales, kSlabRows, s.cols, out);
+      break;
+    }
+  }
+}
+
+// Encode one fp32 slab (rows [r0, r0 + kSlabRows) of expert e) into `t`. `scale_tmp` holds
+// cols / 128 floats (fp8-block scales, copied into the byte vector).
+void store_slab(const float* slab, int64_t e, int64_t r0, bool pow2, QuantizedTensor* t, float* scale_tmp) {
+  const int64_t cols = t->cols;
+  const int64_t n = kSlabRows * cols;
+  const int64_t elem = e * t->rows * cols + r0 * cols;  // index of the slab's first element
+  switch (t->format) {
+    case WeightFormat::kBf16: {
+      uint8_t* dst = t->data.data() + elem * 2;
+      for (int64_t i = 0; i < n; ++i) {
+        const uint16_t b = fmt::float_to_bf16(slab[i]);
+        std::memcpy(dst + 2 * i, &b, 2);
+      }
+      break;
+    }
+    case WeightFormat::kFp8Block: {
+      const int64_t scale_cols = cols / fmt::kFp8BlockSize;
+      fmt::quantize_fp8_128x128(slab, kSlabRows, cols, t->data.data() + elem, scale_tmp, pow2);
+      const int64_t scale_idx = (e * (t->rows / fmt::kFp8BlockSize) + r0 / kSlabRows) * scale_cols;
+      std::memcpy(t->scales.data() + scale_idx * sizeof(float), scale_tmp, sizeof(float) * scale_cols);
+      break;
+    }
+    case WeightFormat::kMxfp8:
+      fmt::quantize_mxfp8(slab, n, t->data.data() + elem, t->scales.data() + elem / fmt::kMxfp8BlockSize);
+      break;
+    case WeightFormat::kNvfp4:
+      fmt::quantize_nvfp4(slab, n, t->global_scales[e], t->data.data() + elem / 2,
+                          t->scales.data() + elem / fmt::kNvfp4BlockSize);
+      break;
+  }
+}
+
+// Runs fn(expert, worker) for every expert on up to kMaxWorkers threads (worker < num_workers).
+// Falls back to the calling thread when threads cannot be started.
+template <typename Fn>
+void for_each_expert(int64_t num_experts, unsigned num_workers, Fn fn) {
+  std::vector<std::thread> threads;
+  unsigned started = 0;
+  if (num_workers > 1) {
+    try {
+      threads.reserve(num_workers - 1);
+      for (unsigned w = 1; w < num_workers; ++w) {
+        threads.emplace_back([&fn, w, num_workers, num_experts] {
+          for (int64_t e = w; e < num_experts; e += num_workers) fn(e, w);
+        });
+        ++started;
+      }
+    } catch (const std::system_error&) {
+    }
+  }
+  // Worker 0 (this thread) takes its own experts and those of workers that did not start.
+  for (int64_t e = 0; e < num_experts; ++e) {
+    const unsigned owner = static_cast<unsigned>(e % num_workers);
+    if (owner == 0 || owner > started) fn(e, 0);
+  }
+  for (std::thread& t : threads) t.join();
+}
+
+unsigned worker_count(int64_t num_experts) {
+  const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
+  const int64_t workers = std::min<int64_t>({static_cast<int64_t>(hw), kMaxWorkers, std::max<int64_t>(num_experts, 1)});
+  return static_cast<unsigned>(workers);
+}
+
+// Converts one source stack into `out` (format, shapes and storage set here).
+void convert(const SourceSpec& s, WeightFormat format, bool pow2, QuantizedTensor* out) {
+  QuantizedTensor& t = *out;
+  t.format = format;
+  t.num_experts = s.num_experts;
+  t.rows = s.rows;
+  t.cols = s.cols;
+  const int64_t numel = s.num_experts * s.rows * s.cols;
+  t.data.assign(static_cast<size_t>(s.num_experts * t.data_bytes_per_expert()), 0);
+  int64_t num_scales = 1;
+  for (int64_t d : t.scale_shape()) num_scales *= d;
+  t.scales.assign(format == WeightFormat::kBf16 ? 0 : static_cast<size_t>(num_scales * dtype_bytes(t.scale_dtype())),
+                  0);
+  t.global_scales.assign(format == WeightFormat::kNvfp4 ? static_cast<size_t>(s.num_experts) : 0, 1.f);
+
+  if (s.data->dtype == DType::kFloat8E4M3 && format == WeightFormat::kFp8Block) {
+    // DeepSeek-V3 checkpoint kept as is: same codes, same weight_scale_inv bits.
+    std::memcpy(t.data.data(), s.data->data, static_cast<size_t>(numel));
+    std::memcpy(t.scales.data(), s.scale->data, t.scales.size());
+    return;
+  }
+
+  const unsigned num_workers = worker_count(s.num_experts);
+  const int64_t slab_elems = kSlabRows * s.cols;
+  std::vector<float> slabs(static_cast<size_t>(num_workers * slab_elems));
+  std::vector<float> scale_tmp(static_cast<size_t>(num_workers * (s.cols / fmt::kFp8BlockSize)));
+  for_each_expert(s.num_experts, num_workers, [&](int64_t e, unsigned w) {
+    float* slab = slabs.data() + w * slab_elems;
+    if (format == WeightFormat::kNvfp4) {
+      float amax = 0.f;
+      for (int64_t r0 = 0; r0 < s.rows; r0 += kSlabRows) {
+        load_slab(s, e, r0, slab);
+        amax = std::max(amax, fmt::amax_finite(slab, slab_elems));
+      }
+      t.global_scales[e] = fmt::nvfp4_global_scale(amax);
+    }
+    for (int64_t r0 = 0; r0 < s.rows; r0 += kSlabRows) {
+      load_slab(s, e, r0, slab);
+      store_slab(slab, e, r0, pow2, &t, scale_tmp.data() + w * (s.cols / fmt::kFp8BlockSize));
+    }
+  });
+}
+
+}  // namespace
+
+DType QuantizedTensor::data_dtype() const {
+  switch (format) {
+    case WeightFormat::kBf16: return DType::kBFloat16;
+    case WeightFormat::kFp8Block:
+    case WeightFormat::kMxfp8: return DType::kFloat8E4M3;
+    case WeightFormat::kNvfp4: return DType::kFloat4E2M1x2;
+  }
+  return DType::kUInt8;
+}
+
+// bf16 has no scales; kFloat32 is returned for it with an empty scale_shape().
+DType QuantizedTensor::scale_dtype() const {
+  switch (format) {
+    case WeightFormat::kBf16:
+    case WeightFormat::kFp8Block: return DType::kFloat32;
+    case WeightFormat::kMxfp8: return DType::kFloat8E8M0;
+    case WeightFormat::kNvfp4: return DType::kFloat8E4M3;
+  }
+  return DType::kUInt8;
+}
+
+std::vector<int64_t> QuantizedTensor::scale_shape() const {
+  switch (format) {
+    case WeightFormat::kBf16: return {};
+    case WeightFormat::kFp8Block: return {num_experts, rows / fmt::kFp8BlockSize, cols / fmt::kFp8BlockSize};
+    case WeightFormat::kMxfp8: return {num_experts, rows, cols / fmt::kMxfp8BlockSize};
+    case WeightFormat::kNvfp4: return {num_experts, rows, cols / fmt::kNvfp4BlockSize};
+  }
+  return {};
+}
+
+int64_t QuantizedTensor::data_bytes_per_expert() const {
+  const int64_t n = rows * cols;
+  switch (format) {
+    case WeightFormat::kBf16: return 2 * n;
+    case WeightFormat::kFp8Block:
+    case WeightFormat::kMxfp8: return n;
+    case WeightFormat::kNvfp4: return n / 2;
+  }
+  return 0;
+}
+
+void QuantizedTensor::dequantize(std::vector<float>* out) const {
+  const int64_t per_expert = rows * cols;
+  out->assign(static_cast<size_t>(num_experts * per_expert), 0.f);
+  for (int64_t e = 0; e < num_experts; ++e) dequantize_expert(e, out->data() + e * per_expert);
+}
+
+// Writes rows * cols floats; an expert outside [0, num_experts) writes nothing.
+void QuantizedTensor::dequantize_expert(int64_t expert, float* out) const {
+  if (expert < 0 || expert >= num_experts) return;
+  const int64_t n = rows * cols;
+  const uint8_t* data_e = data.data() + expert * data_bytes_per_expert();
+  switch (format) {
+    case WeightFormat::kBf16:
+      for (int64_t i = 0; i < n; ++i) {
+        uint16_t b;
+        std::memcpy(&b, data_e + 2 * i, 2);
+        out[i] = fmt::bf16_to_float(b);
+      }
+      break;
+    case WeightFormat::kFp8Block: {
+      const int64_t per_expert = (rows / fmt::kFp8BlockSize) * (cols / fmt::kFp8BlockSize);
+      std::vector<float> s(static_cast<size_t>(per_expert));
+      std::memcpy(s.data(), scales.data() + expert * per_expert * sizeof(float), sizeof(float) * per_expert);
+      fmt::dequantize_fp8_128x128(data_e, s.data(), rows, cols, out);
+      break;
+    }
+    case WeightFormat::kMxfp8:
+      fmt::dequantize_mxfp8(data_e, scales.data() + expert * (n / fmt::kMxfp8BlockSize), n, out);
+      break;
+    case WeightFormat::kNvfp4:
+      fmt::dequantize_nvfp4(data_e, scales.data() + expert * (n / fmt::kNvfp4BlockSize), global_scales[expert], n, out);
+      break;
+  }
+}
+
+Status prepare_weights(const MoeGeometry& geometry, const MoeConfig& config, const MoeWeights& source,
+                       PreparedWeights* out) {
+  if (out == nullptr)
+    return invalid_argument("weights", "out", "null", "prepare_weights needs a PreparedWeights to fill");
+  MEGAMOE_RETURN_IF_ERROR(config.validate(geometry));
+  const int64_t num_local = geometry.experts_per_rank();
+  const int64_t hidden = geometry.hidden, inter = geometry.intermediate;
+  const SourceSpec w13{"w13",       "w13_scale",       "[E_local, 2I, H]", "[E_local, 2I/128, H/128]",
+                       &source.w13, &source.w13_scale, num_local,          2 * inter,
+                       hidden};
+  const SourceSpec w2{"w2",       "w2_scale",       "[E_local, H, I]", "[E_local, H/128, I/128]",
+                      &source.w2, &source.w2_scale, num_local,         hidden,
+                      inter};
+  MEGAMOE_RETURN_IF_ERROR(validate_source(w13));
+  MEGAMOE_RETURN_IF_ERROR(validate_source(w2));
+
+  PreparedWeights prepared;
+  prepared.format = config.weight_format;
+  try {
+    convert(w13, config.weight_format, config.pow2_scales, &prepared.w13);
+    convert(w2, config.weight_format, config.pow2_scales, &prepared.w2);
+  } catch (const std::bad_alloc&) {
+    return Status(StatusCode::kInternal, "prepare_weights: out of host memory converting " + std::to_string(num_local) +
+                                             " experts to " + to_string(config.weight_format));
+  }
+  *out = std::move(prepared);
+  return Status::ok();
+}
+
+}  // namespace megamoe

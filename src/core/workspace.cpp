@@ -1,0 +1,136 @@
+#include "megamoe/workspace.h"
+
+#include <sstream>
+#include <tuple>
+
+namespace megamoe {
+
+namespace {
+
+int32_t ws_format(DispatchFormat f) { return f == DispatchFormat::kFp8Block ? kWsFp8Block : kWsBf16; }
+int32_t ws_format(CombineDtype f) {
+  switch (f) {
+    case CombineDtype::kMxfp8: return kWsMxfp8;
+    case CombineDtype::kNvfp4: return kWsNvfp4;
+    default: return kWsBf16;
+  }
+}
+
+const char* const kRegionNames[WorkspaceLayout::kNumRegions] = {
+    "signals",      "error_cell", "recv_token_counts", "recv_expert_counts", "recv_tokens",
+    "recv_scales",  "recv_meta",  "expert_offsets",    "pool_src",           "pool_x",
+    "pool_x_scales", "intermediate", "intermediate_scales", "combine"};
+
+const char* const kRegionFormulas[WorkspaceLayout::kNumRegions] = {
+    "R * 16 * 8",
+    "64",
+    "R * 4",
+    "R * E_l * 4",
+    "R * T_max * H * e_dispatch",
+    "R * T_max * H/128 * 4 (fp8 dispatch)",
+    "R * T_max * round16((1 + 2k) * 4)",
+    "(E_l + 1) * 4",
+    "P * 4",
+    "P * H * e_dispatch",
+    "P * H/128 * 4 (fp8 dispatch)",
+    "P * I * e_intermediate",
+    "P * I/128 * 4 (fp8 intermediate)",
+    "T_max * k * wire_row_bytes (0 with in-kernel FC2 reduce)"};
+
+}  // namespace
+
+const char* WorkspaceLayout::region_name(int i) { return (i >= 0 && i < kNumRegions) ? kRegionNames[i] : "?"; }
+const char* WorkspaceLayout::region_formula(int i) {
+  return (i >= 0 && i < kNumRegions) ? kRegionFormulas[i] : "?";
+}
+
+WorkspaceParams workspace_params(const MoeGeometry& g, const MoeConfig& c) {
+  WorkspaceParams p;
+  p.ep_size = g.ep_size;
+  p.experts_per_rank = g.experts_per_rank();
+  p.top_k = g.top_k;
+  p.hidden = g.hidden;
+  p.intermediate = g.intermediate;
+  p.max_tokens_per_rank = g.max_tokens_per_rank;
+  p.block_m = c.block_m();
+  p.dispatch_format = ws_format(c.dispatch_format);
+  p.intermediate_format = ws_format(c.intermediate_format());
+  p.combine_format = ws_format(c.combine_dtype);
+  p.in_kernel_fc2_reduce = c.in_kernel_fc2_reduce ? 1 : 0;
+  return p;
+}
+
+namespace {
+auto key_tuple(const WorkspaceKey& k) {
+  const WorkspaceParams& p = k.params;
+  return std::make_tuple(p.ep_size, p.experts_per_rank, p.top_k, p.hidden, p.intermediate, p.max_tokens_per_rank,
+                         p.block_m, p.dispatch_format, p.intermediate_format, p.combine_format,
+                         p.in_kernel_fc2_reduce, k.ep_rank, k.group_id, static_cast<int>(k.device.kind),
+                         k.device.index);
+}
+}  // namespace
+
+bool WorkspaceKey::operator<(const WorkspaceKey& o) const { return key_tuple(*this) < key_tuple(o); }
+
+std::string WorkspaceKey::to_string() const {
+  std::ostringstream os;
+  os << "WorkspaceKey(R=" << params.ep_size << ", E_l=" << params.experts_per_rank << ", k=" << params.top_k
+     << ", H=" << params.hidden << ", I=" << params.intermediate << ", T_max=" << params.max_tokens_per_rank
+     << ", BM=" << params.block_m << ", dispatch=" << params.dispatch_format
+     << ", intermediate=" << params.intermediate_format << ", combine=" << params.combine_format
+     << ", in_kernel_reduce=" << params.in_kernel_fc2_reduce << ", rank=" << ep_rank << ", group=" << group_id
+     << ", device=" << device.to_string() << ")";
+  return os.str();
+}
+
+WorkspacePool& WorkspacePool::global() {
+  static WorkspacePool* pool = new WorkspacePool();  // never destroyed: layers may outlive statics
+  return *pool;
+}
+
+Status WorkspacePool::acquire(const WorkspaceKey& key, const Allocator& allocate, std::shared_ptr<Workspace>* out) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = entries_.find(key);
+    if (it != entries_.end()) {
+      if (auto live = it->second.lock()) {
+        *out = std::move(live);
+        return Status::ok();
+      }
+      entries_.erase(it);
+    }
+  }
+  // Allocate without holding the lock: an allocation may be collective (other ranks of a
+  // host-thread group acquire their own keys from this same pool meanwhile).
+  auto ws = std::make_shared<Workspace>();
+  ws->layout = WorkspaceLayout::make(key.params);
+  ws->device = key.device;
+  MEGAMOE_RETURN_IF_ERROR(allocate(ws->layout.total_bytes, &ws->base, &ws->release));
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto& slot = entries_[key];
+  if (auto live = slot.lock()) {  // another thread of the same rank won the race: share its copy
+    *out = std::move(live);
+    return Status::ok();
+  }
+  slot = ws;
+  *out = std::move(ws);
+  return Status::ok();
+}
+
+int64_t WorkspacePool::num_live() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  int64_t n = 0;
+  for (const auto& e : entries_)
+    if (!e.second.expired()) ++n;
+  return n;
+}
+
+int64_t WorkspacePool::live_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  int64_t n = 0;
+  for (const auto& e : entries_)
+    if (auto ws = e.second.lock()) n += ws->layout.total_bytes;
+  return n;
+}
+
+}  // namespace megamoe

@@ -1,0 +1,186 @@
+#include "reference/cpu_backend.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "core/backends.h"
+
+namespace megamoe {
+
+using reference::DispatchPlan;
+using reference::DispatchSource;
+using reference::ExpertWeightsF32;
+using reference::PeerTargets;
+
+namespace {
+
+std::string str(int64_t v) { return std::to_string(v); }
+
+}  // namespace
+
+Status create_cpu_layer(const MoeGeometry& geometry, const MoeConfig& config, BackendSelection selection,
+                        PreparedWeights weights, std::shared_ptr<Communicator> comm, std::unique_ptr<MoeLayer>* out) {
+  if (!out) return invalid_argument("argument", "out", "null", "must point to a std::unique_ptr<MoeLayer>");
+  MEGAMOE_RETURN_IF_ERROR(config.validate(geometry));
+  HostGroup* group = nullptr;
+  if (comm) {
+    group = host_group_of(comm.get());
+    if (!group)
+      return Status(StatusCode::kUnavailable, "the cpu backend needs a host-threads communicator "
+                                              "(create_host_group); got " + comm->to_string());
+    if (comm->size() != geometry.ep_size || comm->rank() != geometry.ep_rank)
+      return invalid_argument("argument", "comm", comm->to_string(),
+                              "must be rank ep_rank=" + str(geometry.ep_rank) + " of a group of ep_size=" +
+                                  str(geometry.ep_size) + " ranks");
+  } else if (geometry.ep_size > 1) {
+    return invalid_argument("argument", "comm", "null", "ep_size=" + str(geometry.ep_size) + " needs a communicator");
+  }
+  const int64_t El = geometry.experts_per_rank(), H = geometry.hidden, I = geometry.intermediate;
+  if (weights.w13.num_experts != El || weights.w13.rows != 2 * I || weights.w13.cols != H ||
+      weights.w2.num_experts != El || weights.w2.rows != H || weights.w2.cols != I)
+    return Status(StatusCode::kInternal,
+                  "prepared weights do not match the geometry: w13 [" + str(weights.w13.num_experts) + ", " +
+                      str(weights.w13.rows) + ", " + str(weights.w13.cols) + "], w2 [" +
+                      str(weights.w2.num_experts) + ", " + str(weights.w2.rows) + ", " + str(weights.w2.cols) +
+                      "], want [" + str(El) + ", " + str(2 * I) + ", " + str(H) + "] and [" + str(El) + ", " +
+                      str(H) + ", " + str(I) + "]");
+  // The experts compute with exactly these values (quantisation point 2).
+  ExpertWeightsF32 expert_weights;
+  expert_weights.num_experts = El;
+  expert_weights.hidden = H;
+  expert_weights.intermediate = I;
+  weights.w13.dequantize(&expert_weights.w13);
+  weights.w2.dequantize(&expert_weights.w2);
+  out->reset(new CpuMoeLayer(geometry, config, std::move(selection), std::move(weights), std::move(expert_weights),
+                             std::move(comm), group));
+  return Status::ok();
+}
+
+CpuMoeLayer::CpuMoeLayer(const MoeGeometry& geometry, const MoeConfig& config, BackendSelection selection,
+                         PreparedWeights weights, ExpertWeightsF32 expert_weights, std::shared_ptr<Communicator> comm,
+                         HostGroup* group)
+    : MoeLayer(geometry, config, std::move(selection), std::move(weights)),
+      rank_(static_cast<int>(geometry.ep_rank)),
+      layout_(WorkspaceLayout::make(workspace_params(geometry, config))),
+      expert_weights_(std::move(expert_weights)),
+      comm_(std::move(comm)),
+      group_(group) {}
+
+WaitError CpuMoeLayer::last_wait_error() const {
+  WaitError e{};
+  if (workspace_) std::memcpy(&e, layout_.at<char>(workspace_->base, layout_.error_cell), sizeof(e));
+  return e;
+}
+
+Status CpuMoeLayer::fail(const Status& st) {
+  if (group_ && group_->size() > 1)
+    group_->abort(rank_, "rank " + str(rank_) + " failed: " + st.message(), st.code());
+  return st;
+}
+
+Status CpuMoeLayer::sync(int32_t stage, void* publish, std::vector<void*>* gathered) {
+  if (!group_) {
+    gathered->assign(1, publish);
+    return Status::ok();
+  }
+  WaitError err{};
+  Status st = group_->all_gather(rank_, reference::stage_name(stage), publish, gathered, &err);
+  if (!st.is_ok() && err.flag && workspace_) {
+    WaitError* cell = layout_.at<WaitError>(workspace_->base, layout_.error_cell);
+    if (cell->flag == 0) {
+      err.stage = stage;
+      *cell = err;
+    }
+  }
+  return st;
+}
+
+Status CpuMoeLayer::warmup() {
+  if (workspace_ && !peer_bases_.empty()) return Status::ok();
+  if (group_) MEGAMOE_RETURN_IF_ERROR(group_->check(rank_));
+  if (!workspace_) {
+    WorkspaceKey key;
+    key.params = layout_.params;
+    key.ep_rank = geometry_.ep_rank;
+    key.group_id = comm_ ? comm_->group_id() : 0;
+    key.device = Device::cpu();
+    const WorkspaceLayout layout = layout_;
+    auto allocate = [layout](int64_t bytes, void** base, std::function<void(void*)>* release) -> Status {
+      const int64_t rounded = WorkspaceLayout::align_up(bytes > 0 ? bytes : 1, WorkspaceLayout::kAlign);
+      void* p = std::aligned_alloc(WorkspaceLayout::kAlign, static_cast<size_t>(rounded));
+      if (!p)
+        return Status(StatusCode::kInternal, "out of host memory: the cpu workspace needs " + str(rounded) + " bytes");
+      reference::poison_workspace(layout, p);
+      *base = p;
+      *release = [](void* q) { std::free(q); };
+      return Status::ok();
+    };
+    Status st = WorkspacePool::global().acquire(key, allocate, &workspace_);
+    if (!st.is_ok()) return fail(st);
+  }
+  std::vector<void*> bases;
+  MEGAMOE_RETURN_IF_ERROR(sync(reference::kStageWarmup, workspace_->base, &bases));
+  peer_bases_ = std::move(bases);
+  return Status::ok();
+}
+
+Status CpuMoeLayer::forward(const TensorView& x, const TensorView& topk_ids, const TensorView& topk_weights,
+                            const TensorView& y, void* /*stream: host backend*/, const TensorView& x_scale) {
+  if (group_) MEGAMOE_RETURN_IF_ERROR(group_->check(rank_));
+  Status st = validate_forward_args(geometry_, config_, Device::cpu(), x, x_scale, topk_ids, topk_weights, y);
+  if (!st.is_ok()) return fail(st);
+  return run_forward(x, x_scale, topk_ids, topk_weights, y);
+}
+
+Status CpuMoeLayer::run_forward(const TensorView& x, const TensorView& x_scale, const TensorView& topk_ids,
+                                const TensorView& topk_weights, const TensorView& y) {
+  const int64_t T = x.shape[0];
+  const int32_t* ids = topk_ids.ptr<const int32_t>();
+  DispatchPlan plan;
+  Status st = reference::compute_layout(layout_, T, ids, &plan);
+  if (!st.is_ok()) return fail(st);
+  MEGAMOE_RETURN_IF_ERROR(warmup());
+
+  std::vector<uint8_t> wire_rows;
+  std::vector<float> wire_scales;
+  reference::encode_dispatch_rows(layout_, config_.pow2_scales, x, x_scale, &wire_rows, &wire_scales);
+  uint16_t* y_data = y.ptr<uint16_t>();
+  // The in-kernel reduce adds into y: it must be +0 before any peer passes "dispatch-ready".
+  if (config_.in_kernel_fc2_reduce) reference::zero_output(T, geometry_.hidden, y_data);
+
+  std::vector<void*> peer_y;
+  MEGAMOE_RETURN_IF_ERROR(sync(reference::kStageDispatchReady, y_data, &peer_y));
+
+  DispatchSource source;
+  source.num_tokens = T;
+  source.rows = wire_rows.data();
+  source.scales = wire_scales.empty() ? nullptr : wire_scales.data();
+  source.topk_ids = ids;
+  source.topk_weights = topk_weights.ptr<const float>();
+  reference::dispatch(layout_, rank_, peer_bases_, plan, source);
+
+  std::vector<void*> unused;
+  MEGAMOE_RETURN_IF_ERROR(sync(reference::kStageDispatchDone, nullptr, &unused));
+
+  void* base = workspace_->base;
+  st = reference::build_expert_pool(layout_, base);
+  if (!st.is_ok()) return fail(st);
+  std::vector<float> fc2_out;
+  reference::run_experts(layout_, base, expert_weights_, config_.pow2_scales, expert_fn_, &fc2_out);
+
+  PeerTargets peers;
+  peers.bases = peer_bases_;
+  const int R = static_cast<int>(peer_bases_.size());
+  for (int p = 0; p < R; ++p) {
+    peers.y.push_back(static_cast<uint16_t*>(peer_y[p]));
+    peers.y_locks.push_back(group_ ? &group_->destination_lock(p) : &own_output_lock_);
+  }
+  reference::combine_send(layout_, base, fc2_out, peers);
+
+  MEGAMOE_RETURN_IF_ERROR(sync(reference::kStageCombineDone, nullptr, &unused));
+  if (!config_.in_kernel_fc2_reduce) reference::combine_reduce(layout_, base, T, ids, y_data);
+  return Status::ok();
+}
+
+}  // namespace megamoe

@@ -1,0 +1,138 @@
+// Backend selection: `auto` resolves once, at construction, with TensorRT-LLM's MEGAMOE_AUTO rule.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "core/device.h"
+#include "megamoe/layer.h"
+
+namespace megamoe {
+namespace {
+
+MoeGeometry geometry_with_tokens(int64_t t) {
+  MoeGeometry g;
+  g.hidden = 7168;
+  g.intermediate = 2048;
+  g.num_experts = 256;
+  g.top_k = 8;
+  g.ep_size = 8;
+  g.ep_rank = 0;
+  g.max_tokens_per_rank = t;
+  return g;
+}
+
+const Status kPass = Status::ok();
+const Status kMegaDown(StatusCode::kUnavailable, "mega gate says no");
+const Status kRoutedDown(StatusCode::kUnavailable, "routed gate says no");
+
+struct SelectionCase {
+  int64_t tokens;
+  int64_t threshold;
+  bool mega_ok, routed_ok;
+  Backend expected;
+};
+
+class AutoSelection : public ::testing::TestWithParam<SelectionCase> {};
+
+TEST_P(AutoSelection, FollowsTheRule) {
+  const SelectionCase& p = GetParam();
+  MoeConfig c;
+  c.mega_max_tokens_per_rank = p.threshold;
+  BackendSelection s =
+      select_backend(geometry_with_tokens(p.tokens), c, p.mega_ok ? kPass : kMegaDown, p.routed_ok ? kPass : kRoutedDown);
+  EXPECT_EQ(s.backend, p.expected) << s.reason;
+  EXPECT_FALSE(s.reason.empty());
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Selection, AutoSelection,
+    ::testing::Values(SelectionCase{256, 1024, true, true, Backend::kMega},      // decode
+                      SelectionCase{1024, 1024, true, true, Backend::kMega},     // at the threshold
+                      SelectionCase{1025, 1024, true, true, Backend::kRouted},   // just above
+                      SelectionCase{8192, 1024, true, true, Backend::kRouted},   // prefill
+                      SelectionCase{4096, 4096, true, true, Backend::kMega},     // raised threshold
+                      SelectionCase{4097, 4096, true, true, Backend::kRouted},
+                      SelectionCase{256, 1024, false, true, Backend::kRouted},   // mega's gate fails
+                      SelectionCase{256, 1024, false, false, Backend::kCpu},     // both fail
+                      SelectionCase{8192, 1024, true, false, Backend::kCpu},     // routed fails above threshold
+                      SelectionCase{0, 1024, true, true, Backend::kRouted},      // 0 is not in (0, threshold]
+                      SelectionCase{1, 0, true, true, Backend::kRouted}));       // threshold 0: never mega
+
+TEST(Selection, FallbackReasonsAreLogged) {
+  MoeConfig c;
+  BackendSelection s = select_backend(geometry_with_tokens(256), c, kMegaDown, kRoutedDown);
+  EXPECT_EQ(s.backend, Backend::kCpu);
+  EXPECT_NE(s.reason.find("mega gate says no"), std::string::npos) << s.reason;
+  EXPECT_NE(s.reason.find("routed gate says no"), std::string::npos) << s.reason;
+  s = select_backend(geometry_with_tokens(1025), c, kPass, kPass);
+  EXPECT_NE(s.reason.find("max_tokens_per_rank=1025 > mega_max_tokens_per_rank=1024"), std::string::npos) << s.reason;
+}
+
+TEST(Selection, ExplicitBackendIsKept) {
+  MoeConfig c;
+  c.backend = Backend::kRouted;
+  BackendSelection s = select_backend(geometry_with_tokens(8), c, kPass, kRoutedDown);
+  EXPECT_EQ(s.backend, Backend::kRouted);  // the gate is enforced by MoeLayer::create, not overridden
+}
+
+TEST(Selection, RealGatesAnswerHonestly) {
+  MoeGeometry g = geometry_with_tokens(128);
+  MoeConfig c;
+  Status mega = mega_capability(g, c), routed = routed_capability(g, c);
+  EXPECT_FALSE(mega.is_ok());
+  EXPECT_FALSE(routed.is_ok());
+  if (cuda_device_count() == 0) {
+    EXPECT_NE(mega.message().find("no CUDA device"), std::string::npos) << mega.message();
+    EXPECT_NE(routed.message().find("no CUDA device"), std::string::npos) << routed.message();
+  } else {
+    EXPECT_NE(mega.message().find("not built yet"), std::string::npos) << mega.message();
+    EXPECT_NE(routed.message().find("not built yet"), std::string::npos) << routed.message();
+  }
+  BackendSelection s = select_backend(g, c);
+  EXPECT_EQ(s.backend, Backend::kCpu) << s.reason;
+  EXPECT_TRUE(cpu_capability(g, c).is_ok());
+}
+
+TEST(Selection, ExplicitUnavailableBackendFailsCreate) {
+  MoeGeometry g = geometry_with_tokens(8);
+  g.ep_size = 1;
+  g.num_experts = 8;
+  g.hidden = 128;
+  g.intermediate = 128;
+  g.top_k = 2;
+  MoeConfig c;
+  c.backend = Backend::kMega;
+  std::unique_ptr<MoeLayer> layer;
+  Status st = MoeLayer::create(g, c, MoeWeights{}, nullptr, &layer);
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_EQ(st.code(), StatusCode::kUnavailable);
+  EXPECT_NE(st.message().find("backend=mega is unavailable"), std::string::npos) << st.message();
+  EXPECT_EQ(layer, nullptr);
+}
+
+TEST(Selection, CreateChecksTheCommunicator) {
+  MoeGeometry g = geometry_with_tokens(8);
+  g.ep_size = 2;
+  g.num_experts = 8;
+  g.hidden = 128;
+  g.intermediate = 128;
+  g.top_k = 2;
+  MoeConfig c;
+  c.backend = Backend::kCpu;
+  std::unique_ptr<MoeLayer> layer;
+  Status st = MoeLayer::create(g, c, MoeWeights{}, nullptr, &layer);
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("comm=null"), std::string::npos) << st.message();
+  std::vector<std::shared_ptr<Communicator>> ranks;
+  ASSERT_TRUE(create_host_group(4, &ranks).is_ok());
+  st = MoeLayer::create(g, c, MoeWeights{}, ranks[0], &layer);
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("comm.size()=4"), std::string::npos) << st.message();
+  ASSERT_TRUE(create_host_group(2, &ranks).is_ok());
+  st = MoeLayer::create(g, c, MoeWeights{}, ranks[1], &layer);  // geometry says rank 0
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("comm.rank()=1"), std::string::npos) << st.message();
+}
+
+}  // namespace
+}  // namespace megamoe

@@ -1,0 +1,404 @@
+// The `megamoe` command-line tool, run as a subprocess (MEGAMOE_TOOL_PATH): info, flag and value
+// errors, presets (gpt-oss-120b refused without --pad), check against the float64 reference, the
+// --dump files (parsed back and recomputed here), and bench rows with their JSON and CSV.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "core/device.h"
+#include "megamoe/formats.h"
+#include "megamoe/layer.h"
+#include "megamoe/workspace.h"
+#include "reference/reference_moe.h"
+
+namespace {
+
+struct ToolRun {
+  int rc = -1;
+  std::string out;  // stdout, plus stderr when merged
+};
+
+// Runs the tool with `args` (a shell fragment). A tool killed by a signal gives rc >= 128.
+ToolRun run_tool(const std::string& args, bool merge_stderr = true) {
+  const std::string cmd = std::string(MEGAMOE_TOOL_PATH) + " " + args + (merge_stderr ? " 2>&1" : " 2>/dev/null");
+  ToolRun r;
+  FILE* pipe = popen(cmd.c_str(), "r");
+  if (!pipe) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), pipe)) > 0) r.out.append(buf, n);
+  const int status = pclose(pipe);
+  r.rc = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+  return r;
+}
+
+bool contains(const std::string& s, const std::string& what) { return s.find(what) != std::string::npos; }
+
+// A failure the tool handled: a message and one of its documented exit codes, never a crash.
+void expect_refused(const ToolRun& r, int rc, const std::vector<std::string>& words) {
+  EXPECT_EQ(r.rc, rc) << r.out;
+  for (const std::string& w : words) EXPECT_TRUE(contains(r.out, w)) << "missing '" << w << "' in:\n" << r.out;
+}
+
+class TempDir {
+ public:
+  TempDir() {
+    std::string tmpl = (std::filesystem::temp_directory_path() / "megamoe_tool_XXXXXX").string();
+    path_ = mkdtemp(tmpl.data()) ? tmpl : std::string();
+  }
+  ~TempDir() {
+    std::error_code ec;
+    if (!path_.empty()) std::filesystem::remove_all(path_, ec);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+std::string read_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+// A parsed .npy v1.0 file.
+struct Npy {
+  std::string descr;
+  bool fortran_order = true;
+  std::vector<int64_t> shape;
+  std::string data;
+};
+
+// Parses the header independently of the tool's writer; fails the test on any format violation.
+Npy parse_npy(const std::string& path) {
+  Npy a;
+  const std::string raw = read_file(path);
+  EXPECT_GE(raw.size(), 10u) << path;
+  if (raw.size() < 10) return a;
+  EXPECT_EQ(raw.substr(0, 6), std::string("\x93NUMPY", 6)) << path;
+  EXPECT_EQ(raw[6], 1) << path << ": major version";
+  EXPECT_EQ(raw[7], 0) << path << ": minor version";
+  const size_t header_len = static_cast<uint8_t>(raw[8]) | (static_cast<size_t>(static_cast<uint8_t>(raw[9])) << 8);
+  EXPECT_EQ((10 + header_len) % 64, 0u) << path << ": data must start on a 64-byte boundary";
+  const std::string header = raw.substr(10, header_len);
+  EXPECT_EQ(header.back(), '\n') << path;
+  auto field = [&](const std::string& key) -> std::string {
+    const size_t at = header.find("'" + key + "': ");
+    EXPECT_NE(at, std::string::npos) << path << ": no key " << key << " in " << header;
+    return at == std::string::npos ? std::string() : header.substr(at + key.size() + 4);
+  };
+  const std::string d = field("descr");
+  a.descr = d.substr(1, d.find('\'', 1) - 1);
+  a.fortran_order = field("fortran_order").rfind("True", 0) == 0;
+  const std::string s = field("shape");
+  const std::string inner = s.substr(1, s.find(')') - 1);
+  std::stringstream ss(inner);
+  std::string item;
+  while (std::getline(ss, item, ','))
+    if (item.find_first_not_of(' ') != std::string::npos) a.shape.push_back(std::stoll(item));
+  a.data = raw.substr(10 + header_len);
+  return a;
+}
+
+int64_t numel(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+template <typename T>
+std::vector<T> as(const Npy& a) {
+  std::vector<T> v(a.data.size() / sizeof(T));
+  std::memcpy(v.data(), a.data.data(), v.size() * sizeof(T));
+  return v;
+}
+
+double parse_after(const std::string& s, const std::string& key) {
+  const size_t at = s.find(key);
+  return at == std::string::npos ? NAN : std::atof(s.c_str() + at + key.size());
+}
+
+// ---- info ----
+
+TEST(Tool, Info_PrintsBuildDevicesAndNccl) {
+  const ToolRun r = run_tool("info");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  for (const char* w : {"megamoe 0", "build:", "CUDA toolkit", "sm_90a", "CUDA devices:", "NCCL", "tiny"})
+    EXPECT_TRUE(contains(r.out, w)) << w << "\n" << r.out;
+}
+
+TEST(Tool, Info_DeepseekV3_EP8_WorkspaceMatchesLayout) {
+  const ToolRun r = run_tool("info --preset deepseek-v3 --ep 8 --tokens 128");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  for (const char* w : {"hidden=7168", "auto ->", "reason:", "recv_tokens", "intermediate_scales", "MiB"})
+    EXPECT_TRUE(contains(r.out, w)) << w << "\n" << r.out;
+  megamoe::MoeGeometry g{7168, 2048, 256, 8, 8, 0, 128};
+  const megamoe::WorkspaceLayout l = megamoe::WorkspaceLayout::make(megamoe::workspace_params(g, megamoe::MoeConfig()));
+  // "  total   <bytes>  (<MiB> MiB, ...)"
+  const size_t at = r.out.find("\n  total");
+  ASSERT_NE(at, std::string::npos) << r.out;
+  EXPECT_EQ(std::atoll(r.out.c_str() + at + 8), l.total_bytes) << r.out.substr(at, 120);
+  for (int i = 0; i < megamoe::WorkspaceLayout::kNumRegions; ++i)
+    EXPECT_TRUE(contains(r.out, megamoe::WorkspaceLayout::region_formula(i))) << i;
+}
+
+// ---- flag and value errors ----
+
+TEST(Tool, BadFlag_NonZeroWithMessage) {
+  expect_refused(run_tool("info --no-such-flag"), 2, {"--no-such-flag"});
+  expect_refused(run_tool(""), 2, {"subcommand"});
+  expect_refused(run_tool("check --preset tiny"), 2, {"--backend"});
+}
+
+TEST(Tool, BadValues_NameFlagValueAndRule) {
+  expect_refused(run_tool("check --preset tiny --backend cpu --ep abc"), 2, {"--ep", "abc", "integer"});
+  expect_refused(run_tool("check --preset tiny --backend gpu"), 2, {"--backend", "gpu", "cpu"});
+  expect_refused(run_tool("check --preset tiny --backend cpu --ep 3"), 2, {"--ep", "16", "divisible"});
+  expect_refused(run_tool("check --preset tiny --backend cpu --weight-format fp6"), 2, {"--weight-format", "fp6"});
+  expect_refused(run_tool("check --preset tiny --backend cpu --routing zipf"), 2, {"--routing", "zipf"});
+  expect_refused(run_tool("check --preset tiny --backend cpu --combine-dtype nvfp4 --in-kernel-fc2-reduce"), 2,
+                 {"in_kernel_fc2_reduce", "bf16"});
+  expect_refused(run_tool("bench --preset tiny --backend cpu --tokens 1,,4"), 2, {"--tokens", "1,,4"});
+  expect_refused(run_tool("bench --preset tiny --backend cpu --iters -3"), 2, {"--iters"});
+}
+
+TEST(Tool, UnknownPreset_ListsPresets) {
+  expect_refused(run_tool("check --preset llama-moe --backend cpu"), 2, {"llama-moe", "deepseek-v3", "tiny"});
+  expect_refused(run_tool("info --preset llama-moe"), 2, {"llama-moe"});
+}
+
+TEST(Tool, GptOss120b_RefusedWithoutPad_Names2880And128) {
+  expect_refused(run_tool("check --preset gpt-oss-120b --backend cpu"), 2, {"2880", "128", "--pad"});
+  expect_refused(run_tool("info --preset gpt-oss-120b"), 2, {"2880", "128", "--pad"});
+}
+
+TEST(Tool, GptOss120b_Padded_ChecksOnCpuWithFewExperts) {
+  const ToolRun r = run_tool("check --preset gpt-oss-120b --backend cpu --pad --experts 4 --tokens 4");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_TRUE(contains(r.out, "hidden=2944")) << r.out;
+  EXPECT_TRUE(contains(r.out, "intermediate=2944")) << r.out;
+  EXPECT_TRUE(contains(r.out, "PASS")) << r.out;
+}
+
+// ---- check ----
+
+void expect_check_passes(const std::string& args, int num_ranks) {
+  const ToolRun r = run_tool("check --preset tiny --backend cpu " + args);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  const double rel = parse_after(r.out, "overall: rel_l2 ");
+  const double bound = parse_after(r.out, "bound rel_l2 <= ");
+  std::printf("[ tool ] check %s: rel_l2 %.4e, bound %.4g\n", args.c_str(), rel, bound);
+  EXPECT_GT(rel, 1e-4) << "fp8 roundings leave a visible error; zero means nothing was compared";
+  EXPECT_LE(rel, bound);
+  EXPECT_TRUE(contains(r.out, "overall:") && contains(r.out, "PASS")) << r.out;
+  for (int rank = 0; rank < num_ranks; ++rank)
+    EXPECT_TRUE(contains(r.out, "\n" + std::to_string(rank) + " ")) << "no row for rank " << rank << "\n" << r.out;
+}
+
+TEST(Tool, Check_Tiny_Cpu_EP1) { expect_check_passes("--ep 1 --tokens 32", 1); }
+TEST(Tool, Check_Tiny_Cpu_EP2) { expect_check_passes("--ep 2 --tokens 32", 2); }
+TEST(Tool, Check_Tiny_Cpu_EP2_Dropped_Nvfp4Combine) {
+  expect_check_passes("--ep 2 --tokens 16 --routing dropped --combine-dtype nvfp4 --weight-format mxfp8", 2);
+}
+
+TEST(Tool, Check_GpuBackend_FailsWithTheLayersReason) {
+  const megamoe::MoeGeometry g{512, 256, 16, 4, 1, 0, 64};
+  const megamoe::MoeConfig c;
+  for (const char* b : {"mega", "routed"}) {
+    const megamoe::Status gate =
+        std::string(b) == "mega" ? megamoe::mega_capability(g, c) : megamoe::routed_capability(g, c);
+    if (gate.is_ok()) {
+      std::printf("[ tool ] backend %s is available here; nothing to refuse\n", b);
+      continue;
+    }
+    const ToolRun r = run_tool(std::string("check --preset tiny --backend ") + b);
+    EXPECT_EQ(r.rc, 3) << r.out;
+    EXPECT_TRUE(contains(r.out, std::string("backend=") + b + " is unavailable: " + gate.message())) << r.out;
+    EXPECT_FALSE(contains(r.out, "PASS")) << r.out;
+  }
+}
+
+TEST(Tool, Check_HostMemoryRefusal_NamesBytesAndSuggestsExperts) {
+  const double physical = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+  // deepseek-v3 on the cpu backend needs ~101 GB; a host where 60% of RAM covers that would run it.
+  if (physical * 0.6 > 110e9) GTEST_SKIP() << "this host has enough memory to run deepseek-v3 on the cpu backend";
+  expect_refused(run_tool("check --preset deepseek-v3 --backend cpu"), 2, {"deepseek-v3", "bytes", "--experts"});
+}
+
+TEST(Tool, Check_DumpAbove4GiB_Refused) {
+  TempDir dir;
+  const std::string d = dir.path() + "/dump";
+  expect_refused(run_tool("check --preset mixtral-8x7b --backend cpu --dump " + d), 2, {"--dump", "4 GiB", "bytes"});
+  EXPECT_FALSE(std::filesystem::exists(d));
+}
+
+// ---- dump ----
+
+TEST(Tool, Check_Dump_Tiny_EP2_NpyFilesAndMetaAgreeWithReference) {
+  TempDir dir;
+  ASSERT_FALSE(dir.path().empty());
+  const std::string d = dir.path() + "/dump";
+  const ToolRun r = run_tool("check --preset tiny --backend cpu --ep 2 --tokens 8 --seed 7 --dump " + d);
+  ASSERT_EQ(r.rc, 0) << r.out;
+
+  const nlohmann::json meta = nlohmann::json::parse(read_file(d + "/meta.json"));
+  const auto& geo = meta.at("geometry");
+  for (const char* k : {"hidden", "intermediate", "num_experts", "top_k", "ep_size", "max_tokens_per_rank"})
+    EXPECT_TRUE(geo.contains(k)) << k;
+  for (const char* k : {"backend", "weight_format", "dispatch_format", "combine_dtype", "in_kernel_fc2_reduce",
+                        "pow2_scales"})
+    EXPECT_TRUE(meta.at("config").contains(k)) << k;
+  EXPECT_EQ(meta.at("formats").at("intermediate_format"), "fp8-block");
+  EXPECT_EQ(meta.at("seed"), 7);
+  EXPECT_EQ(meta.at("tokens_per_rank"), nlohmann::json({8, 8}));
+  const int64_t H = geo.at("hidden"), I = geo.at("intermediate"), E = geo.at("num_experts"), k = geo.at("top_k");
+  ASSERT_EQ(H, 512);
+  ASSERT_EQ(E, 16);
+
+  // Every listed file: a valid .npy whose header matches the listing and whose size matches the shape.
+  std::vector<std::string> names;
+  for (const auto& f : meta.at("files")) {
+    const std::string name = f.at("name");
+    names.push_back(name);
+    const Npy a = parse_npy(d + "/" + name);
+    EXPECT_EQ(a.descr, f.at("descr").get<std::string>()) << name;
+    EXPECT_FALSE(a.fortran_order) << name;
+    EXPECT_EQ(a.shape, f.at("shape").get<std::vector<int64_t>>()) << name;
+    const int64_t item = a.descr == "<f4" || a.descr == "<i4" ? 4 : a.descr == "<u2" ? 2 : 1;
+    EXPECT_EQ(static_cast<int64_t>(a.data.size()), numel(a.shape) * item) << name;
+    if (a.descr == "<f4") {
+      for (float v : as<float>(a)) ASSERT_TRUE(std::isfinite(v)) << name;
+    }
+  }
+  for (const char* n : {"w13_f32.npy", "w2_f32.npy", "w13_q.npy", "w13_scale.npy", "w2_q.npy", "w2_scale.npy",
+                        "rank0/x_f32.npy", "rank1/y_f32.npy", "rank1/x_bf16.npy", "rank0/topk_ids.npy",
+                        "rank0/topk_weights.npy"})
+    EXPECT_NE(std::find(names.begin(), names.end(), n), names.end()) << n;
+
+  const Npy w13 = parse_npy(d + "/w13_f32.npy"), w2 = parse_npy(d + "/w2_f32.npy");
+  EXPECT_EQ(w13.shape, (std::vector<int64_t>{E, 2 * I, H}));
+  EXPECT_EQ(w2.shape, (std::vector<int64_t>{E, H, I}));
+  const std::vector<float> w13f = as<float>(w13), w2f = as<float>(w2);
+
+  // The raw fp8-block tensors dequantise to exactly the fp32 weights the dump says the layer used.
+  const Npy q = parse_npy(d + "/w13_q.npy"), s = parse_npy(d + "/w13_scale.npy");
+  EXPECT_EQ(s.shape, (std::vector<int64_t>{E, 2 * I / 128, H / 128}));
+  const std::vector<uint8_t> qv = as<uint8_t>(q);
+  const std::vector<float> sv = as<float>(s);
+  std::vector<float> deq(static_cast<size_t>(2 * I * H));
+  for (int64_t e = 0; e < E; ++e) {
+    megamoe::fmt::dequantize_fp8_128x128(qv.data() + e * 2 * I * H, sv.data() + e * (2 * I / 128) * (H / 128), 2 * I,
+                                         H, deq.data());
+    ASSERT_EQ(0, std::memcmp(deq.data(), w13f.data() + e * 2 * I * H, deq.size() * 4)) << "expert " << e;
+  }
+
+  // y_f32 against the float64 reference recomputed from the dumped x, ids, weights: the rel-L2 the
+  // tool printed (meta results) and the bound.
+  megamoe::MoeGeometry g{H, I, E, k, 2, 0, 8};
+  for (int rank = 0; rank < 2; ++rank) {
+    const std::string p = d + "/rank" + std::to_string(rank) + "/";
+    const Npy x = parse_npy(p + "x_f32.npy"), ids = parse_npy(p + "topk_ids.npy"), w = parse_npy(p + "topk_weights.npy"),
+              y = parse_npy(p + "y_f32.npy"), xb = parse_npy(p + "x_bf16.npy");
+    EXPECT_EQ(x.shape, (std::vector<int64_t>{8, H}));
+    EXPECT_EQ(xb.shape, (std::vector<int64_t>{8, H}));
+    EXPECT_EQ(ids.shape, (std::vector<int64_t>{8, k}));
+    EXPECT_EQ(y.shape, (std::vector<int64_t>{8, H}));
+    const std::vector<float> xv = as<float>(x), yv = as<float>(y);
+    // x_f32 is x after the fp8-block dispatch: close to the bf16 input, not equal to it.
+    const std::vector<uint16_t> xbv = as<uint16_t>(xb);
+    double diff2 = 0, ref2 = 0;
+    for (size_t i = 0; i < xv.size(); ++i) {
+      const double v = megamoe::fmt::bf16_to_float(xbv[i]);
+      diff2 += (xv[i] - v) * (xv[i] - v);
+      ref2 += v * v;
+    }
+    EXPECT_GT(std::sqrt(diff2 / ref2), 1e-3);
+    EXPECT_LT(std::sqrt(diff2 / ref2), 0.05);
+    std::vector<double> ref(static_cast<size_t>(8 * H));
+    megamoe::reference::reference_moe(g, 8, xv.data(), as<int32_t>(ids).data(), as<float>(w).data(), w13f.data(),
+                                      w2f.data(), ref.data());
+    const double rel = megamoe::reference::rel_l2(yv.data(), ref.data(), 8 * H);
+    const double printed = meta.at("results").at("ranks").at(rank).at("rel_l2");
+    EXPECT_NEAR(rel, printed, 1e-9 + 1e-6 * printed) << "rank " << rank;
+    EXPECT_LE(rel, meta.at("results").at("bound_rel_l2").get<double>());
+    EXPECT_GT(rel, 1e-4);
+  }
+}
+
+// ---- bench ----
+
+TEST(Tool, Bench_Tiny_Cpu_RowsJsonCsvAndReproducingCommand) {
+  TempDir dir;
+  const std::string json = dir.path() + "/bench.json", csv = dir.path() + "/bench.csv";
+  const ToolRun r = run_tool("bench --preset tiny --backend cpu --ep 2 --tokens 1,8 --iters 3 --warmup 1 --json " +
+                                 json + " --csv " + csv,
+                             /*merge_stderr=*/false);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_TRUE(contains(r.out, "CPU wall time")) << r.out;
+  EXPECT_TRUE(contains(r.out, "per rank")) << r.out;
+
+  const nlohmann::json j = nlohmann::json::parse(read_file(json));
+  ASSERT_EQ(j.at("rows").size(), 2u);
+  std::string command;
+  for (size_t i = 0; i < 2; ++i) {
+    const auto& row = j.at("rows")[i];
+    EXPECT_EQ(row.at("backend"), "cpu");
+    EXPECT_EQ(row.at("tokens"), i == 0 ? 1 : 8);
+    const double med = row.at("median_us"), mn = row.at("min_us"), mx = row.at("max_us");
+    EXPECT_GT(mn, 0);
+    EXPECT_LE(mn, med);
+    EXPECT_LE(med, mx);
+    EXPECT_GT(row.at("floor_us").get<double>(), 0);
+    EXPECT_GT(row.at("tflops_per_rank").get<double>(), 0);
+    EXPECT_GT(row.at("time_over_floor").get<double>(), 1) << "a CPU is not faster than the H200 floor";
+    command = row.at("command");
+    EXPECT_TRUE(contains(r.out, command)) << "the table prints each row's command";
+  }
+  const std::string csv_text = read_file(csv);
+  EXPECT_EQ(std::count(csv_text.begin(), csv_text.end(), '\n'), 3) << csv_text;
+  EXPECT_EQ(csv_text.rfind("backend,resolved,tokens,", 0), 0u) << csv_text;
+  EXPECT_TRUE(contains(csv_text, "median_us")) << csv_text;
+
+  // The printed command reproduces the row.
+  ASSERT_EQ(command.rfind("megamoe bench ", 0), 0u) << command;
+  const ToolRun again = run_tool(command.substr(std::string("megamoe ").size()));
+  EXPECT_EQ(again.rc, 0) << again.out;
+  EXPECT_TRUE(contains(again.out, "\ncpu ")) << again.out;
+}
+
+TEST(Tool, Bench_Default_FirstLineSaysCpuOnTinyWithoutDevice) {
+  std::string reason;
+  if (megamoe::cuda_device_count(&reason) > 0)
+    GTEST_SKIP() << "a CUDA device is present: the default bench runs deepseek-v3 with backend auto";
+  const ToolRun r = run_tool("bench", /*merge_stderr=*/false);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  const std::string first = r.out.substr(0, r.out.find('\n'));
+  EXPECT_TRUE(contains(first, "no CUDA device")) << first;
+  EXPECT_TRUE(contains(first, "cpu backend on the tiny preset")) << first;
+  EXPECT_TRUE(contains(r.out, "preset tiny")) << r.out;
+}
+
+TEST(Tool, Bench_UnavailableBackend_RowSaysWhyAndExitNonZero) {
+  const megamoe::MoeGeometry g{512, 256, 16, 4, 1, 0, 2};
+  if (megamoe::mega_capability(g, megamoe::MoeConfig()).is_ok()) GTEST_SKIP() << "the mega backend is available here";
+  const ToolRun r = run_tool("bench --preset tiny --backend cpu,mega --tokens 2 --iters 1 --warmup 0", false);
+  EXPECT_EQ(r.rc, 3) << r.out;
+  EXPECT_TRUE(contains(r.out, "not run: backend=mega is unavailable")) << r.out;
+  EXPECT_TRUE(contains(r.out, "\ncpu ")) << "the cpu case still runs\n" << r.out;
+}
+
+}  // namespace

@@ -1,0 +1,417 @@
+// Tests of prepare_weights() and QuantizedTensor (megamoe/weights.h): every source dtype (fp32,
+// bf16, DeepSeek-V3 e4m3 + 128x128 scales) into every weight format, checked three ways:
+// - layout: data, scales and global scales equal, byte for byte, the formats.h codec applied to
+//   each expert's source values (catches expert order, row/column and scale-index mistakes);
+// - values: dequantize() is within the format's error bound of the source;
+// - an e4m3 source prepared as fp8-block keeps its bytes and scales bit for bit.
+// Bad sources must fail with messages that name the field, its value and the rule.
+#include <gtest/gtest.h>
+
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "megamoe/formats.h"
+#include "megamoe/weights.h"
+
+namespace megamoe {
+namespace {
+
+// EXPECT that `text` contains `part`, printing the whole text when it does not.
+#define EXPECT_CONTAINS(text, part)                                                                 \
+  do {                                                                                              \
+    const std::string _text = (text);                                                               \
+    EXPECT_NE(_text.find(part), std::string::npos) << "missing \"" << (part) << "\" in: " << _text; \
+  } while (0)
+
+// E = 6 over R = 2: this rank (1) holds 3 experts. 2I = 768 and H = 256 differ so a transposed
+// scale index shows; I = 384 gives an odd number (3) of 128-blocks.
+MoeGeometry test_geometry() {
+  MoeGeometry g;
+  g.hidden = 256;
+  g.intermediate = 384;
+  g.num_experts = 6;
+  g.top_k = 2;
+  g.ep_size = 2;
+  g.ep_rank = 1;
+  g.max_tokens_per_rank = 16;
+  return g;
+}
+
+enum class Source { kFp32, kBf16, kFp8 };
+const char* source_name(Source s) { return s == Source::kFp32 ? "Fp32" : (s == Source::kBf16 ? "Bf16" : "Fp8"); }
+
+// One stack [E, N, K] of a source, owning its storage, with its values as fp32.
+struct SourceStack {
+  int64_t experts = 0, rows = 0, cols = 0;
+  std::vector<float> values;     // what the source means, fp32 [E, N, K]
+  std::vector<float> f32;        // kFp32 storage
+  std::vector<uint16_t> bf16;    // kBf16 storage
+  std::vector<uint8_t> fp8;      // kFp8 storage
+  std::vector<float> fp8_scale;  // kFp8 weight_scale_inv [E, N/128, K/128]
+  TensorView data, scale;
+};
+
+// Expert e is N(0, 1) * 2^(e - 1): the experts differ in magnitude (so per-expert scales differ).
+SourceStack make_stack(Source src, int64_t experts, int64_t rows, int64_t cols, uint32_t seed) {
+  SourceStack s;
+  s.experts = experts;
+  s.rows = rows;
+  s.cols = cols;
+  const int64_t per = rows * cols, n = experts * per;
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<float> raw(n);
+  for (int64_t i = 0; i < n; ++i) raw[i] = normal(rng) * std::ldexp(1.f, static_cast<int>(i / per) - 1);
+  s.values.resize(n);
+  switch (src) {
+    case Source::kFp32:
+      s.f32 = raw;
+      s.values = raw;
+      s.data = TensorView(s.f32.data(), DType::kFloat32, {experts, rows, cols});
+      break;
+    case Source::kBf16:
+      s.bf16.resize(n);
+      for (int64_t i = 0; i < n; ++i) {
+        s.bf16[i] = fmt::float_to_bf16(raw[i]);
+        s.values[i] = fmt::bf16_to_float(s.bf16[i]);
+      }
+      s.data = TensorView(s.bf16.data(), DType::kBFloat16, {experts, rows, cols});
+      break;
+    case Source::kFp8: {
+      const int64_t per_scale = rows / 128 * (cols / 128);
+      s.fp8.resize(n);
+      s.fp8_scale.resize(experts * per_scale);
+      for (int64_t e = 0; e < experts; ++e) {
+        fmt::quantize_fp8_128x128(&raw[e * per], rows, cols, &s.fp8[e * per], &s.fp8_scale[e * per_scale], false);
+        fmt::dequantize_fp8_128x128(&s.fp8[e * per], &s.fp8_scale[e * per_scale], rows, cols, &s.values[e * per]);
+      }
+      s.data = TensorView(s.fp8.data(), DType::kFloat8E4M3, {experts, rows, cols});
+      s.scale = TensorView(s.fp8_scale.data(), DType::kFloat32, {experts, rows / 128, cols / 128});
+      break;
+    }
+  }
+  return s;
+}
+
+template <typename T>
+std::vector<uint8_t> as_bytes(const std::vector<T>& v) {
+  std::vector<uint8_t> b(v.size() * sizeof(T));
+  std::memcpy(b.data(), v.data(), b.size());
+  return b;
+}
+
+// The expected QuantizedTensor, built expert by expert with the formats.h codecs.
+QuantizedTensor expected_tensor(const SourceStack& s, WeightFormat format, bool pow2, bool fp8_source) {
+  QuantizedTensor t;
+  t.format = format;
+  t.num_experts = s.experts;
+  t.rows = s.rows;
+  t.cols = s.cols;
+  const int64_t per = s.rows * s.cols, n = s.experts * per;
+  switch (format) {
+    case WeightFormat::kBf16: {
+      std::vector<uint16_t> b(n);
+      for (int64_t i = 0; i < n; ++i) b[i] = fmt::float_to_bf16(s.values[i]);
+      t.data = as_bytes(b);
+      break;
+    }
+    case WeightFormat::kFp8Block: {
+      if (fp8_source) {
+        t.data = s.fp8;
+        t.scales = as_bytes(s.fp8_scale);
+        break;
+      }
+      const int64_t per_scale = s.rows / 128 * (s.cols / 128);
+      std::vector<float> sc(s.experts * per_scale);
+      t.data.resize(n);
+      for (int64_t e = 0; e < s.experts; ++e)
+        fmt::quantize_fp8_128x128(&s.values[e * per], s.rows, s.cols, &t.data[e * per], &sc[e * per_scale], pow2);
+      t.scales = as_bytes(sc);
+      break;
+    }
+    case WeightFormat::kMxfp8:
+      t.data.resize(n);
+      t.scales.resize(n / 32);
+      fmt::quantize_mxfp8(s.values.data(), n, t.data.data(), t.scales.data());
+      break;
+    case WeightFormat::kNvfp4:
+      t.data.resize(n / 2);
+      t.scales.resize(n / 16);
+      for (int64_t e = 0; e < s.experts; ++e) {
+        const float g = fmt::nvfp4_global_scale(fmt::amax_finite(&s.values[e * per], per));
+        t.global_scales.push_back(g);
+        fmt::quantize_nvfp4(&s.values[e * per], per, g, &t.data[e * per / 2], &t.scales[e * per / 16]);
+      }
+      break;
+  }
+  return t;
+}
+
+// Bound on ||dequantize - source|| / ||source|| per format, from its per-element worst case:
+//   bf16: RNE to 8 significant bits, relative error < 2^-9;
+//   fp8-block: e4m3 normal range < 2^-4 relative, no saturation (amax / s <= 448); the subnormal
+//     elements (|x| < 2^-6 s) err by <= 2^-10 s, negligible against the block amax's 448 s;
+//   mxfp8: as e4m3, plus the OCP saturation of |x| / X in (448, 512): < 1/8 relative;
+//   nvfp4: e2m1 normal range < 2^-2 relative; saturation where the e4m3 block scale rounded down
+//     (< 2^-4 relative); N(0, 1) experts keep every block scale in e4m3's normal range.
+double format_bound(WeightFormat f) {
+  switch (f) {
+    case WeightFormat::kBf16: return std::ldexp(1.0, -9);
+    case WeightFormat::kFp8Block: return std::ldexp(1.0, -4);
+    case WeightFormat::kMxfp8: return std::ldexp(1.0, -3);
+    case WeightFormat::kNvfp4: return std::ldexp(1.0, -2);
+  }
+  return 0;
+}
+
+double rel_l2(const std::vector<float>& got, const std::vector<float>& ref, int64_t begin, int64_t end) {
+  double err2 = 0, ref2 = 0;
+  for (int64_t i = begin; i < end; ++i) {
+    const double d = static_cast<double>(got[i]) - ref[i];
+    err2 += d * d;
+    ref2 += static_cast<double>(ref[i]) * ref[i];
+  }
+  return std::sqrt(err2 / ref2);
+}
+
+struct Case {
+  Source source;
+  WeightFormat format;
+  bool pow2;
+};
+
+class PrepareWeights : public ::testing::TestWithParam<Case> {};
+
+void check_tensor(const char* name, const QuantizedTensor& got, const SourceStack& s, const Case& c) {
+  const std::string what =
+      std::string(name) + " " + source_name(c.source) + " -> " + to_string(c.format) + (c.pow2 ? " (pow2)" : "");
+  EXPECT_EQ(got.format, c.format) << what;
+  EXPECT_EQ(got.num_experts, s.experts) << what;
+  EXPECT_EQ(got.rows, s.rows) << what;
+  EXPECT_EQ(got.cols, s.cols) << what;
+  const int64_t per = s.rows * s.cols;
+  const int64_t elem_bytes_x2 = c.format == WeightFormat::kBf16 ? 4 : (c.format == WeightFormat::kNvfp4 ? 1 : 2);
+  EXPECT_EQ(got.data_bytes_per_expert(), per * elem_bytes_x2 / 2) << what;
+  EXPECT_EQ(static_cast<int64_t>(got.data.size()), s.experts * got.data_bytes_per_expert()) << what;
+  int64_t num_scales = 0;
+  std::vector<int64_t> want_shape;
+  switch (c.format) {
+    case WeightFormat::kBf16: EXPECT_EQ(got.data_dtype(), DType::kBFloat16); break;
+    case WeightFormat::kFp8Block:
+      EXPECT_EQ(got.data_dtype(), DType::kFloat8E4M3);
+      EXPECT_EQ(got.scale_dtype(), DType::kFloat32);
+      want_shape = {s.experts, s.rows / 128, s.cols / 128};
+      num_scales = s.experts * (s.rows / 128) * (s.cols / 128) * 4;
+      break;
+    case WeightFormat::kMxfp8:
+      EXPECT_EQ(got.data_dtype(), DType::kFloat8E4M3);
+      EXPECT_EQ(got.scale_dtype(), DType::kFloat8E8M0);
+      want_shape = {s.experts, s.rows, s.cols / 32};
+      num_scales = s.experts * s.rows * (s.cols / 32);
+      break;
+    case WeightFormat::kNvfp4:
+      EXPECT_EQ(got.data_dtype(), DType::kFloat4E2M1x2);
+      EXPECT_EQ(got.scale_dtype(), DType::kFloat8E4M3);
+      want_shape = {s.experts, s.rows, s.cols / 16};
+      num_scales = s.experts * s.rows * (s.cols / 16);
+      break;
+  }
+  EXPECT_EQ(got.scale_shape(), want_shape) << what;
+  EXPECT_EQ(static_cast<int64_t>(got.scales.size()), num_scales) << what;
+  EXPECT_EQ(got.global_scales.size(), c.format == WeightFormat::kNvfp4 ? static_cast<size_t>(s.experts) : 0u) << what;
+
+  const QuantizedTensor want = expected_tensor(s, c.format, c.pow2, c.source == Source::kFp8);
+  EXPECT_TRUE(got.data == want.data) << what << ": data differs from the formats.h codec";
+  EXPECT_TRUE(got.scales == want.scales) << what << ": scales differ from the formats.h codec";
+  EXPECT_EQ(got.global_scales, want.global_scales) << what;
+  if (c.source == Source::kFp8 && c.format == WeightFormat::kFp8Block) {
+    EXPECT_TRUE(got.data == s.fp8) << what << ": fp8 -> fp8-block must keep the codes bit for bit";
+    EXPECT_TRUE(got.scales == as_bytes(s.fp8_scale)) << what << ": and the weight_scale_inv bits";
+  }
+  if (c.format == WeightFormat::kFp8Block && c.pow2 && c.source != Source::kFp8) {
+    std::vector<float> sc(got.scales.size() / 4);
+    std::memcpy(sc.data(), got.scales.data(), got.scales.size());
+    for (float v : sc) {
+      int exp;
+      ASSERT_EQ(std::frexp(v, &exp), 0.5f) << what << ": pow2 scale " << v;
+    }
+  }
+
+  std::vector<float> deq(3, -1.f);
+  got.dequantize(&deq);
+  ASSERT_EQ(static_cast<int64_t>(deq.size()), s.experts * per) << what;
+  const double bound = format_bound(c.format);
+  for (int64_t e = 0; e < s.experts; ++e) {
+    const double err = rel_l2(deq, s.values, e * per, (e + 1) * per);
+    std::printf("%-38s expert %lld rel-L2 %.4e (bound %.4e)\n", what.c_str(), static_cast<long long>(e), err, bound);
+    EXPECT_LE(err, bound) << what << " expert " << e;
+    std::vector<float> one(per, -1.f);
+    got.dequantize_expert(e, one.data());
+    EXPECT_EQ(0, std::memcmp(one.data(), &deq[e * per], per * sizeof(float))) << what << " expert " << e;
+  }
+}
+
+TEST_P(PrepareWeights, LayoutAndErrorBound) {
+  const Case c = GetParam();
+  const MoeGeometry g = test_geometry();
+  MoeConfig config;
+  config.weight_format = c.format;
+  config.pow2_scales = c.pow2;
+  const int64_t el = g.experts_per_rank();
+  SourceStack w13 = make_stack(c.source, el, 2 * g.intermediate, g.hidden, 1000u + static_cast<uint32_t>(c.source));
+  SourceStack w2 = make_stack(c.source, el, g.hidden, g.intermediate, 2000u + static_cast<uint32_t>(c.source));
+  MoeWeights src;
+  src.w13 = w13.data;
+  src.w13_scale = w13.scale;
+  src.w2 = w2.data;
+  src.w2_scale = w2.scale;
+  PreparedWeights out;
+  const Status st = prepare_weights(g, config, src, &out);
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  EXPECT_EQ(out.format, c.format);
+  check_tensor("w13", out.w13, w13, c);
+  check_tensor("w2", out.w2, w2, c);
+}
+
+std::vector<Case> all_cases() {
+  std::vector<Case> cases;
+  for (Source s : {Source::kFp32, Source::kBf16, Source::kFp8}) {
+    cases.push_back({s, WeightFormat::kBf16, false});
+    cases.push_back({s, WeightFormat::kFp8Block, false});
+    cases.push_back({s, WeightFormat::kFp8Block, true});
+    cases.push_back({s, WeightFormat::kMxfp8, false});
+    cases.push_back({s, WeightFormat::kNvfp4, false});
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Sources, PrepareWeights, ::testing::ValuesIn(all_cases()),
+                         [](const ::testing::TestParamInfo<Case>& param_info) {
+                           const Case& c = param_info.param;
+                           std::string name = std::string(source_name(c.source)) + "_To_";
+                           for (const char* p = to_string(c.format); *p; ++p)
+                             if (std::isalnum(static_cast<unsigned char>(*p))) name += *p;
+                           return name + (c.pow2 ? "_Pow2" : "");
+                         });
+
+// ---------------------------------------------------------------------------------------------
+// Bad sources.
+
+struct BadSourceFixture : ::testing::Test {
+  MoeGeometry g = test_geometry();
+  MoeConfig config;
+  SourceStack w13 = make_stack(Source::kFp8, 3, 768, 256, 1u);
+  SourceStack w2 = make_stack(Source::kFp8, 3, 256, 384, 2u);
+  MoeWeights src;
+  PreparedWeights out;
+  void SetUp() override {
+    src.w13 = w13.data;
+    src.w13_scale = w13.scale;
+    src.w2 = w2.data;
+    src.w2_scale = w2.scale;
+    ASSERT_TRUE(prepare_weights(g, config, src, &out).is_ok());
+  }
+  std::string fail() {
+    const Status st = prepare_weights(g, config, src, &out);
+    EXPECT_FALSE(st.is_ok());
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+    return st.message();
+  }
+};
+
+TEST_F(BadSourceFixture, AbsentW13) {
+  src.w13 = TensorView();
+  const std::string m = fail();
+  EXPECT_CONTAINS(m, "w13=absent");
+  EXPECT_CONTAINS(m, "[3, 768, 256]");
+}
+
+TEST_F(BadSourceFixture, W13ShapeNamesFieldValueAndRule) {
+  src.w13.shape[1] = 384;  // I rows instead of 2I
+  const std::string m = fail();
+  EXPECT_CONTAINS(m, "w13.shape=[3, 384, 256]");
+  EXPECT_CONTAINS(m, "[E_local, 2I, H] = [3, 768, 256]");
+}
+
+TEST_F(BadSourceFixture, W2ShapeWithGlobalExpertCount) {
+  src.w2.shape[0] = 6;  // all experts instead of this rank's
+  src.w2_scale.shape[0] = 6;
+  EXPECT_CONTAINS(fail(), "w2.shape=[6, 256, 384], must be [E_local, H, I] = [3, 256, 384]");
+}
+
+TEST_F(BadSourceFixture, W2DType) {
+  src.w2.dtype = DType::kInt32;
+  const std::string m = fail();
+  EXPECT_CONTAINS(m, "w2.dtype=int32");
+  EXPECT_CONTAINS(m, "float32, bfloat16, or float8_e4m3");
+}
+
+TEST_F(BadSourceFixture, Fp8WithoutScale) {
+  src.w13_scale = TensorView();
+  const std::string m = fail();
+  EXPECT_CONTAINS(m, "w13_scale=absent");
+  EXPECT_CONTAINS(m, "[E_local, 2I/128, H/128] = [3, 6, 2]");
+}
+
+TEST_F(BadSourceFixture, ScaleDType) {
+  src.w2_scale.dtype = DType::kBFloat16;
+  const std::string m = fail();
+  EXPECT_CONTAINS(m, "w2_scale.dtype=bfloat16");
+  EXPECT_CONTAINS(m, "must be float32");
+}
+
+TEST_F(BadSourceFixture, ScaleShape) {
+  src.w13_scale = TensorView(w13.fp8_scale.data(), DType::kFloat32, {3, 2, 6});  // transposed blocks
+  EXPECT_CONTAINS(fail(), "w13_scale.shape=[3, 2, 6], must be [E_local, 2I/128, H/128] = [3, 6, 2]");
+}
+
+TEST_F(BadSourceFixture, ScaleForNonFp8Source) {
+  std::vector<float> f(3 * 768 * 256, 0.5f);
+  src.w13 = TensorView(f.data(), DType::kFloat32, {3, 768, 256});
+  const std::string m = fail();
+  EXPECT_CONTAINS(m, "invalid weights: w13_scale=float32[3, 6, 2] on cpu");
+  EXPECT_CONTAINS(m, "leave it absent for float32");
+}
+
+TEST_F(BadSourceFixture, NonFiniteScale) {
+  w2.fp8_scale[1 * 6 + 1 * 3 + 0] = std::nanf("");  // [expert 1, block row 1, block col 0] of [3, 2, 3]
+  const std::string m = fail();
+  EXPECT_CONTAINS(m, "w2_scale[1, 1, 0]=nan");
+  EXPECT_CONTAINS(m, "finite and >= 0");
+}
+
+TEST_F(BadSourceFixture, DeviceMemory) {
+  src.w13.device = Device::cuda(0);
+  const std::string m = fail();
+  EXPECT_CONTAINS(m, "w13.device=cuda:0");
+  EXPECT_CONTAINS(m, "must be cpu");
+}
+
+TEST_F(BadSourceFixture, NonContiguous) {
+  src.w2.strides = {256 * 384, 1, 256};  // a transposed view
+  const std::string m = fail();
+  EXPECT_CONTAINS(m, "w2.strides=[98304, 1, 256]");
+  EXPECT_CONTAINS(m, "contiguous");
+}
+
+TEST_F(BadSourceFixture, NullData) {
+  src.w2.data = nullptr;
+  EXPECT_CONTAINS(fail(), "w2.data=null");
+}
+
+TEST_F(BadSourceFixture, InvalidGeometryAndNullOut) {
+  g.hidden = 200;
+  EXPECT_CONTAINS(fail(), "hidden=200");
+  g = test_geometry();
+  const Status st = prepare_weights(g, config, src, nullptr);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_CONTAINS(st.message(), "out=null");
+}
+
+}  // namespace
+}  // namespace megamoe

@@ -1,0 +1,200 @@
+// Workspace layout and pool: sized from the per-rank bound only; shared between layers of one key.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+
+#include "megamoe/workspace.h"
+
+namespace megamoe {
+namespace {
+
+MoeGeometry deepseek(int64_t ep, int64_t t) {
+  MoeGeometry g;
+  g.hidden = 7168;
+  g.intermediate = 2048;
+  g.num_experts = 256;
+  g.top_k = 8;
+  g.ep_size = ep;
+  g.max_tokens_per_rank = t;
+  return g;
+}
+
+int64_t total(const MoeGeometry& g, const MoeConfig& c) { return WorkspaceLayout::make(workspace_params(g, c)).total_bytes; }
+
+TEST(WorkspaceLayout, RegionsAreAlignedOrderedAndDisjoint) {
+  MoeConfig c;
+  WorkspaceLayout l = WorkspaceLayout::make(workspace_params(deepseek(8, 1000), c));
+  int64_t prev_end = 0;
+  for (int i = 0; i < WorkspaceLayout::kNumRegions; ++i) {
+    const WorkspaceRegion& r = l.region(i);
+    EXPECT_EQ(r.offset % WorkspaceLayout::kAlign, 0) << WorkspaceLayout::region_name(i);
+    EXPECT_GE(r.offset, prev_end) << WorkspaceLayout::region_name(i);
+    EXPECT_GE(r.bytes, 0);
+    prev_end = r.end();
+  }
+  EXPECT_GE(l.total_bytes, prev_end);
+}
+
+TEST(WorkspaceLayout, RegionSizesFollowTheirFormulas) {
+  MoeConfig c;  // fp8 dispatch, fp8 intermediate, bf16 combine
+  const int64_t R = 8, T = 1000, El = 32, k = 8, H = 7168, I = 2048, BM = 128;
+  WorkspaceLayout l = WorkspaceLayout::make(workspace_params(deepseek(R, T), c));
+  const int64_t P = (R * T * k + El * (BM - 1) + BM - 1) / BM * BM;
+  EXPECT_EQ(l.pool_rows, P);
+  EXPECT_EQ(l.recv_tokens.bytes, R * T * H);
+  EXPECT_EQ(l.recv_scales.bytes, R * T * (H / 128) * 4);
+  EXPECT_EQ(l.recv_meta.bytes, R * T * (((1 + 2 * k) * 4 + 15) / 16 * 16));
+  EXPECT_EQ(l.pool_x.bytes, P * H);
+  EXPECT_EQ(l.intermediate.bytes, P * I);
+  EXPECT_EQ(l.intermediate_scales.bytes, P * (I / 128) * 4);
+  EXPECT_EQ(l.combine.bytes, T * k * 2 * H);
+  EXPECT_EQ(l.recv_expert_counts.bytes, R * El * 4);
+}
+
+TEST(WorkspaceLayout, MinOfTopKAndLocalExpertsBoundsThePool) {
+  MoeConfig c;
+  // EP 64: 4 experts per rank < top-8, so a token brings at most 4 rows to a rank.
+  WorkspaceLayout l = WorkspaceLayout::make(workspace_params(deepseek(64, 100), c));
+  EXPECT_EQ(l.pool_rows, (64 * 100 * 4 + 4 * 127 + 127) / 128 * 128);
+}
+
+TEST(WorkspaceLayout, SizeIsAffineInMaxTokensWithNoDpFactor) {
+  MoeConfig c;
+  for (int64_t ep : {1, 2, 8}) {
+    const int64_t s1 = total(deepseek(ep, 1024), c), s2 = total(deepseek(ep, 2048), c),
+                  s3 = total(deepseek(ep, 3072), c), s4 = total(deepseek(ep, 4096), c);
+    // Equal increments for equal steps (up to 256-byte alignment of each region).
+    const int64_t slack = WorkspaceLayout::kNumRegions * WorkspaceLayout::kAlign;
+    EXPECT_LE(std::llabs((s2 - s1) - (s3 - s2)), slack);
+    EXPECT_LE(std::llabs((s4 - s3) - (s2 - s1)), slack);
+    EXPECT_GT(s2, s1);
+  }
+  // The T-proportional term is exactly the per-rank formula: per token of T_max, R receive rows
+  // (tokens, scales, meta), R*min(k, E_l) pool rows (src index, x, x scales, intermediate and its
+  // scales) and k combine rows. Nothing multiplies T_max by a dp factor.
+  const int64_t R = 2, k = 8, H = 7168, I = 2048, meta = ((1 + 2 * k) * 4 + 15) / 16 * 16;
+  const int64_t per_token = R * (H + H / 128 * 4 + meta) + R * k * (4 + H + H / 128 * 4 + I + I / 128 * 4) + k * 2 * H;
+  const int64_t step = total(deepseek(R, 2048), c) - total(deepseek(R, 1024), c);
+  EXPECT_LE(std::llabs(step - 1024 * per_token), WorkspaceLayout::kNumRegions * WorkspaceLayout::kAlign);
+}
+
+TEST(WorkspaceLayout, FormatsChangeTheRightRegions) {
+  MoeGeometry g = deepseek(2, 64);
+  MoeConfig c;
+  c.dispatch_format = DispatchFormat::kBf16;
+  c.weight_format = WeightFormat::kBf16;
+  WorkspaceLayout bf = WorkspaceLayout::make(workspace_params(g, c));
+  EXPECT_EQ(bf.recv_scales.bytes, 0);
+  EXPECT_EQ(bf.intermediate_scales.bytes, 0);
+  EXPECT_EQ(bf.recv_tokens.bytes, 2 * 64 * 7168 * 2);
+  c.combine_dtype = CombineDtype::kNvfp4;
+  EXPECT_EQ(WorkspaceLayout::make(workspace_params(g, c)).combine.bytes, 64 * 8 * (7168 / 2 + 7168 / 16 + 4));
+  c.combine_dtype = CombineDtype::kMxfp8;
+  EXPECT_EQ(WorkspaceLayout::make(workspace_params(g, c)).combine.bytes, 64 * 8 * (7168 + 7168 / 32));
+  c.combine_dtype = CombineDtype::kBf16;
+  c.in_kernel_fc2_reduce = true;
+  EXPECT_EQ(WorkspaceLayout::make(workspace_params(g, c)).combine.bytes, 0);
+}
+
+TEST(WorkspaceLayout, ZeroTokensNeedNoPool) {
+  MoeConfig c;
+  WorkspaceLayout l = WorkspaceLayout::make(workspace_params(deepseek(2, 0), c));
+  EXPECT_EQ(l.pool_rows, 0);
+  EXPECT_EQ(l.recv_tokens.bytes, 0);
+  EXPECT_GT(l.signals.bytes, 0);
+}
+
+// ---- pool ----
+
+struct CountingAllocator {
+  int allocations = 0, frees = 0;
+  WorkspacePool::Allocator fn() {
+    return [this](int64_t bytes, void** base, std::function<void(void*)>* release) {
+      ++allocations;
+      *base = std::malloc(static_cast<size_t>(bytes > 0 ? bytes : 1));
+      *release = [this](void* p) {
+        ++frees;
+        std::free(p);
+      };
+      return Status::ok();
+    };
+  }
+};
+
+WorkspaceKey key_for(const MoeGeometry& g, const MoeConfig& c, uint64_t group = 7) {
+  WorkspaceKey k;
+  k.params = workspace_params(g, c);
+  k.ep_rank = g.ep_rank;
+  k.group_id = group;
+  k.device = Device::cpu();
+  return k;
+}
+
+TEST(WorkspacePool, SameGeometrySharesOneRefcountedWorkspace) {
+  WorkspacePool pool;
+  CountingAllocator alloc;
+  MoeGeometry g = deepseek(2, 16);
+  MoeConfig c;
+  std::shared_ptr<Workspace> a, b, d;
+  ASSERT_TRUE(pool.acquire(key_for(g, c), alloc.fn(), &a).is_ok());
+  ASSERT_TRUE(pool.acquire(key_for(g, c), alloc.fn(), &b).is_ok());  // a second layer, same geometry
+  EXPECT_EQ(a.get(), b.get());
+  EXPECT_EQ(alloc.allocations, 1);
+  EXPECT_EQ(pool.num_live(), 1);
+  a.reset();
+  EXPECT_EQ(alloc.frees, 0);  // still used by b
+  b.reset();
+  EXPECT_EQ(alloc.frees, 1);  // last user gone
+  EXPECT_EQ(pool.num_live(), 0);
+  ASSERT_TRUE(pool.acquire(key_for(g, c), alloc.fn(), &d).is_ok());
+  EXPECT_EQ(alloc.allocations, 2);
+}
+
+TEST(WorkspacePool, DifferentGeometryOptionsRankOrGroupNeverShare) {
+  WorkspacePool pool;
+  CountingAllocator alloc;
+  MoeGeometry g = deepseek(2, 16);
+  MoeConfig c;
+  std::shared_ptr<Workspace> base, other;
+  ASSERT_TRUE(pool.acquire(key_for(g, c), alloc.fn(), &base).is_ok());
+  auto expect_distinct = [&](const WorkspaceKey& k) {
+    std::shared_ptr<Workspace> w;
+    ASSERT_TRUE(pool.acquire(k, alloc.fn(), &w).is_ok());
+    EXPECT_NE(w.get(), base.get()) << k.to_string();
+  };
+  MoeGeometry g2 = g;
+  g2.max_tokens_per_rank = 32;
+  expect_distinct(key_for(g2, c));
+  g2 = g;
+  g2.ep_rank = 1;
+  expect_distinct(key_for(g2, c));
+  MoeConfig c2 = c;
+  c2.combine_dtype = CombineDtype::kMxfp8;
+  expect_distinct(key_for(g, c2));
+  c2 = c;
+  c2.in_kernel_fc2_reduce = true;
+  expect_distinct(key_for(g, c2));
+  c2 = c;
+  c2.knobs.block_m = 64;
+  expect_distinct(key_for(g, c2));
+  expect_distinct(key_for(g, c, /*group=*/8));
+  WorkspaceKey on_gpu = key_for(g, c);
+  on_gpu.device = Device::cuda(0);
+  expect_distinct(on_gpu);
+}
+
+TEST(WorkspacePool, AllocationFailureIsReported) {
+  WorkspacePool pool;
+  std::shared_ptr<Workspace> w;
+  Status st = pool.acquire(key_for(deepseek(2, 16), MoeConfig{}),
+                           [](int64_t, void**, std::function<void(void*)>*) {
+                             return Status(StatusCode::kCudaError, "out of memory");
+                           },
+                           &w);
+  EXPECT_EQ(st.code(), StatusCode::kCudaError);
+  EXPECT_EQ(w, nullptr);
+  EXPECT_EQ(pool.num_live(), 0);
+}
+
+}  // namespace
+}  // namespace megamoe

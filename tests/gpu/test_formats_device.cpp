@@ -1,0 +1,286 @@
+// GPU tests of src/formats/formats_device: the device codecs equal the host codecs of
+// megamoe/formats.h bit for bit, on every code and on random data (normal across binades,
+// heavy-tailed, with zero blocks, inf and NaN); and the hardware conversions (cvt e4m3 satfinite,
+// cvt bf16) agree with the codecs on every non-NaN input. Skips without a CUDA device.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "formats/formats_device.h"
+#include "megamoe/formats.h"
+
+namespace megamoe {
+namespace {
+
+#define CUDA_OK(expr)                                                          \
+  do {                                                                         \
+    const cudaError_t _err = (expr);                                           \
+    ASSERT_EQ(_err, cudaSuccess) << #expr << ": " << cudaGetErrorString(_err); \
+  } while (0)
+
+// Skips the test unless an sm_90 device is present (the kernels are built for sm_90a only).
+#define REQUIRE_SM90()                                                                                                \
+  do {                                                                                                                \
+    int _count = 0;                                                                                                   \
+    const cudaError_t _count_err = cudaGetDeviceCount(&_count);                                                       \
+    if (_count_err != cudaSuccess || _count == 0)                                                                     \
+      GTEST_SKIP() << "no CUDA device: " << (_count_err != cudaSuccess ? cudaGetErrorString(_count_err) : "count 0"); \
+    cudaDeviceProp _prop{};                                                                                           \
+    CUDA_OK(cudaGetDeviceProperties(&_prop, 0));                                                                      \
+    if (_prop.major != 9)                                                                                             \
+      GTEST_SKIP() << "formats kernels are built for sm_90a; device 0 is sm_" << _prop.major << _prop.minor;          \
+  } while (0)
+
+// A device copy of a host vector (or an uninitialised one of n elements), freed on scope exit.
+template <typename T>
+struct DeviceBuffer {
+  T* ptr = nullptr;
+  size_t n = 0;
+  explicit DeviceBuffer(size_t count) : n(count) {
+    if (cudaMalloc(&ptr, sizeof(T) * (n ? n : 1)) != cudaSuccess) ptr = nullptr;
+    if (ptr) cudaMemset(ptr, 0xA5, sizeof(T) * (n ? n : 1));  // poison
+  }
+  explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size()) {
+    if (ptr) cudaMemcpy(ptr, host.data(), sizeof(T) * n, cudaMemcpyHostToDevice);
+  }
+  ~DeviceBuffer() { cudaFree(ptr); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  std::vector<T> to_host() const {
+    std::vector<T> h(n);
+    if (ptr) cudaMemcpy(h.data(), ptr, sizeof(T) * n, cudaMemcpyDeviceToHost);
+    return h;
+  }
+};
+
+uint32_t bits_of(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  return u;
+}
+float float_of(uint32_t u) {
+  float v;
+  std::memcpy(&v, &u, 4);
+  return v;
+}
+
+template <typename T>
+int64_t count_bit_differences(const std::vector<T>& a, const std::vector<T>& b) {
+  if (a.size() != b.size()) return -1;
+  int64_t d = 0;
+  for (size_t i = 0; i < a.size(); ++i) d += std::memcmp(&a[i], &b[i], sizeof(T)) != 0;
+  return d;
+}
+
+// Every decoded code of every format, every bf16 value, the format edges, and random bits.
+std::vector<float> encoder_inputs() {
+  std::vector<float> x;
+  for (int c = 0; c < 256; ++c) x.push_back(fmt::e4m3_to_float(static_cast<uint8_t>(c)));
+  for (int c = 0; c < 16; ++c) x.push_back(fmt::e2m1_to_float(static_cast<uint8_t>(c)));
+  for (int c = 0; c < 65536; ++c) x.push_back(fmt::bf16_to_float(static_cast<uint16_t>(c)));
+  // Midpoints between adjacent e4m3 / e2m1 values and their neighbours.
+  for (int c = 0; c < 0x7E; ++c) {
+    const float mid =
+        0.5f * (fmt::e4m3_to_float(static_cast<uint8_t>(c)) + fmt::e4m3_to_float(static_cast<uint8_t>(c + 1)));
+    for (float v : {mid, std::nextafter(mid, 0.f), std::nextafter(mid, 1e9f)}) {
+      x.push_back(v);
+      x.push_back(-v);
+    }
+  }
+  for (float v : {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.f, 449.f, 464.f, 465.f, 1e30f}) {
+    x.push_back(v);
+    x.push_back(-v);
+  }
+  const float inf = std::numeric_limits<float>::infinity();
+  for (float v : {inf, -inf, float_of(0x7FC00000u), float_of(0xFFC00000u), float_of(0x7F800001u), float_of(1u),
+                  float_of(0x807FFFFFu), -0.f, 0.f})
+    x.push_back(v);
+  std::mt19937 rng(31337u);
+  for (int i = 0; i < 1 << 20; ++i) x.push_back(float_of(rng()));
+  std::uniform_int_distribution<uint32_t> exp_dist(127 - 12, 127 + 10);
+  for (int i = 0; i < 1 << 20; ++i) x.push_back(float_of((rng() & 0x807FFFFFu) | (exp_dist(rng) << 23)));
+  while (x.size() % 128) x.push_back(0.f);
+  return x;
+}
+
+// Random block data: N(0, 1) with a magnitude 2^U[-12, 12] per run of 128, every 7th block of 128
+// heavy-tailed (Student-t 1.5), every 13th all zero, and a few inf / NaN.
+std::vector<float> block_inputs(int64_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::student_t_distribution<float> heavy(1.5f);
+  std::uniform_int_distribution<int> binade(-12, 12);
+  std::vector<float> x(n);
+  for (int64_t b = 0; b < n / 128; ++b) {
+    const float magnitude = std::ldexp(1.f, binade(rng));
+    for (int64_t i = b * 128; i < (b + 1) * 128; ++i) {
+      if (b % 13 == 5)
+        x[i] = 0.f;
+      else if (b % 7 == 3)
+        x[i] = heavy(rng);
+      else
+        x[i] = normal(rng) * magnitude;
+    }
+  }
+  const float inf = std::numeric_limits<float>::infinity();
+  x[n / 3] = inf;
+  x[n / 3 + 40] = -inf;
+  x[n / 2] = std::numeric_limits<float>::quiet_NaN();
+  return x;
+}
+
+TEST(FormatsDevice, DecodeAllCodesBitExact) {
+  REQUIRE_SM90();
+  DeviceBuffer<float> e4m3(256), e2m1(16), e8m0(256);
+  CUDA_OK(fmt::device::decode_all_codes(e4m3.ptr, e2m1.ptr, e8m0.ptr, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  std::vector<float> h4(256), h2(16), h8(256);
+  for (int c = 0; c < 256; ++c) {
+    h4[c] = fmt::e4m3_to_float(static_cast<uint8_t>(c));
+    h8[c] = fmt::e8m0_to_float(static_cast<uint8_t>(c));
+    if (c < 16) h2[c] = fmt::e2m1_to_float(static_cast<uint8_t>(c));
+  }
+  EXPECT_EQ(count_bit_differences(e4m3.to_host(), h4), 0);
+  EXPECT_EQ(count_bit_differences(e2m1.to_host(), h2), 0);
+  EXPECT_EQ(count_bit_differences(e8m0.to_host(), h8), 0);
+}
+
+TEST(FormatsDevice, EncodersBitExact) {
+  REQUIRE_SM90();
+  const std::vector<float> x = encoder_inputs();
+  const int64_t n = static_cast<int64_t>(x.size());
+  DeviceBuffer<float> dx(x);
+  DeviceBuffer<uint8_t> e4m3(n), e2m1(n);
+  DeviceBuffer<uint16_t> bf16(n);
+  CUDA_OK(fmt::device::encode_elements(dx.ptr, n, e4m3.ptr, e2m1.ptr, bf16.ptr, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  std::vector<uint8_t> h4(n), h2(n);
+  std::vector<uint16_t> hb(n);
+  for (int64_t i = 0; i < n; ++i) {
+    h4[i] = fmt::float_to_e4m3(x[i]);
+    h2[i] = fmt::float_to_e2m1(x[i]);
+    hb[i] = fmt::float_to_bf16(x[i]);
+  }
+  std::printf("encoders: %lld inputs\n", static_cast<long long>(n));
+  EXPECT_EQ(count_bit_differences(e4m3.to_host(), h4), 0);
+  EXPECT_EQ(count_bit_differences(e2m1.to_host(), h2), 0);
+  EXPECT_EQ(count_bit_differences(bf16.to_host(), hb), 0);
+}
+
+// Kernels may use the conversion instructions directly: they must agree with the codecs. NaN is the
+// one documented difference for bf16 (the instruction gives the canonical 0x7FFF; the codec keeps the
+// sign and payload); for e4m3 both give a NaN code.
+TEST(FormatsDevice, HardwareCvtAgreesWithCodecs) {
+  REQUIRE_SM90();
+  const std::vector<float> x = encoder_inputs();
+  const int64_t n = static_cast<int64_t>(x.size());
+  DeviceBuffer<float> dx(x);
+  DeviceBuffer<uint8_t> e4m3(n);
+  DeviceBuffer<uint16_t> bf16(n);
+  CUDA_OK(fmt::device::encode_elements_cvt(dx.ptr, n, e4m3.ptr, bf16.ptr, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  const std::vector<uint8_t> g4 = e4m3.to_host();
+  const std::vector<uint16_t> gb = bf16.to_host();
+  int64_t e4m3_diff = 0, bf16_diff = 0, nan_inputs = 0, e4m3_nan_exact = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (std::isnan(x[i])) {
+      ++nan_inputs;
+      EXPECT_EQ(g4[i] & 0x7F, 0x7F) << "cvt e4m3 of NaN " << std::hex << bits_of(x[i]);
+      e4m3_nan_exact += g4[i] == fmt::float_to_e4m3(x[i]);
+      EXPECT_TRUE(std::isnan(fmt::bf16_to_float(gb[i])));
+      continue;
+    }
+    e4m3_diff += g4[i] != fmt::float_to_e4m3(x[i]);
+    bf16_diff += gb[i] != fmt::float_to_bf16(x[i]);
+  }
+  std::printf(
+      "cvt vs codec: %lld non-NaN inputs, e4m3 differ %lld, bf16 differ %lld; NaN inputs %lld, "
+      "e4m3 NaN code equal to the codec's 0x7F for %lld\n",
+      static_cast<long long>(n - nan_inputs), static_cast<long long>(e4m3_diff), static_cast<long long>(bf16_diff),
+      static_cast<long long>(nan_inputs), static_cast<long long>(e4m3_nan_exact));
+  EXPECT_EQ(e4m3_diff, 0);
+  EXPECT_EQ(bf16_diff, 0);
+}
+
+TEST(FormatsDevice, Fp8_1x128_BitExact) {
+  REQUIRE_SM90();
+  const int64_t n = 128 * 4099;  // not a multiple of the CTA's 8 blocks
+  const std::vector<float> x = block_inputs(n, 5u);
+  DeviceBuffer<float> dx(x);
+  for (bool pow2 : {false, true}) {
+    DeviceBuffer<uint8_t> q(n);
+    DeviceBuffer<float> scales(n / 128), out(n);
+    CUDA_OK(fmt::device::quantize_fp8_1x128(dx.ptr, n, q.ptr, scales.ptr, pow2, nullptr));
+    CUDA_OK(fmt::device::dequantize_fp8_1x128(q.ptr, scales.ptr, n, out.ptr, nullptr));
+    CUDA_OK(cudaDeviceSynchronize());
+    std::vector<uint8_t> hq(n);
+    std::vector<float> hs(n / 128), ho(n);
+    fmt::quantize_fp8_1x128(x.data(), n, hq.data(), hs.data(), pow2);
+    fmt::dequantize_fp8_1x128(hq.data(), hs.data(), n, ho.data());
+    EXPECT_EQ(count_bit_differences(q.to_host(), hq), 0) << "pow2=" << pow2;
+    EXPECT_EQ(count_bit_differences(scales.to_host(), hs), 0) << "pow2=" << pow2;
+    EXPECT_EQ(count_bit_differences(out.to_host(), ho), 0) << "pow2=" << pow2;
+  }
+}
+
+TEST(FormatsDevice, Mxfp8_BitExact) {
+  REQUIRE_SM90();
+  const int64_t n = 32 * 16387;
+  const std::vector<float> x = block_inputs(n + 96, 6u);  // block_inputs works in runs of 128
+  DeviceBuffer<float> dx(std::vector<float>(x.begin(), x.begin() + n));
+  DeviceBuffer<uint8_t> q(n), scales(n / 32);
+  DeviceBuffer<float> out(n);
+  CUDA_OK(fmt::device::quantize_mxfp8(dx.ptr, n, q.ptr, scales.ptr, nullptr));
+  CUDA_OK(fmt::device::dequantize_mxfp8(q.ptr, scales.ptr, n, out.ptr, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  std::vector<uint8_t> hq(n), hs(n / 32);
+  std::vector<float> ho(n);
+  fmt::quantize_mxfp8(x.data(), n, hq.data(), hs.data());
+  fmt::dequantize_mxfp8(hq.data(), hs.data(), n, ho.data());
+  EXPECT_EQ(count_bit_differences(q.to_host(), hq), 0);
+  EXPECT_EQ(count_bit_differences(scales.to_host(), hs), 0);
+  EXPECT_EQ(count_bit_differences(out.to_host(), ho), 0);
+}
+
+TEST(FormatsDevice, Nvfp4_BitExact) {
+  REQUIRE_SM90();
+  const int64_t n = 16 * 32771;  // an odd number of blocks: the last warp has one
+  const std::vector<float> x = block_inputs(n + 112, 7u);
+  // Per-binade blocks put many block scales in e4m3's subnormal range (and some at 0): exercised too.
+  const float global = fmt::nvfp4_global_scale(fmt::amax_finite(x.data(), n));
+  DeviceBuffer<float> dx(std::vector<float>(x.begin(), x.begin() + n));
+  DeviceBuffer<uint8_t> packed(n / 2), scales(n / 16);
+  DeviceBuffer<float> out(n);
+  CUDA_OK(fmt::device::quantize_nvfp4(dx.ptr, n, global, packed.ptr, scales.ptr, nullptr));
+  CUDA_OK(fmt::device::dequantize_nvfp4(packed.ptr, scales.ptr, global, n, out.ptr, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  std::vector<uint8_t> hp(n / 2), hs(n / 16);
+  std::vector<float> ho(n);
+  fmt::quantize_nvfp4(x.data(), n, global, hp.data(), hs.data());
+  fmt::dequantize_nvfp4(hp.data(), hs.data(), global, n, ho.data());
+  EXPECT_EQ(count_bit_differences(packed.to_host(), hp), 0);
+  EXPECT_EQ(count_bit_differences(scales.to_host(), hs), 0);
+  EXPECT_EQ(count_bit_differences(out.to_host(), ho), 0);
+}
+
+TEST(FormatsDevice, LaunchersRejectBadSizes) {
+  REQUIRE_SM90();
+  DeviceBuffer<float> x(256), s(8);
+  DeviceBuffer<uint8_t> q(256);
+  EXPECT_EQ(fmt::device::quantize_fp8_1x128(x.ptr, 100, q.ptr, s.ptr, false, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(fmt::device::quantize_mxfp8(x.ptr, 48, q.ptr, q.ptr, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(fmt::device::quantize_nvfp4(x.ptr, 8, 1.f, q.ptr, q.ptr, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(fmt::device::quantize_nvfp4(nullptr, 16, 1.f, q.ptr, q.ptr, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(fmt::device::quantize_mxfp8(x.ptr, 0, nullptr, nullptr, nullptr), cudaSuccess);
+}
+
+}  // namespace
+}  // namespace megamoe

@@ -1,0 +1,336 @@
+// `megamoe bench`: timed forwards, one row per (backend, tokens) case, with the H200 floor.
+//
+// Per case: one layer per rank (max_tokens_per_rank = the case's tokens unless --max-tokens), warmed
+// up, then warm-up forwards and timed forwards with all ranks in lockstep (a barrier before each
+// forward); the time of one forward is the wall time from the first rank's start to the last rank's
+// end (the slowest rank). Inputs rotate among a few sets drawn from one generated problem; on a CUDA
+// device the L2 is flushed before each forward (outside the timed region).
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <CLI/CLI.hpp>
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "bench_model.h"
+#include "bench_output.h"
+#include "commands.h"
+#include "core/device.h"
+#include "megamoe/layer.h"
+#include "presets.h"
+#include "ranks.h"
+#include "reference/problem.h"
+
+namespace megamoe::tool {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct BenchOptions {
+  LayerOptions layer;
+  std::string backends;  // empty: auto (cpu in the default no-device mode)
+  std::string tokens;    // empty: per the resolved backend (cpu: 1,16,128; GPU: 1,16,128,1024,8192)
+  std::string iters, warmup, input_sets = "4";
+  std::string routing = "uniform", seed = "1";
+  std::string json, csv;
+};
+
+constexpr const char* kCpuDefaultTokens = "1,16,128";
+constexpr const char* kGpuDefaultTokens = "1,16,128,1024,8192";
+
+reference::Routing parse_routing(const std::string& s) {
+  if (s == "uniform") return reference::Routing::kUniform;
+  if (s == "single-expert") return reference::Routing::kSingleExpert;
+  if (s == "dropped") return reference::Routing::kWithDropped;
+  throw ToolError(kExitUsage, "invalid value for --routing: '" + s + "', must be uniform, single-expert or dropped");
+}
+
+// The backend a case would run on, without building anything.
+Backend resolve(const MoeGeometry& g, const MoeConfig& c) {
+  return c.backend == Backend::kAuto ? select_backend(g, c).backend : c.backend;
+}
+
+std::string reproduce_command(const BenchOptions& o, const std::string& preset, Backend b, int64_t tokens,
+                              int64_t iters, int64_t warmup, int64_t sets) {
+  const LayerOptions& l = o.layer;
+  std::string cmd = "megamoe bench --preset " + shell_quote(preset) + " --backend " + to_string(b) + " --ep " +
+                    shell_quote(l.ep) + " --tokens " + std::to_string(tokens) + " --iters " + std::to_string(iters) +
+                    " --warmup " + std::to_string(warmup) + " --weight-format " + shell_quote(l.weight_format) +
+                    " --dispatch-format " + shell_quote(l.dispatch_format) + " --combine-dtype " +
+                    shell_quote(l.combine_dtype);
+  if (l.in_kernel_fc2_reduce) cmd += " --in-kernel-fc2-reduce";
+  if (l.pow2_scales) cmd += " --pow2-scales";
+  if (!l.experts.empty()) cmd += " --experts " + shell_quote(l.experts);
+  if (!l.max_tokens.empty()) cmd += " --max-tokens " + shell_quote(l.max_tokens);
+  if (l.pad) cmd += " --pad";
+  cmd += " --routing " + shell_quote(o.routing) + " --seed " + shell_quote(o.seed) + " --input-sets " +
+         std::to_string(sets);
+  return cmd;
+}
+
+// Times one case. Fills row.median_us etc., or row.error.
+void run_case(const MoeGeometry& g, const MoeConfig& c, const reference::MoeProblem& problem, int64_t tokens,
+              int64_t sets, int64_t iters, int64_t warmup, BenchRow* row) {
+  const int64_t R = g.ep_size, H = g.hidden, k = g.top_k;
+  RankGroup group;
+  Status st = build_group(g, c, [&](int64_t r) { return reference::local_weights(problem, r); }, &group);
+  if (!st) {
+    row->error = st.message();
+    return;
+  }
+  row->resolved = to_string(group.layers[0]->backend());
+  row->on_gpu = group.layers[0]->device().kind == DeviceKind::kCuda;
+
+  // Input set s of rank r: tokens [s*T, (s+1)*T) of the rank's generated inputs.
+  std::vector<std::vector<std::unique_ptr<RankIo>>> io(static_cast<size_t>(R));
+  std::vector<std::vector<const int32_t*>> ids(static_cast<size_t>(R));
+  for (int64_t r = 0; r < R; ++r) {
+    const reference::RankInputs& in = problem.ranks[r];
+    for (int64_t s = 0; s < sets; ++s) {
+      io[r].push_back(std::make_unique<RankIo>());
+      const int64_t t0 = s * tokens;
+      st = io[r][s]->stage(group.layers[r]->device(), tokens, H, k, in.x_bf16.data() + t0 * H,
+                           in.topk_ids.data() + t0 * k, in.topk_weights.data() + t0 * k);
+      if (!st) {
+        row->error = "rank " + std::to_string(r) + ": " + st.message();
+        return;
+      }
+      ids[r].push_back(in.topk_ids.data() + t0 * k);
+    }
+  }
+  const ForwardModel model = model_forward(g, c, tokens, sets, ids);
+
+  const int64_t total = warmup + iters;
+  std::vector<std::vector<Clock::time_point>> start(R, std::vector<Clock::time_point>(total)),
+      end(R, std::vector<Clock::time_point>(total));
+  ThreadBarrier barrier(R);
+  std::atomic<bool> failed{false};
+  const Clock::time_point began = Clock::now();
+  st = run_on_ranks(R, [&](int64_t r) -> Status {
+    const Device dev = group.layers[r]->device();
+    void* stream = nullptr;
+    Status rst = create_stream(dev, &stream);
+    Clock::time_point last_progress = Clock::now();
+    for (int64_t it = 0; it < total; ++it) {
+      barrier.wait();
+      if (failed.load()) break;  // every rank sees the same flag after the same barrier
+      if (rst) rst = flush_l2(dev, stream);
+      if (rst) rst = synchronize(dev, stream);
+      barrier.wait();
+      start[r][it] = Clock::now();
+      if (rst) rst = io[r][it % sets]->forward(group.layers[r].get(), stream);
+      if (rst) rst = synchronize(dev, stream);
+      end[r][it] = Clock::now();
+      if (!rst) failed.store(true);
+      if (r == 0 && std::chrono::duration<double>(end[r][it] - last_progress).count() > 2.0) {
+        last_progress = end[r][it];
+        std::fprintf(stderr, "[bench]   %s T=%lld: %lld/%lld forwards (%.0f s)\n", row->resolved.c_str(),
+                     static_cast<long long>(tokens), static_cast<long long>(it + 1), static_cast<long long>(total),
+                     std::chrono::duration<double>(end[r][it] - began).count());
+      }
+    }
+    destroy_stream(dev, stream);
+    if (!rst) return Status(rst.code(), "rank " + std::to_string(r) + " forward: " + rst.message());
+    return rst;
+  });
+  if (!st) {
+    row->error = st.message();
+    return;
+  }
+  std::vector<double> us;
+  for (int64_t it = warmup; it < total; ++it) {
+    Clock::time_point first = start[0][it], last = end[0][it];
+    for (int64_t r = 1; r < R; ++r) {
+      first = std::min(first, start[r][it]);
+      last = std::max(last, end[r][it]);
+    }
+    us.push_back(std::chrono::duration<double, std::micro>(last - first).count());
+  }
+  std::sort(us.begin(), us.end());
+  const size_t n = us.size();
+  row->median_us = n % 2 ? us[n / 2] : 0.5 * (us[n / 2 - 1] + us[n / 2]);
+  row->min_us = us.front();
+  row->max_us = us.back();
+  const double t = row->median_us * 1e-6;
+  row->tflops_per_rank = model.flops / static_cast<double>(R) / t / 1e12;
+  row->hbm_gbps_per_rank = model.weight_bytes / static_cast<double>(R) / t / 1e9;
+  row->nvlink_gbps_per_rank = model.nvlink_bytes / static_cast<double>(R) / t / 1e9;
+  row->floor_us = model.floor_s * 1e6;
+  row->floor_bound = model.bound;
+  row->time_over_floor = model.floor_s > 0 ? t / model.floor_s : 0;
+}
+
+int run_bench(BenchOptions o) {
+  // The default run: no --preset.
+  const bool default_mode = o.layer.preset.empty();
+  std::string no_device_reason;
+  const bool has_device = cuda_device_count(&no_device_reason) > 0;
+  if (default_mode) {
+    if (!has_device) {
+      if (o.backends.empty()) o.backends = "cpu";
+      if (o.backends == "cpu")
+        std::printf("%s: running the cpu backend on the tiny preset\n", no_device_reason.c_str());
+      else
+        std::printf("%s: running --backend %s on the tiny preset\n", no_device_reason.c_str(), o.backends.c_str());
+      o.layer.preset = "tiny";
+    } else {
+      o.layer.preset = "deepseek-v3";
+    }
+  }
+  if (o.backends.empty()) o.backends = "auto";
+  std::vector<Backend> backends;
+  for (const std::string& b : split_list(o.backends)) backends.push_back(parse_backend_flag("--backend", b));
+  const reference::Routing routing = parse_routing(o.routing);
+  const uint64_t seed = static_cast<uint64_t>(parse_int_flag("--seed", o.seed, 0, INT64_MAX));
+  const int64_t sets_flag = parse_int_flag("--input-sets", o.input_sets, 1, 64);
+  // Validates the preset and flags before anything else runs.
+  (void)make_geometry(o.layer, 1);
+  (void)make_config(o.layer, Backend::kAuto);
+
+  // Which backends the cases resolve to decides the default token list and iteration counts.
+  auto any_on_cpu = [&](const std::string& tokens_text) {
+    for (Backend b : backends)
+      for (int64_t t : parse_int_list_flag("--tokens", tokens_text, 1, 1 << 20))
+        if (resolve(make_geometry(o.layer, t), make_config(o.layer, b)) == Backend::kCpu) return true;
+    return false;
+  };
+  std::string tokens_text = o.tokens.empty() ? (any_on_cpu(kGpuDefaultTokens) ? kCpuDefaultTokens : kGpuDefaultTokens)
+                                             : o.tokens;
+  std::vector<int64_t> token_list = parse_int_list_flag("--tokens", tokens_text, 1, 1 << 20);
+  const int64_t max_tokens_override =
+      o.layer.max_tokens.empty() ? 0 : parse_int_flag("--max-tokens", o.layer.max_tokens, 1, 1 << 20);
+  // The largest case and the input sets (t_max * sets tokens per rank stay within the 2^20 bound).
+  int64_t t_max = 0, sets = 0;
+  auto size_cases = [&] {
+    t_max = *std::max_element(token_list.begin(), token_list.end());
+    if (max_tokens_override && max_tokens_override < t_max)
+      throw ToolError(kExitUsage, "invalid value for --max-tokens: " + o.layer.max_tokens +
+                                      ", must be at least the largest --tokens value " + std::to_string(t_max));
+    sets = std::max<int64_t>(1, std::min<int64_t>(sets_flag, (1 << 20) / t_max));
+  };
+  size_cases();
+
+  // Host memory: the fp32 weights for all cases plus one case's layers at a time.
+  auto memory_for = [&](const std::string& preset) {
+    LayerOptions l = o.layer;
+    l.preset = preset;
+    const MoeGeometry g = make_geometry(l, t_max * sets);
+    bool cpu = false;
+    for (Backend b : backends)
+      for (int64_t t : token_list) cpu = cpu || resolve(make_geometry(l, t), make_config(l, b)) == Backend::kCpu;
+    return estimate_host_memory(g, make_config(l, Backend::kAuto), cpu ? Backend::kCpu : Backend::kMega,
+                                t_max * sets, /*dequantised_copy=*/false);
+  };
+  HostMemoryEstimate mem = memory_for(o.layer.preset);
+  if (!fits_host_memory(mem) && default_mode && o.layer.preset != "tiny") {
+    const BackendSelection sel = select_backend(make_geometry(o.layer, t_max), make_config(o.layer, Backend::kAuto));
+    std::printf("backend auto resolved to %s on %s (%s), which needs %s of host memory, above 60%% of this "
+                "machine's: falling back to the tiny preset\n",
+                to_string(sel.backend), o.layer.preset.c_str(), sel.reason.c_str(), format_bytes(mem.bytes).c_str());
+    o.layer.preset = "tiny";
+    if (o.tokens.empty()) {
+      tokens_text = kCpuDefaultTokens;
+      token_list = parse_int_list_flag("--tokens", tokens_text, 1, 1 << 20);
+      size_cases();
+    }
+    mem = memory_for(o.layer.preset);
+  }
+  require_host_memory(mem, o.layer.preset);
+
+  std::vector<BenchRow> rows;
+  for (Backend b : backends)
+    for (int64_t t : token_list) {
+      BenchRow row;
+      row.backend = to_string(b);
+      row.tokens = t;
+      row.resolved = to_string(resolve(make_geometry(o.layer, max_tokens_override ? max_tokens_override : t),
+                                       make_config(o.layer, b)));
+      rows.push_back(row);
+    }
+  const MoeGeometry g0 = make_geometry(o.layer, t_max);
+  const MoeConfig c0 = make_config(o.layer, Backend::kAuto);
+  BenchHeader header;
+  header.preset = o.layer.preset;
+  header.geometry = g0;
+  header.config = c0;
+  header.routing = o.routing;
+  header.sets = sets;
+
+  // One problem for every case: each rank gets t_max * sets tokens, sliced into the input sets.
+  std::fprintf(stderr, "[bench] generating %s fp32 weights and %lld input sets of up to %lld tokens per rank\n",
+               format_bytes(fp32_weight_bytes(g0)).c_str(), static_cast<long long>(sets),
+               static_cast<long long>(t_max));
+  const MoeGeometry g_gen = make_geometry(o.layer, t_max * sets);
+  const reference::MoeProblem problem = reference::make_random_problem(
+      g_gen, seed, std::vector<int64_t>(static_cast<size_t>(g_gen.ep_size), t_max * sets), routing);
+
+  header.any_cpu = false;
+  for (const BenchRow& row : rows) header.any_cpu = header.any_cpu || row.resolved == "cpu";
+  print_bench_header(header);
+  int exit_code = kExitOk;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    BenchRow& row = rows[i];
+    const Backend b = backends[i / token_list.size()];
+    const MoeGeometry g = make_geometry(o.layer, max_tokens_override ? max_tokens_override : row.tokens);
+    const MoeConfig c = make_config(o.layer, b);
+    const Backend resolved = resolve(g, c);
+    const int64_t iters = o.iters.empty() ? (resolved == Backend::kCpu ? 10 : 100)
+                                          : parse_int_flag("--iters", o.iters, 1, 1000000);
+    const int64_t warmup = o.warmup.empty() ? (resolved == Backend::kCpu ? 2 : 10)
+                                            : parse_int_flag("--warmup", o.warmup, 0, 1000000);
+    row.iters = iters;
+    row.warmup = warmup;
+    row.resolved = to_string(resolved);
+    row.command = reproduce_command(o, o.layer.preset, b, row.tokens, iters, warmup, sets);
+    std::fprintf(stderr, "[bench] case %zu/%zu: backend %s, %lld tokens per rank, %lld + %lld forwards\n", i + 1,
+                 rows.size(), row.backend.c_str(), static_cast<long long>(row.tokens), static_cast<long long>(warmup),
+                 static_cast<long long>(iters));
+    if (b == Backend::kMega || b == Backend::kRouted) {
+      const Status gate = b == Backend::kMega ? mega_capability(g, c) : routed_capability(g, c);
+      if (!gate) row.error = std::string("backend=") + to_string(b) + " is unavailable: " + gate.message();
+    }
+    if (row.error.empty()) run_case(g, c, problem, row.tokens, sets, iters, warmup, &row);
+    if (!row.error.empty()) exit_code = kExitUnavailable;
+    print_bench_row(row);
+    std::fflush(stdout);
+  }
+  if (!o.json.empty()) write_bench_json(o.json, header, rows);
+  if (!o.csv.empty()) write_bench_csv(o.csv, rows);
+  return exit_code;
+}
+
+}  // namespace
+
+CommandRun add_bench_command(CLI::App* app) {
+  auto o = std::make_shared<BenchOptions>();
+  CLI::App* sub = app->add_subcommand(
+      "bench", "timed forwards, one row per (backend, tokens) case, with the H200 floor; with no flags: deepseek-v3 "
+               "and backend auto on a CUDA machine, the cpu backend on the tiny preset without one");
+  sub->add_option("--preset", o->layer.preset, "model preset: " + preset_names())->type_name("P");
+  sub->add_option("--backend", o->backends, "comma-separated: auto | mega | routed | cpu (default auto)")
+      ->type_name("B[,B...]");
+  sub->add_option("--tokens", o->tokens,
+                  std::string("comma-separated tokens per rank (default ") + kGpuDefaultTokens +
+                      ", or " + kCpuDefaultTokens + " when a case runs on the cpu backend)")
+      ->type_name("T1[,T2...]");
+  sub->add_option("--iters", o->iters, "timed forwards per case (default 100 on a GPU, 10 on the cpu backend)")
+      ->type_name("N");
+  sub->add_option("--warmup", o->warmup, "untimed forwards first (default 10 on a GPU, 2 on the cpu backend)")
+      ->type_name("N");
+  sub->add_option("--input-sets", o->input_sets, "input sets rotated among the forwards")
+      ->type_name("N")
+      ->default_str(o->input_sets);
+  sub->add_option("--routing", o->routing, "uniform | single-expert | dropped")->type_name("R")->default_str(o->routing);
+  sub->add_option("--seed", o->seed, "seed of the weights and inputs")->type_name("S")->default_str(o->seed);
+  sub->add_option("--json", o->json, "write the rows as JSON to F")->type_name("F");
+  sub->add_option("--csv", o->csv, "write the rows as CSV to F")->type_name("F");
+  add_layer_options(sub, &o->layer, /*with_pow2_scales=*/true);
+  return [o] { return run_bench(*o); };
+}
+
+}  // namespace megamoe::tool

@@ -1,0 +1,41 @@
+// Rows of `megamoe bench`: the table on stdout and the --json / --csv files.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "megamoe/config.h"
+
+namespace megamoe::tool {
+
+struct BenchRow {
+  std::string backend;   // as requested (auto, mega, routed, cpu)
+  std::string resolved;  // what it ran on
+  int64_t tokens = 0;    // per rank
+  int64_t iters = 0, warmup = 0;
+  bool on_gpu = false;
+  double median_us = 0, min_us = 0, max_us = 0;
+  double tflops_per_rank = 0, hbm_gbps_per_rank = 0, nvlink_gbps_per_rank = 0;
+  double floor_us = 0, time_over_floor = 0;
+  std::string floor_bound;  // hbm | gemm | nvlink
+  std::string command;      // reproduces the row
+  std::string error;        // non-empty: the case did not run, and why
+};
+
+struct BenchHeader {
+  std::string preset;
+  MoeGeometry geometry;  // max_tokens_per_rank of the largest case
+  MoeConfig config;
+  std::string routing;
+  int64_t sets = 0;
+  bool any_cpu = false;  // some case runs on the cpu backend
+};
+
+void print_bench_header(const BenchHeader& h);
+void print_bench_row(const BenchRow& row);
+// Throw ToolError (kExitIo) naming the path when the file cannot be written.
+void write_bench_json(const std::string& path, const BenchHeader& h, const std::vector<BenchRow>& rows);
+void write_bench_csv(const std::string& path, const std::vector<BenchRow>& rows);
+
+}  // namespace megamoe::tool

@@ -1,0 +1,344 @@
+// `megamoe check`: one forward per rank against the float64 reference, computed on the dequantised
+// weights the layer computes with and on x as the layer consumed it; per-rank and overall rel-L2 and
+// max abs error against the bound of the configuration's error model; PASS/FAIL (exit 1 on FAIL).
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "commands.h"
+#include "dump.h"
+#include "megamoe/formats.h"
+#include "megamoe/layer.h"
+#include "presets.h"
+#include "ranks.h"
+#include "reference/problem.h"
+#include "reference/reference_moe.h"
+
+namespace megamoe::tool {
+namespace {
+
+struct CheckOptions {
+  LayerOptions layer;
+  std::string backend;
+  std::string tokens = "64";
+  std::string routing = "uniform";
+  std::string seed = "1";
+  std::string dump;
+};
+
+// ---- error bounds: one table ----
+// The reference runs in float64 on the weights exactly as the layer computes with them (the
+// dequantised prepared weights) and on x exactly as the layer consumed it (after the dispatch
+// format), so weight and dispatch quantisation cancel. What remains are the roundings the layer does
+// after FC1 (ep_protocol.h, quantisation points 4-8):
+//   - the SwiGLU output h is requantised to fp8 e4m3 1x128 (fp8-family weights) or rounded to bf16;
+//   - each partial goes over the combine wire as bf16, mxfp8 or nvfp4;
+//   - y is rounded to bf16.
+// Per rounding to a format with m mantissa bits (round to nearest even), a value M * 2^e (M in [1, 2))
+// gets an absolute error uniform in +-2^(e-m-1), a relative error U(+-2^-(m+1)) / M; with M spread
+// log-uniformly over a binade, E[1/M^2] = 0.541, so the relative RMS is 2^-(m+1) / sqrt(3) *
+// sqrt(0.541) = 0.425 * 2^-(m+1). A dot product of many values with independent rounding errors keeps
+// that relative RMS, and independent roundings add in quadrature, so the rel-L2 of y is about the
+// root-sum-square of one term per rounding. Each bound is 2x that estimate: a correct layer passes for
+// every seed and shape (measured on tiny, EP1/EP2, 3 seeds: 0.0029 all-bf16, 0.023 fp8 intermediate,
+// 0.038 + mxfp8 combine, 0.098 + nvfp4 combine, about half of the bound each), while a wrong scale, a
+// dropped slot or a misrouted token (rel-L2 ~ 1) fails.
+struct ErrorBound {
+  double rel_l2 = 0;
+  std::string derivation;  // which roundings the bound covers
+};
+
+// Relative RMS of one rounding, 0.425 * 2^-(m+1).
+constexpr double kBf16Rms = 0.00166;  // bf16, m = 7
+constexpr double kFp8Rms = 0.0265;    // e4m3, m = 3 (fp8 1x128: the scale puts each block's max at 448)
+// mxfp8: e4m3 under a power-of-two scale (the same element rounding), plus the OCP rule clamping
+// elements with |x| / X in (448, 512) to 448 (up to 1/8 off for a block's largest values).
+constexpr double kMxfp8Rms = 0.032;
+constexpr double kNvfp4Rms = 0.106;   // e2m1, m = 1, under e4m3 block scales per 16 values
+
+ErrorBound error_bound(const MoeConfig& c, int64_t top_k) {
+  double sum_sq = kBf16Rms * kBf16Rms;  // y rounded to bf16
+  std::string what = "bf16 output";
+  if (c.intermediate_format() == DispatchFormat::kFp8Block) {
+    sum_sq += kFp8Rms * kFp8Rms;
+    what += " + fp8 e4m3 1x128 intermediate";
+  } else {
+    sum_sq += kBf16Rms * kBf16Rms;
+    what += " + bf16 intermediate";
+  }
+  switch (c.combine_dtype) {
+    case CombineDtype::kBf16:
+      sum_sq += kBf16Rms * kBf16Rms;
+      what += c.in_kernel_fc2_reduce ? " + bf16 in-kernel reduce (one rounding per add)" : " + bf16 combine wire";
+      // In-kernel reduce: y = bf16(y + partial) per slot, k roundings of which the last is y's own.
+      if (c.in_kernel_fc2_reduce) sum_sq += static_cast<double>(top_k - 1) * kBf16Rms * kBf16Rms;
+      break;
+    case CombineDtype::kMxfp8:
+      sum_sq += kMxfp8Rms * kMxfp8Rms;
+      what += " + mxfp8 combine wire";
+      break;
+    case CombineDtype::kNvfp4:
+      sum_sq += kNvfp4Rms * kNvfp4Rms;
+      what += " + nvfp4 combine wire";
+      break;
+  }
+  ErrorBound b;
+  b.rel_l2 = 2.0 * std::sqrt(sum_sq);
+  b.derivation = what + ", 2x the root-sum-square of the per-rounding relative RMS";
+  return b;
+}
+
+reference::Routing parse_routing(const std::string& s) {
+  if (s == "uniform") return reference::Routing::kUniform;
+  if (s == "single-expert") return reference::Routing::kSingleExpert;
+  if (s == "dropped") return reference::Routing::kWithDropped;
+  throw ToolError(kExitUsage, "invalid value for --routing: '" + s + "', must be uniform, single-expert or dropped");
+}
+
+// x as the layer consumed it (ep_protocol.h, quantisation points 1-2): fp8-block dispatch quantises
+// each bf16 row with fmt::quantize_fp8_1x128 (pow2 scales per config) and FC1 reads it dequantised;
+// a bf16 dispatch passes the bf16 values through.
+std::vector<float> consumed_x(const MoeConfig& c, const std::vector<uint16_t>& x_bf16, int64_t T, int64_t H) {
+  std::vector<float> x(static_cast<size_t>(T * H));
+  for (size_t i = 0; i < x.size(); ++i) x[i] = fmt::bf16_to_float(x_bf16[i]);
+  if (c.dispatch_format != DispatchFormat::kFp8Block) return x;
+  std::vector<uint8_t> q(static_cast<size_t>(H));
+  std::vector<float> scales(static_cast<size_t>(H / fmt::kFp8BlockSize));
+  for (int64_t t = 0; t < T; ++t) {
+    float* row = x.data() + t * H;
+    fmt::quantize_fp8_1x128(row, H, q.data(), scales.data(), c.pow2_scales);
+    fmt::dequantize_fp8_1x128(q.data(), scales.data(), H, row);
+  }
+  return x;
+}
+
+struct RankError {
+  int64_t tokens = 0;
+  double sum_sq_err = 0, sum_sq_ref = 0, max_abs = 0;
+  int64_t non_finite = 0;
+  double rel_l2() const { return sum_sq_ref > 0 ? std::sqrt(sum_sq_err / sum_sq_ref) : std::sqrt(sum_sq_err); }
+};
+
+RankError compare(const std::vector<uint16_t>& y, const std::vector<double>& ref) {
+  RankError e;
+  for (size_t i = 0; i < y.size(); ++i) {
+    const double v = fmt::bf16_to_float(y[i]);
+    if (!std::isfinite(v)) {
+      ++e.non_finite;
+      continue;
+    }
+    const double d = v - ref[i];
+    e.sum_sq_err += d * d;
+    e.sum_sq_ref += ref[i] * ref[i];
+    e.max_abs = std::max(e.max_abs, std::fabs(d));
+  }
+  return e;
+}
+
+int run_check(const CheckOptions& o) {
+  const Backend backend = parse_backend_flag("--backend", o.backend);
+  const int64_t tokens = parse_int_flag("--tokens", o.tokens, 0, 1 << 20);
+  const int64_t max_tokens =
+      o.layer.max_tokens.empty() ? tokens : parse_int_flag("--max-tokens", o.layer.max_tokens, 0, 1 << 20);
+  if (max_tokens < tokens)
+    throw ToolError(kExitUsage, "invalid value for --max-tokens: " + o.layer.max_tokens + ", must be at least --tokens=" +
+                                    std::to_string(tokens) + " (the layer refuses a forward with T > max_tokens_per_rank)");
+  const uint64_t seed = static_cast<uint64_t>(parse_int_flag("--seed", o.seed, 0, INT64_MAX));
+  const reference::Routing routing = parse_routing(o.routing);
+  const MoeGeometry g = make_geometry(o.layer, max_tokens);
+  const MoeConfig c = make_config(o.layer, backend);
+  if (const Status st = c.validate(g); !st) throw ToolError(kExitUsage, st.message());
+  const int64_t R = g.ep_size, H = g.hidden, I = g.intermediate, E = g.num_experts, k = g.top_k;
+
+  std::printf("megamoe check: preset %s%s, backend %s\n  %s\n  %s\n", o.layer.preset.c_str(),
+              o.layer.pad ? " (padded)" : "", to_string(backend), g.to_string().c_str(), c.to_string().c_str());
+  std::printf("  routing %s, seed %llu, %lld tokens on each of %lld ranks\n", o.routing.c_str(),
+              static_cast<unsigned long long>(seed), static_cast<long long>(tokens), static_cast<long long>(R));
+
+  // The backend's gate first: a backend that cannot run is reported before any weights exist.
+  const BackendSelection sel = select_backend(g, c);
+  if (backend == Backend::kMega || backend == Backend::kRouted) {
+    const Status gate = backend == Backend::kMega ? mega_capability(g, c) : routed_capability(g, c);
+    if (!gate)
+      throw ToolError(kExitUnavailable,
+                      std::string("backend=") + to_string(backend) + " is unavailable: " + gate.message());
+  }
+  if (backend == Backend::kAuto) std::printf("  %s\n", sel.reason.c_str());
+  const std::vector<int64_t> tokens_per_rank(static_cast<size_t>(R), tokens);
+  std::vector<DumpFile> plan;
+  if (!o.dump.empty()) {
+    plan = plan_dump(g, c, tokens_per_rank);
+    const int64_t bytes = dump_bytes(plan);
+    if (bytes > kMaxDumpBytes)
+      throw ToolError(kExitUsage, "--dump would write " + format_bytes(bytes) + ", above the 4 GiB limit (" +
+                                      format_bytes(kMaxDumpBytes) + "); use --experts N, fewer --tokens or a smaller preset");
+  }
+  require_host_memory(estimate_host_memory(g, c, sel.backend, tokens, /*dequantised_copy=*/true), o.layer.preset);
+  const ErrorBound bound = error_bound(c, k);
+
+  // Problem, layers, one forward per rank.
+  std::fprintf(stderr, "[check] generating weights and inputs (%s fp32)\n", format_bytes(fp32_weight_bytes(g)).c_str());
+  reference::MoeProblem problem = reference::make_random_problem(g, seed, tokens_per_rank, routing);
+  RankGroup group;
+  std::fprintf(stderr, "[check] preparing %s weights and building %lld layer(s)\n", to_string(c.weight_format),
+               static_cast<long long>(R));
+  Status st = build_group(g, c, [&](int64_t r) { return reference::local_weights(problem, r); }, &group);
+  if (!st) throw ToolError(kExitUnavailable, st.message());
+  std::printf("  resolved backend: %s (%s)\n", to_string(group.layers[0]->backend()), group.layers[0]->selection().reason.c_str());
+  // The layers hold their prepared copies; the fp32 source weights are no longer needed.
+  std::vector<float>().swap(problem.w13);
+  std::vector<float>().swap(problem.w2);
+
+  std::vector<std::vector<uint16_t>> y(static_cast<size_t>(R));
+  std::vector<std::unique_ptr<RankIo>> io(static_cast<size_t>(R));
+  for (int64_t r = 0; r < R; ++r) {
+    const reference::RankInputs& in = problem.ranks[r];
+    io[r] = std::make_unique<RankIo>();
+    st = io[r]->stage(group.layers[r]->device(), in.num_tokens, H, k, in.x_bf16.data(), in.topk_ids.data(),
+                      in.topk_weights.data());
+    if (!st) throw ToolError(kExitUnavailable, "rank " + std::to_string(r) + ": " + st.message());
+    st = io[r]->poison_output();
+    if (!st) throw ToolError(kExitUnavailable, st.message());
+    y[r].assign(static_cast<size_t>(in.num_tokens * H), 0);
+  }
+  std::fprintf(stderr, "[check] forward on %lld rank(s)\n", static_cast<long long>(R));
+  st = run_on_ranks(R, [&](int64_t r) -> Status {
+    void* stream = nullptr;
+    MEGAMOE_RETURN_IF_ERROR(create_stream(group.layers[r]->device(), &stream));
+    Status fst = io[r]->forward(group.layers[r].get(), stream);
+    if (fst) fst = synchronize(group.layers[r]->device(), stream);
+    if (fst) fst = io[r]->read_output(y[r].data());
+    destroy_stream(group.layers[r]->device(), stream);
+    if (!fst) return Status(fst.code(), "rank " + std::to_string(r) + " forward: " + fst.message());
+    return fst;
+  });
+  if (!st) throw ToolError(kExitUnavailable, st.message());
+
+  // The weights as the layer computes with them, all experts in global order.
+  std::fprintf(stderr, "[check] float64 reference\n");
+  const int64_t El = g.experts_per_rank();
+  std::vector<float> w13(static_cast<size_t>(E * 2 * I * H)), w2(static_cast<size_t>(E * H * I));
+  for (int64_t r = 0; r < R; ++r) {
+    const PreparedWeights& pw = group.layers[r]->prepared_weights();
+    for (int64_t e = 0; e < El; ++e) {
+      pw.w13.dequantize_expert(e, w13.data() + (r * El + e) * 2 * I * H);
+      pw.w2.dequantize_expert(e, w2.data() + (r * El + e) * H * I);
+    }
+  }
+  std::vector<std::vector<float>> x(static_cast<size_t>(R));
+  std::vector<RankError> errors(static_cast<size_t>(R));
+  st = run_on_ranks(R, [&](int64_t r) -> Status {
+    const reference::RankInputs& in = problem.ranks[r];
+    x[r] = consumed_x(c, in.x_bf16, in.num_tokens, H);
+    std::vector<double> ref(static_cast<size_t>(in.num_tokens * H));
+    reference::reference_moe(g, in.num_tokens, x[r].data(), in.topk_ids.data(), in.topk_weights.data(), w13.data(),
+                             w2.data(), ref.data());
+    errors[r] = compare(y[r], ref);
+    errors[r].tokens = in.num_tokens;
+    return Status::ok();
+  });
+  if (!st) throw ToolError(kExitUnavailable, st.message());
+
+  // Report.
+  std::printf("  reference: float64 on the dequantised %s weights and x after the %s dispatch\n",
+              to_string(c.weight_format), to_string(c.dispatch_format));
+  std::printf("  bound: rel_l2 <= %.3g (%s)\n", bound.rel_l2, bound.derivation.c_str());
+  std::printf("%-6s %8s %12s %12s %8s\n", "rank", "tokens", "rel_l2", "max_abs", "result");
+  RankError all;
+  bool pass = true;
+  nlohmann::json per_rank = nlohmann::json::array();
+  for (int64_t r = 0; r < R; ++r) {
+    const RankError& e = errors[r];
+    const bool ok = e.non_finite == 0 && e.rel_l2() <= bound.rel_l2;
+    pass = pass && ok;
+    std::printf("%-6lld %8lld %12.4e %12.4e %8s", static_cast<long long>(r), static_cast<long long>(e.tokens),
+                e.rel_l2(), e.max_abs, ok ? "PASS" : "FAIL");
+    if (e.non_finite) std::printf("  (%lld non-finite outputs)", static_cast<long long>(e.non_finite));
+    std::printf("\n");
+    all.tokens += e.tokens;
+    all.sum_sq_err += e.sum_sq_err;
+    all.sum_sq_ref += e.sum_sq_ref;
+    all.max_abs = std::max(all.max_abs, e.max_abs);
+    all.non_finite += e.non_finite;
+    per_rank.push_back({{"rank", r}, {"tokens", e.tokens}, {"rel_l2", e.rel_l2()}, {"max_abs", e.max_abs},
+                        {"non_finite", e.non_finite}, {"pass", ok}});
+  }
+  pass = pass && all.non_finite == 0 && all.rel_l2() <= bound.rel_l2;
+  std::printf("overall: rel_l2 %.4e, max_abs %.4e, bound rel_l2 <= %.3g: %s\n", all.rel_l2(), all.max_abs,
+              bound.rel_l2, pass ? "PASS" : "FAIL");
+
+  if (!o.dump.empty()) {
+    DumpData data;
+    data.w13_f32 = &w13;
+    data.w2_f32 = &w2;
+    for (int64_t r = 0; r < R; ++r) {
+      const reference::RankInputs& in = problem.ranks[r];
+      data.prepared.push_back(&group.layers[r]->prepared_weights());
+      data.x_bf16.push_back(&in.x_bf16);
+      data.x_f32.push_back(&x[r]);
+      data.topk_ids.push_back(&in.topk_ids);
+      data.topk_weights.push_back(&in.topk_weights);
+      data.y_bf16.push_back(&y[r]);
+    }
+    nlohmann::json meta;
+    meta["tool"] = "megamoe check";
+    meta["preset"] = o.layer.preset;
+    meta["padded"] = o.layer.pad;
+    meta["geometry"] = {{"hidden", H}, {"intermediate", I}, {"num_experts", E}, {"top_k", k}, {"ep_size", R},
+                        {"max_tokens_per_rank", g.max_tokens_per_rank}};
+    meta["config"] = {{"backend", to_string(backend)},
+                      {"resolved_backend", to_string(group.layers[0]->backend())},
+                      {"weight_format", to_string(c.weight_format)},
+                      {"dispatch_format", to_string(c.dispatch_format)},
+                      {"combine_dtype", to_string(c.combine_dtype)},
+                      {"in_kernel_fc2_reduce", c.in_kernel_fc2_reduce},
+                      {"pow2_scales", c.pow2_scales}};
+    meta["formats"] = {{"weight_format", to_string(c.weight_format)},
+                       {"dispatch_format", to_string(c.dispatch_format)},
+                       {"intermediate_format", to_string(c.intermediate_format())},
+                       {"combine_dtype", to_string(c.combine_dtype)},
+                       {"weight_data_dtype", to_string(group.layers[0]->prepared_weights().w13.data_dtype())},
+                       {"weight_scale_dtype", c.weight_format == WeightFormat::kBf16
+                                                  ? "none"
+                                                  : to_string(group.layers[0]->prepared_weights().w13.scale_dtype())}};
+    meta["seed"] = seed;
+    meta["routing"] = o.routing;
+    meta["tokens_per_rank"] = tokens_per_rank;
+    meta["results"] = {{"ranks", per_rank},
+                       {"rel_l2", all.rel_l2()},
+                       {"max_abs", all.max_abs},
+                       {"bound_rel_l2", bound.rel_l2},
+                       {"pass", pass}};
+    std::fprintf(stderr, "[check] writing %s to %s\n", format_bytes(dump_bytes(plan)).c_str(), o.dump.c_str());
+    write_dump(o.dump, plan, data, meta);
+    std::printf("dump: %s (meta.json and %zu .npy files)\n", o.dump.c_str(), plan.size());
+  }
+  return pass ? kExitOk : kExitCheckFailed;
+}
+
+}  // namespace
+
+CommandRun add_check_command(CLI::App* app) {
+  auto o = std::make_shared<CheckOptions>();
+  CLI::App* sub = app->add_subcommand("check", "one forward per rank against the float64 reference; exit 1 when "
+                                                "the error is above the bound");
+  sub->add_option("--preset", o->layer.preset, "model preset: " + preset_names())->type_name("P")->required();
+  sub->add_option("--backend", o->backend, "auto | mega | routed | cpu")->type_name("B")->required();
+  sub->add_option("--tokens", o->tokens, "tokens on each rank")->type_name("T")->default_str(o->tokens);
+  sub->add_option("--routing", o->routing, "uniform | single-expert | dropped")
+      ->type_name("R")
+      ->default_str(o->routing);
+  sub->add_option("--seed", o->seed, "seed of the weights and inputs")->type_name("S")->default_str(o->seed);
+  sub->add_option("--dump", o->dump, "write meta.json and .npy files of everything compared into DIR")
+      ->type_name("DIR");
+  add_layer_options(sub, &o->layer, /*with_pow2_scales=*/true);
+  return [o] { return run_check(*o); };
+}
+
+}  // namespace megamoe::tool

@@ -1,0 +1,266 @@
+#include "presets.h"
+
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <cctype>
+#include <cstdio>
+#include <limits>
+
+namespace megamoe::tool {
+
+const std::vector<Preset>& all_presets() {
+  static const std::vector<Preset> presets = {
+      {"deepseek-v3", 7168, 2048, 256, 8, "DeepSeek-V3 / R1"},
+      {"deepseek-v4-flash", 4096, 2048, 256, 6, "DeepSeek-V4-Flash"},
+      {"qwen3-235b-a22b", 4096, 1536, 128, 8, "Qwen3-235B-A22B"},
+      {"qwen3-30b-a3b", 2048, 768, 128, 8, "Qwen3-30B-A3B"},
+      {"gpt-oss-120b", 2880, 2880, 128, 4, "gpt-oss-120b (needs --pad: 2880 is not a multiple of 128)"},
+      {"mixtral-8x7b", 4096, 14336, 8, 2, "Mixtral-8x7B"},
+      {"tiny", 512, 256, 16, 4, "small shape for CPU runs and tests"},
+  };
+  return presets;
+}
+
+const Preset* find_preset(const std::string& name) {
+  for (const Preset& p : all_presets())
+    if (name == p.name) return &p;
+  return nullptr;
+}
+
+std::string preset_names() {
+  std::string s;
+  for (const Preset& p : all_presets()) s += (s.empty() ? "" : ", ") + std::string(p.name);
+  return s;
+}
+
+void add_layer_options(CLI::App* app, LayerOptions* o, bool with_pow2_scales) {
+  app->add_option("--ep", o->ep, "expert-parallel ranks R (host threads for the cpu backend)")
+      ->type_name("R")
+      ->default_str(o->ep);
+  app->add_option("--experts", o->experts,
+                  "override the preset's expert count (for CPU-sized runs); must be divisible by --ep")
+      ->type_name("N");
+  app->add_option("--max-tokens", o->max_tokens,
+                  "max_tokens_per_rank of the layer (default: the --tokens value, per rank)")
+      ->type_name("T");
+  app->add_option("--weight-format", o->weight_format, "bf16 | fp8-block | mxfp8 | nvfp4")
+      ->type_name("F")
+      ->default_str(o->weight_format);
+  app->add_option("--dispatch-format", o->dispatch_format, "bf16 | fp8-block")
+      ->type_name("F")
+      ->default_str(o->dispatch_format);
+  app->add_option("--combine-dtype", o->combine_dtype, "bf16 | mxfp8 | nvfp4")
+      ->type_name("D")
+      ->default_str(o->combine_dtype);
+  app->add_flag("--in-kernel-fc2-reduce", o->in_kernel_fc2_reduce,
+                "FC2 adds bf16 partials straight into the source rank's output (bf16 combine only)");
+  if (with_pow2_scales)
+    app->add_flag("--pow2-scales", o->pow2_scales, "power-of-two (ue8m0) fp32 scales for the fp8-block formats");
+  app->add_flag("--pad", o->pad, "round hidden and intermediate up to a multiple of 128 (MoeGeometry::padded())");
+}
+
+int64_t parse_int_flag(const std::string& flag, const std::string& text, int64_t min, int64_t max) {
+  const std::string rule = "must be an integer in [" + std::to_string(min) + ", " + std::to_string(max) + "]";
+  size_t used = 0;
+  long long v = 0;
+  try {
+    v = std::stoll(text, &used, 10);
+  } catch (const std::exception&) {
+    throw ToolError(kExitUsage, "invalid value for " + flag + ": '" + text + "', " + rule);
+  }
+  if (used != text.size() || v < min || v > max)
+    throw ToolError(kExitUsage, "invalid value for " + flag + ": '" + text + "', " + rule);
+  return v;
+}
+
+std::vector<std::string> split_list(const std::string& text) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (true) {
+    const size_t comma = text.find(',', start);
+    out.push_back(text.substr(start, comma == std::string::npos ? std::string::npos : comma - start));
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  return out;
+}
+
+std::vector<int64_t> parse_int_list_flag(const std::string& flag, const std::string& text, int64_t min,
+                                         int64_t max) {
+  std::vector<int64_t> out;
+  for (const std::string& item : split_list(text)) {
+    if (item.empty())
+      throw ToolError(kExitUsage, "invalid value for " + flag + ": '" + text +
+                                      "', must be a comma-separated list of integers (empty item)");
+    out.push_back(parse_int_flag(flag, item, min, max));
+  }
+  return out;
+}
+
+Backend parse_backend_flag(const std::string& flag, const std::string& text) {
+  Backend b = Backend::kAuto;
+  const Status st = parse_backend(text, &b);
+  if (!st) throw ToolError(kExitUsage, "invalid value for " + flag + ": '" + text + "', must be auto, mega, routed or cpu");
+  return b;
+}
+
+MoeGeometry make_geometry(const LayerOptions& o, int64_t max_tokens_per_rank) {
+  const Preset* p = find_preset(o.preset);
+  if (!p)
+    throw ToolError(kExitUsage, "unknown preset: --preset '" + o.preset + "', must be one of: " + preset_names());
+  MoeGeometry g;
+  g.hidden = p->hidden;
+  g.intermediate = p->intermediate;
+  g.num_experts = p->num_experts;
+  g.top_k = p->top_k;
+  g.ep_size = parse_int_flag("--ep", o.ep, 1, 4096);
+  g.ep_rank = 0;
+  g.max_tokens_per_rank = max_tokens_per_rank;
+  if (!o.experts.empty()) {
+    g.num_experts = parse_int_flag("--experts", o.experts, 1, 4096);
+    if (g.num_experts < g.top_k)
+      throw ToolError(kExitUsage, "invalid value for --experts: " + o.experts + ", must be at least top_k=" +
+                                      std::to_string(g.top_k) + " of preset " + o.preset);
+  }
+  if (g.num_experts % g.ep_size != 0)
+    throw ToolError(kExitUsage, "invalid value for --ep: " + o.ep + ", num_experts=" + std::to_string(g.num_experts) +
+                                    " must be divisible by it (choose --ep dividing it, or --experts)");
+  const bool aligned = g.hidden % kDimAlignment == 0 && g.intermediate % kDimAlignment == 0;
+  if (!aligned) {
+    const MoeGeometry padded = g.padded();
+    if (!o.pad) {
+      std::string what;
+      if (g.hidden % kDimAlignment) what += "hidden=" + std::to_string(g.hidden);
+      if (g.intermediate % kDimAlignment)
+        what += (what.empty() ? "" : " and ") + std::string("intermediate=") + std::to_string(g.intermediate);
+      throw ToolError(kExitUsage, "preset " + o.preset + ": " + what + " not a multiple of " +
+                                      std::to_string(kDimAlignment) + " (one fp8 1x128 scale block); rerun with --pad "
+                                      "to pad to hidden=" + std::to_string(padded.hidden) + ", intermediate=" +
+                                      std::to_string(padded.intermediate) +
+                                      " (a zero-padded layer computes the same function)");
+    }
+    g = padded;
+  }
+  const Status st = g.validate();
+  if (!st) throw ToolError(kExitUsage, st.message());
+  return g;
+}
+
+MoeConfig make_config(const LayerOptions& o, Backend backend) {
+  MoeConfig c;
+  c.backend = backend;
+  if (!parse_weight_format(o.weight_format, &c.weight_format))
+    throw ToolError(kExitUsage, "invalid value for --weight-format: '" + o.weight_format +
+                                    "', must be bf16, fp8-block, mxfp8 or nvfp4");
+  if (!parse_dispatch_format(o.dispatch_format, &c.dispatch_format))
+    throw ToolError(kExitUsage,
+                    "invalid value for --dispatch-format: '" + o.dispatch_format + "', must be bf16 or fp8-block");
+  if (!parse_combine_dtype(o.combine_dtype, &c.combine_dtype))
+    throw ToolError(kExitUsage,
+                    "invalid value for --combine-dtype: '" + o.combine_dtype + "', must be bf16, mxfp8 or nvfp4");
+  c.in_kernel_fc2_reduce = o.in_kernel_fc2_reduce;
+  c.pow2_scales = o.pow2_scales;
+  const Status st = c.validate();
+  if (!st) {
+    std::string flag;
+    if (c.in_kernel_fc2_reduce && c.combine_dtype != CombineDtype::kBf16)
+      flag = " (--in-kernel-fc2-reduce needs --combine-dtype bf16)";
+    else if (c.pow2_scales)
+      flag = " (--pow2-scales needs --weight-format or --dispatch-format fp8-block)";
+    throw ToolError(kExitUsage, st.message() + flag);
+  }
+  return c;
+}
+
+int64_t physical_memory_bytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long page_size = sysconf(_SC_PAGE_SIZE);
+  if (pages <= 0 || page_size <= 0) return 0;
+  return static_cast<int64_t>(pages) * page_size;
+}
+
+int64_t prepared_bytes_per_expert(WeightFormat format, int64_t hidden, int64_t intermediate) {
+  // w13 is [2I, H] and w2 [H, I]: 3*H*I elements, reduced along H and I respectively.
+  const int64_t elems = 3 * hidden * intermediate;
+  switch (format) {
+    case WeightFormat::kBf16: return 2 * elems;
+    case WeightFormat::kFp8Block:  // fp32 per 128x128 block
+      return elems + 4 * ((2 * intermediate / 128) * (hidden / 128) + (hidden / 128) * (intermediate / 128));
+    case WeightFormat::kMxfp8: return elems + elems / 32;                 // e8m0 per 1x32
+    case WeightFormat::kNvfp4: return elems / 2 + elems / 16 + 2 * 4;     // e4m3 per 1x16 + 2 global
+  }
+  return 2 * elems;
+}
+
+int64_t fp32_weight_bytes(const MoeGeometry& g) { return g.num_experts * 3 * g.hidden * g.intermediate * 4; }
+
+HostMemoryEstimate estimate_host_memory(const MoeGeometry& g, const MoeConfig& c, Backend resolved,
+                                        int64_t tokens_per_rank, bool dequantised_copy) {
+  HostMemoryEstimate e;
+  const int64_t fp32 = fp32_weight_bytes(g);
+  const int64_t prepared = g.num_experts * prepared_bytes_per_expert(c.weight_format, g.hidden, g.intermediate);
+  // Per rank: x (bf16 + fp32 copy), y (bf16 + fp32), fp64 reference output, ids and weights.
+  const int64_t io = g.ep_size * tokens_per_rank * (g.hidden * (2 + 4 + 2 + 4 + 8) + g.top_k * 8);
+  // The fp32 source weights live until the layers are built; the check frees them before it makes
+  // the dequantised copy for the reference, so one fp32 copy covers both.
+  e.bytes = fp32 + prepared + io;
+  e.detail = std::string(dequantised_copy ? "fp32 source weights, later their dequantised copy, "
+                                          : "fp32 source weights ") +
+             format_bytes(fp32) + " + prepared (" + to_string(c.weight_format) + ") " + format_bytes(prepared);
+  if (resolved == Backend::kCpu) {
+    // The cpu backend keeps an fp32 dequantised copy of its experts to compute with.
+    e.bytes += fp32;
+    e.detail += " + the cpu backend's fp32 working copy " + format_bytes(fp32);
+  }
+  e.detail += " + inputs/outputs " + format_bytes(io);
+  return e;
+}
+
+bool fits_host_memory(const HostMemoryEstimate& e, int64_t* limit_bytes) {
+  const int64_t physical = physical_memory_bytes();
+  const int64_t limit = physical > 0 ? physical / 10 * 6 : std::numeric_limits<int64_t>::max();
+  if (limit_bytes) *limit_bytes = limit;
+  return e.bytes <= limit;
+}
+
+void require_host_memory(const HostMemoryEstimate& e, const std::string& preset) {
+  int64_t limit = 0;
+  if (fits_host_memory(e, &limit)) return;
+  throw ToolError(kExitUsage, "preset " + preset + " needs about " + format_bytes(e.bytes) + " of host memory (" +
+                                  e.detail + "), above 60% of this machine's " +
+                                  format_bytes(physical_memory_bytes()) + " (limit " + format_bytes(limit) +
+                                  "); use --experts N for fewer experts (e.g. --experts 16) or a smaller preset "
+                                  "(tiny, qwen3-30b-a3b)");
+}
+
+std::string format_bytes(int64_t bytes) {
+  char buf[96];
+  const double b = static_cast<double>(bytes);
+  if (b >= 1e9)
+    std::snprintf(buf, sizeof(buf), "%.2f GB (%lld bytes)", b / 1e9, static_cast<long long>(bytes));
+  else if (b >= 1e6)
+    std::snprintf(buf, sizeof(buf), "%.2f MB (%lld bytes)", b / 1e6, static_cast<long long>(bytes));
+  else
+    std::snprintf(buf, sizeof(buf), "%lld bytes", static_cast<long long>(bytes));
+  return buf;
+}
+
+std::string format_mib(int64_t bytes) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.3f MiB", static_cast<double>(bytes) / (1024.0 * 1024.0));
+  return buf;
+}
+
+std::string shell_quote(const std::string& s) {
+  bool plain = !s.empty();
+  for (char ch : s)
+    if (!(isalnum(static_cast<unsigned char>(ch)) || std::string("-_.,/=:+@%").find(ch) != std::string::npos))
+      plain = false;
+  if (plain) return s;
+  std::string out = "'";
+  for (char ch : s) out += ch == '\'' ? std::string("'\\''") : std::string(1, ch);
+  return out + "'";
+}
+
+}  // namespace megamoe::tool

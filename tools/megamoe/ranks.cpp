@@ -1,0 +1,206 @@
+#include "ranks.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <string>
+#include <thread>
+
+namespace megamoe::tool {
+namespace {
+
+constexpr uint16_t kBf16Poison = 0x7FC1;  // a quiet bf16 NaN no rounding produces
+constexpr size_t kL2FlushBytes = size_t{256} << 20;
+
+Status cuda_status(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return Status::ok();
+  cudaGetLastError();
+  return Status(StatusCode::kCudaError, std::string(what) + ": " + cudaGetErrorString(err));
+}
+
+bool is_cuda(Device d) { return d.kind == DeviceKind::kCuda; }
+
+Status alloc(Device d, int64_t bytes, void** out) {
+  *out = nullptr;
+  if (bytes <= 0) return Status::ok();
+  if (!is_cuda(d)) {
+    *out = std::malloc(static_cast<size_t>(bytes));
+    return *out ? Status::ok() : Status(StatusCode::kInternal, "out of host memory for " + std::to_string(bytes) + " bytes");
+  }
+  MEGAMOE_RETURN_IF_ERROR(cuda_status(cudaSetDevice(d.index), "cudaSetDevice"));
+  return cuda_status(cudaMalloc(out, static_cast<size_t>(bytes)), "cudaMalloc");
+}
+
+void release_ptr(Device d, void* p) {
+  if (!p) return;
+  if (is_cuda(d)) cudaFree(p);
+  else std::free(p);
+}
+
+Status copy_in(Device d, void* dst, const void* src, int64_t bytes) {
+  if (bytes <= 0) return Status::ok();
+  if (!is_cuda(d)) {
+    std::memcpy(dst, src, static_cast<size_t>(bytes));
+    return Status::ok();
+  }
+  return cuda_status(cudaMemcpy(dst, src, static_cast<size_t>(bytes), cudaMemcpyHostToDevice), "cudaMemcpy H2D");
+}
+
+}  // namespace
+
+Status run_on_ranks(int64_t n, const std::function<Status(int64_t)>& fn) {
+  std::vector<Status> results(static_cast<size_t>(n));
+  auto body = [&](int64_t r) {
+    try {
+      results[r] = fn(r);
+    } catch (const std::exception& e) {
+      results[r] = Status(StatusCode::kInternal, "rank " + std::to_string(r) + ": " + e.what());
+    } catch (...) {
+      results[r] = Status(StatusCode::kInternal, "rank " + std::to_string(r) + ": unknown exception");
+    }
+  };
+  if (n == 1) {
+    body(0);
+  } else {
+    std::vector<std::thread> threads;
+    for (int64_t r = 0; r < n; ++r) threads.emplace_back(body, r);
+    for (std::thread& t : threads) t.join();
+  }
+  const Status* first = nullptr;
+  for (const Status& s : results) {
+    if (s) continue;
+    if (!first) first = &s;
+    // A timeout or an abort on one rank is usually the echo of another rank's real failure.
+    const bool echo = s.code() == StatusCode::kTimeout || s.message().find("abort") != std::string::npos;
+    if (!echo) return s;
+  }
+  return first ? *first : Status::ok();
+}
+
+Status build_group(const MoeGeometry& g, const MoeConfig& c, const std::function<MoeWeights(int64_t)>& weights_of,
+                   RankGroup* out) {
+  out->layers.clear();
+  out->comms.clear();
+  out->layers.resize(static_cast<size_t>(g.ep_size));
+  if (g.ep_size > 1) MEGAMOE_RETURN_IF_ERROR(create_host_group(static_cast<int>(g.ep_size), &out->comms));
+  // Creation is local (no collective): a rank that fails does not strand the others.
+  MEGAMOE_RETURN_IF_ERROR(run_on_ranks(g.ep_size, [&](int64_t r) -> Status {
+    std::shared_ptr<Communicator> comm = g.ep_size > 1 ? out->comms[r] : nullptr;
+    const Status st = MoeLayer::create(g.for_rank(r), c, weights_of(r), comm, &out->layers[r]);
+    if (!st) return Status(st.code(), "rank " + std::to_string(r) + ": " + st.message());
+    return st;
+  }));
+  return run_on_ranks(g.ep_size, [&](int64_t r) -> Status {
+    const Status st = out->layers[r]->warmup();
+    if (!st) return Status(st.code(), "rank " + std::to_string(r) + " warmup: " + st.message());
+    return st;
+  });
+}
+
+void ThreadBarrier::wait() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  const int64_t gen = generation_;
+  if (++arrived_ == n_) {
+    arrived_ = 0;
+    ++generation_;
+    cv_.notify_all();
+    return;
+  }
+  cv_.wait(lock, [&] { return generation_ != gen; });
+}
+
+RankIo::~RankIo() { release(); }
+
+void RankIo::release() {
+  for (void** p : {&x_, &ids_, &weights_, &y_}) {
+    release_ptr(device_, *p);
+    *p = nullptr;
+  }
+}
+
+Status RankIo::stage(Device device, int64_t tokens, int64_t hidden, int64_t top_k, const uint16_t* x,
+                     const int32_t* ids, const float* weights) {
+  release();
+  device_ = device;
+  tokens_ = tokens;
+  hidden_ = hidden;
+  top_k_ = top_k;
+  MEGAMOE_RETURN_IF_ERROR(alloc(device, tokens * hidden * 2, &x_));
+  MEGAMOE_RETURN_IF_ERROR(alloc(device, tokens * top_k * 4, &ids_));
+  MEGAMOE_RETURN_IF_ERROR(alloc(device, tokens * top_k * 4, &weights_));
+  MEGAMOE_RETURN_IF_ERROR(alloc(device, tokens * hidden * 2, &y_));
+  MEGAMOE_RETURN_IF_ERROR(copy_in(device, x_, x, tokens * hidden * 2));
+  MEGAMOE_RETURN_IF_ERROR(copy_in(device, ids_, ids, tokens * top_k * 4));
+  return copy_in(device, weights_, weights, tokens * top_k * 4);
+}
+
+Status RankIo::poison_output() {
+  const int64_t n = tokens_ * hidden_;
+  if (n == 0) return Status::ok();
+  if (!is_cuda(device_)) {
+    std::fill(static_cast<uint16_t*>(y_), static_cast<uint16_t*>(y_) + n, kBf16Poison);
+    return Status::ok();
+  }
+  // 0x7F7F... as bf16 is 3.39e38: not a NaN, but far outside any output the layer computes.
+  return cuda_status(cudaMemset(y_, 0x7F, static_cast<size_t>(n * 2)), "cudaMemset");
+}
+
+Status RankIo::forward(MoeLayer* layer, void* stream) {
+  const TensorView x(x_, DType::kBFloat16, {tokens_, hidden_}, device_);
+  const TensorView ids(ids_, DType::kInt32, {tokens_, top_k_}, device_);
+  const TensorView w(weights_, DType::kFloat32, {tokens_, top_k_}, device_);
+  const TensorView y(y_, DType::kBFloat16, {tokens_, hidden_}, device_);
+  return layer->forward(x, ids, w, y, stream);
+}
+
+Status RankIo::read_output(uint16_t* y) const {
+  const int64_t bytes = tokens_ * hidden_ * 2;
+  if (bytes == 0) return Status::ok();
+  if (!is_cuda(device_)) {
+    std::memcpy(y, y_, static_cast<size_t>(bytes));
+    return Status::ok();
+  }
+  return cuda_status(cudaMemcpy(y, y_, static_cast<size_t>(bytes), cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
+}
+
+Status create_stream(Device device, void** stream) {
+  *stream = nullptr;
+  if (!is_cuda(device)) return Status::ok();
+  MEGAMOE_RETURN_IF_ERROR(cuda_status(cudaSetDevice(device.index), "cudaSetDevice"));
+  cudaStream_t s = nullptr;
+  MEGAMOE_RETURN_IF_ERROR(cuda_status(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate"));
+  *stream = s;
+  return Status::ok();
+}
+
+void destroy_stream(Device device, void* stream) {
+  if (is_cuda(device) && stream) cudaStreamDestroy(static_cast<cudaStream_t>(stream));
+}
+
+Status synchronize(Device device, void* stream) {
+  if (!is_cuda(device)) return Status::ok();
+  return cuda_status(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)), "cudaStreamSynchronize");
+}
+
+Status flush_l2(Device device, void* stream) {
+  if (!is_cuda(device)) return Status::ok();
+  // One scratch buffer per device ordinal, kept for the life of the process.
+  static std::mutex mutex;
+  static std::vector<void*> scratch(64, nullptr);
+  void* buf = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (device.index < 0 || device.index >= 64) return Status::ok();
+    if (!scratch[device.index]) {
+      MEGAMOE_RETURN_IF_ERROR(cuda_status(cudaSetDevice(device.index), "cudaSetDevice"));
+      MEGAMOE_RETURN_IF_ERROR(cuda_status(cudaMalloc(&scratch[device.index], kL2FlushBytes), "cudaMalloc (L2 flush)"));
+    }
+    buf = scratch[device.index];
+  }
+  return cuda_status(cudaMemsetAsync(buf, 0, kL2FlushBytes, static_cast<cudaStream_t>(stream)), "cudaMemsetAsync");
+}
+
+}  // namespace megamoe::tool

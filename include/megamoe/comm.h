@@ -7,7 +7,12 @@
 // Kinds:
 // - host threads: R ranks inside this process, each driven by its own thread, exchanging through host
 //   memory (the cpu backend's EP protocol; runs anywhere).
-// - NCCL (GPU backends): built by the EP-transport layer.
+// - NCCL (GPU backends): one rank per GPU over an NCCL communicator whose ranks reach each other by
+//   NVLink load/store (NCCL's LSA team); tokens move through NCCL symmetric memory. Two ways in:
+//   create_nccl_group() (one process drives several GPUs, one thread per rank) and create_nccl_rank()
+//   (one process per GPU, as inference engines launch; `megamoe launch -n N -- cmd` starts N of them).
+//   Multi-node (NCCL GIN) is designed for but not built: a group whose ranks are not all LSA-reachable
+//   is refused with a message saying so.
 #pragma once
 
 #include <cstdint>
@@ -35,5 +40,40 @@ class Communicator {
 // R ranks as threads of this process over host memory. `ranks` receives one handle per rank, in rank
 // order. Bounded waits inside the group use MEGAMOE_WAIT_TIMEOUT_MS (default 10000).
 Status create_host_group(int size, std::vector<std::shared_ptr<Communicator>>* ranks);
+
+// ---- NCCL groups (GPU backends; NCCL >= 2.28 with its device API) ----
+
+// How one process joins a one-process-per-GPU group. from_env() reads what `megamoe launch` (or an
+// inference engine) sets:
+//   MEGAMOE_RANK, MEGAMOE_WORLD_SIZE   this process's rank and the group size (required)
+//   MEGAMOE_LOCAL_RANK                 CUDA ordinal to use (default: MEGAMOE_RANK)
+//   MEGAMOE_NCCL_ID_FILE               rank 0 writes NCCL's unique id to this path (atomically, by
+//                                      rename); the other ranks wait for it (id_timeout_ms). Use a
+//                                      fresh path per launch: a stale file from an earlier run would
+//                                      be read as this run's id.
+//   MEGAMOE_NCCL_ID                    alternatively, the unique id itself as 256 hex digits
+//                                      (nccl_unique_id_hex()); takes precedence over the file.
+struct NcclBootstrap {
+  int rank = -1;
+  int world_size = 0;
+  int device = -1;  // CUDA ordinal; -1 = rank
+  std::string id_file;
+  std::string id_hex;
+  int64_t id_timeout_ms = 120000;
+
+  static Status from_env(NcclBootstrap* out);
+  std::string to_string() const;
+};
+
+// A fresh NCCL unique id as 256 hex digits (for launchers that pass it through MEGAMOE_NCCL_ID).
+Status nccl_unique_id_hex(std::string* out);
+
+// One process driving `devices.size()` GPUs (ncclCommInitAll): (*ranks)[r] is rank r on devices[r].
+// Drive each rank from its own thread for collective calls (warmup, forward). Fails with a clear
+// Status when NCCL is older than 2.28 at run time or a device is not sm_90 or newer.
+Status create_nccl_group(const std::vector<int>& devices, std::vector<std::shared_ptr<Communicator>>* ranks);
+
+// One process per GPU (ncclCommInitRank). Collective over the `world_size` processes.
+Status create_nccl_rank(const NcclBootstrap& bootstrap, std::shared_ptr<Communicator>* out);
 
 }  // namespace megamoe

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "commands.h"
+#include "transport_cmd.h"
 #include "presets.h"
 
 #ifndef MEGAMOE_VERSION
@@ -32,6 +33,7 @@ int run_tool(int argc, char** argv) {
   CommandRun run_info = megamoe::tool::add_info_command(&app);
   CommandRun run_check = megamoe::tool::add_check_command(&app);
   CommandRun run_bench = megamoe::tool::add_bench_command(&app);
+  megamoe::tool::register_transport_commands(app);  // launch, bench-transport: run inside parse()
 
   try {
     app.parse(argc, argv);
@@ -48,6 +50,9 @@ int run_tool(int argc, char** argv) {
                  cmd.c_str());
     return kExitUsage;
   }
+
+  int transport_code = 0;
+  if (megamoe::tool::transport_command_result(&transport_code)) return transport_code;
 
   const std::string name = app.get_subcommands().front()->get_name();
   try {

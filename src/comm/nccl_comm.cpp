@@ -1,0 +1,256 @@
+#include "comm/nccl_comm.h"
+
+#include <cuda_runtime.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "comm/nccl_check.h"
+#include "core/log.h"
+
+namespace megamoe {
+namespace {
+
+// Group ids of NCCL groups: a hash of the unique id (equal in every process of the group), with the
+// top bit set so they never collide with the host groups' small counters.
+uint64_t group_id_of(const ncclUniqueId& id) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a
+  for (size_t i = 0; i < sizeof(id.internal); ++i) {
+    h ^= static_cast<unsigned char>(id.internal[i]);
+    h *= 1099511628211ull;
+  }
+  return h | (1ull << 63);
+}
+
+std::string to_hex(const ncclUniqueId& id) {
+  static const char* d = "0123456789abcdef";
+  std::string s;
+  s.reserve(2 * sizeof(id.internal));
+  for (size_t i = 0; i < sizeof(id.internal); ++i) {
+    const unsigned char c = static_cast<unsigned char>(id.internal[i]);
+    s += d[c >> 4];
+    s += d[c & 15];
+  }
+  return s;
+}
+
+bool from_hex(const std::string& s, ncclUniqueId* id) {
+  if (s.size() != 2 * sizeof(id->internal)) return false;
+  auto val = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  };
+  for (size_t i = 0; i < sizeof(id->internal); ++i) {
+    const int hi = val(s[2 * i]), lo = val(s[2 * i + 1]);
+    if (hi < 0 || lo < 0) return false;
+    id->internal[i] = static_cast<char>(hi * 16 + lo);
+  }
+  return true;
+}
+
+bool parse_int_env(const char* name, int* out, std::string* err) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return false;
+  char* end = nullptr;
+  const long x = std::strtol(v, &end, 10);
+  if (!end || *end != '\0' || x < 0 || x > (1 << 20)) {
+    *err = std::string(name) + "=" + v + ", must be a non-negative integer";
+    return false;
+  }
+  *out = static_cast<int>(x);
+  return true;
+}
+
+// Rank 0: write the id to `path` atomically (temp file + rename), so readers never see half an id.
+Status write_id_file(const std::string& path, const ncclUniqueId& id) {
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    if (!f) return Status(StatusCode::kIoError, "cannot write the NCCL id file: MEGAMOE_NCCL_ID_FILE=" + tmp);
+    f << to_hex(id) << "\n";
+    if (!f) return Status(StatusCode::kIoError, "cannot write the NCCL id file: MEGAMOE_NCCL_ID_FILE=" + tmp);
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0)
+    return Status(StatusCode::kIoError, "cannot rename " + tmp + " to " + path + ": " + std::strerror(errno));
+  return Status::ok();
+}
+
+Status read_id_file(const std::string& path, int64_t timeout_ms, int rank, ncclUniqueId* id) {
+  const auto start = std::chrono::steady_clock::now();
+  for (;;) {
+    std::ifstream f(path);
+    std::string hex;
+    if (f && (f >> hex) && from_hex(hex, id)) return Status::ok();
+    const auto waited =
+        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start).count();
+    if (waited > timeout_ms)
+      return Status(StatusCode::kTimeout, "rank " + std::to_string(rank) + " waited " + std::to_string(waited) +
+                                              " ms for rank 0 to write the NCCL id to MEGAMOE_NCCL_ID_FILE=" + path +
+                                              " (is rank 0 running, with the same path?)");
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
+}  // namespace
+
+NcclRankComm::NcclRankComm(ncclComm_t comm, int rank, int size, int device, uint64_t group_id)
+    : comm_(comm), rank_(rank), size_(size), device_(device), group_id_(group_id) {}
+
+NcclRankComm::~NcclRankComm() {
+  int prev = -1;
+  cudaGetDevice(&prev);
+  cudaSetDevice(device_);
+  device_state_.reset();  // the ncclDevComm goes before its communicator
+  if (comm_) ncclCommDestroy(comm_);
+  if (prev >= 0) cudaSetDevice(prev);
+}
+
+std::string NcclRankComm::to_string() const {
+  std::ostringstream os;
+  os << "NcclRankComm(rank=" << rank_ << ", size=" << size_ << ", device=cuda:" << device_ << ", group=0x" << std::hex
+     << group_id_ << ")";
+  return os.str();
+}
+
+NcclRankComm* nccl_rank_of(const Communicator* comm) {
+  if (!comm || comm->kind() != CommKind::kNccl) return nullptr;
+  return const_cast<NcclRankComm*>(dynamic_cast<const NcclRankComm*>(comm));
+}
+
+Status check_nccl_runtime() {
+  int v = 0;
+  MEGAMOE_NCCL_CHECK(ncclGetVersion(&v));
+  if (v < kMinNcclVersionCode) {
+    char buf[160];
+    std::snprintf(buf, sizeof(buf), "NCCL %d.%d.%d loaded, the EP transport needs >= 2.28 (device API)", v / 10000,
+                  (v % 10000) / 100, v % 100);
+    return Status(StatusCode::kUnavailable,
+                  std::string(buf) + "; put NCCL 2.28+ first on LD_LIBRARY_PATH (e.g. the nvidia-nccl-cu13 wheel)");
+  }
+  return Status::ok();
+}
+
+Status check_cuda_device(int device) {
+  int n = 0;
+  const cudaError_t err = cudaGetDeviceCount(&n);
+  if (err != cudaSuccess || n == 0) {
+    cudaGetLastError();
+    return Status(StatusCode::kUnavailable, std::string("no CUDA device: ") + cudaGetErrorString(err));
+  }
+  if (device < 0 || device >= n)
+    return invalid_argument("NCCL group", "device", std::to_string(device),
+                            "must be a CUDA ordinal in [0, " + std::to_string(n) + ")");
+  cudaDeviceProp prop{};
+  MEGAMOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  if (prop.major < 9)
+    return Status(StatusCode::kUnavailable, "device cuda:" + std::to_string(device) + " (" + prop.name + ") is sm_" +
+                                                std::to_string(prop.major * 10 + prop.minor) +
+                                                "; the EP transport kernels need sm_90a (Hopper)");
+  return Status::ok();
+}
+
+Status NcclBootstrap::from_env(NcclBootstrap* out) {
+  if (!out) return invalid_argument("argument", "out", "null", "must point to an NcclBootstrap");
+  NcclBootstrap b;
+  std::string err;
+  if (!parse_int_env("MEGAMOE_RANK", &b.rank, &err))
+    return invalid_argument("NCCL bootstrap", "MEGAMOE_RANK", err.empty() ? "unset" : err,
+                            "set it (megamoe launch does) to this process's rank");
+  if (!parse_int_env("MEGAMOE_WORLD_SIZE", &b.world_size, &err))
+    return invalid_argument("NCCL bootstrap", "MEGAMOE_WORLD_SIZE", err.empty() ? "unset" : err,
+                            "set it (megamoe launch does) to the number of ranks");
+  int local = -1;
+  if (parse_int_env("MEGAMOE_LOCAL_RANK", &local, &err)) b.device = local;
+  else if (!err.empty()) return invalid_argument("NCCL bootstrap", "MEGAMOE_LOCAL_RANK", err, "a CUDA ordinal");
+  if (const char* v = std::getenv("MEGAMOE_NCCL_ID_FILE"); v && *v) b.id_file = v;
+  if (const char* v = std::getenv("MEGAMOE_NCCL_ID"); v && *v) b.id_hex = v;
+  if (b.id_file.empty() && b.id_hex.empty())
+    return invalid_argument("NCCL bootstrap", "MEGAMOE_NCCL_ID_FILE", "unset",
+                            "set MEGAMOE_NCCL_ID_FILE (a fresh path all ranks see) or MEGAMOE_NCCL_ID");
+  *out = b;
+  return Status::ok();
+}
+
+std::string NcclBootstrap::to_string() const {
+  std::ostringstream os;
+  os << "NcclBootstrap(rank=" << rank << ", world_size=" << world_size << ", device=" << device
+     << ", id_file=" << (id_file.empty() ? "-" : id_file) << ", id_hex=" << (id_hex.empty() ? "-" : "<set>") << ")";
+  return os.str();
+}
+
+Status nccl_unique_id_hex(std::string* out) {
+  if (!out) return invalid_argument("argument", "out", "null", "must point to a string");
+  MEGAMOE_RETURN_IF_ERROR(check_nccl_runtime());
+  ncclUniqueId id;
+  MEGAMOE_NCCL_CHECK(ncclGetUniqueId(&id));
+  *out = to_hex(id);
+  return Status::ok();
+}
+
+Status create_nccl_group(const std::vector<int>& devices, std::vector<std::shared_ptr<Communicator>>* ranks) {
+  if (!ranks) return invalid_argument("argument", "ranks", "null", "must point to a vector to receive the handles");
+  if (devices.empty())
+    return invalid_argument("NCCL group", "devices", "[]", "must list at least one CUDA ordinal");
+  MEGAMOE_RETURN_IF_ERROR(check_nccl_runtime());
+  for (size_t i = 0; i < devices.size(); ++i) {
+    MEGAMOE_RETURN_IF_ERROR(check_cuda_device(devices[i]));
+    for (size_t j = 0; j < i; ++j)
+      if (devices[j] == devices[i])
+        return invalid_argument("NCCL group", "devices", "cuda:" + std::to_string(devices[i]) + " twice",
+                                "one rank per GPU");
+  }
+  const int n = static_cast<int>(devices.size());
+  std::vector<ncclComm_t> comms(n);
+  MEGAMOE_NCCL_CHECK(ncclCommInitAll(comms.data(), n, devices.data()));
+  // A group id equal for all handles: derive it from a fresh unique id (never used to bootstrap).
+  ncclUniqueId tag;
+  MEGAMOE_NCCL_CHECK(ncclGetUniqueId(&tag));
+  const uint64_t gid = group_id_of(tag);
+  ranks->clear();
+  for (int r = 0; r < n; ++r) ranks->push_back(std::make_shared<NcclRankComm>(comms[r], r, n, devices[r], gid));
+  return Status::ok();
+}
+
+Status create_nccl_rank(const NcclBootstrap& b, std::shared_ptr<Communicator>* out) {
+  if (!out) return invalid_argument("argument", "out", "null", "must point to a Communicator handle");
+  if (b.world_size < 1)
+    return invalid_argument("NCCL bootstrap", "world_size", std::to_string(b.world_size), "must be >= 1");
+  if (b.rank < 0 || b.rank >= b.world_size)
+    return invalid_argument("NCCL bootstrap", "rank", std::to_string(b.rank),
+                            "must be in [0, world_size=" + std::to_string(b.world_size) + ")");
+  MEGAMOE_RETURN_IF_ERROR(check_nccl_runtime());
+  const int device = b.device >= 0 ? b.device : b.rank;
+  MEGAMOE_RETURN_IF_ERROR(check_cuda_device(device));
+  ncclUniqueId id;
+  std::memset(&id, 0, sizeof(id));
+  if (!b.id_hex.empty()) {
+    if (!from_hex(b.id_hex, &id))
+      return invalid_argument("NCCL bootstrap", "MEGAMOE_NCCL_ID", b.id_hex.substr(0, 16) + "...",
+                              "must be 256 hex digits (nccl_unique_id_hex())");
+  } else if (!b.id_file.empty()) {
+    if (b.rank == 0) {
+      MEGAMOE_NCCL_CHECK(ncclGetUniqueId(&id));
+      MEGAMOE_RETURN_IF_ERROR(write_id_file(b.id_file, id));
+    } else {
+      MEGAMOE_RETURN_IF_ERROR(read_id_file(b.id_file, b.id_timeout_ms, b.rank, &id));
+    }
+  } else {
+    return invalid_argument("NCCL bootstrap", "id_file", "empty", "give id_file or id_hex");
+  }
+  MEGAMOE_CUDA_CHECK(cudaSetDevice(device));
+  ncclComm_t comm = nullptr;
+  MEGAMOE_NCCL_CHECK(ncclCommInitRank(&comm, b.world_size, id, b.rank));
+  *out = std::make_shared<NcclRankComm>(comm, b.rank, b.world_size, device, group_id_of(id));
+  return Status::ok();
+}
+
+}  // namespace megamoe

@@ -1,0 +1,37 @@
+// NCCL symmetric memory for the EP transport: the workspace allocator and the device communicator.
+//
+// symmetric_alloc() is the WorkspacePool allocator of the GPU backends. Collective: every rank of the
+// communicator calls it with the same size, in the same order (WorkspacePool::acquire allocates
+// outside its lock, so ranks driven by threads of one process can each take part). It does
+// ncclMemAlloc, zeroes the memory (signals, error cell and counts must start at 0 on every rank before
+// any peer writes; the registration that follows is collective, so no peer can write earlier), then
+// ncclCommWindowRegister(..., NCCL_WIN_COLL_SYMMETRIC). The release function deregisters and frees;
+// it may be collective too, so drop the last reference on every rank (each from its own thread).
+//
+// ensure_device_comm() creates the communicator's ncclDevComm once (collective) and checks that every
+// rank is reachable by load/store (LSA team == the whole group). A group spanning nodes is refused:
+// the GIN (ncclGin::put + signals) path is designed for (every remote access goes through
+// SignalCtx::peer_ptr / signal_all_ranks) but not built yet.
+#pragma once
+
+#include <nccl.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+
+#include "megamoe/status.h"
+
+namespace megamoe {
+
+class NcclRankComm;
+
+Status symmetric_alloc(const std::shared_ptr<NcclRankComm>& comm, int64_t bytes, void** base,
+                       std::function<void(void*)>* release);
+
+// The window symmetric_alloc() registered for `base`, or null.
+ncclWindow_t symmetric_window_of(const void* base);
+
+Status ensure_device_comm(NcclRankComm* comm);
+
+}  // namespace megamoe

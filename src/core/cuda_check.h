@@ -1,0 +1,39 @@
+// Checked CUDA calls for host code that returns Status.
+//
+//   MEGAMOE_CUDA_CHECK(cudaMemsetAsync(p, 0, n, stream));   // returns kCudaError from the caller
+//   MEGAMOE_CUDA_CHECK_LAUNCH();                            // after a <<<...>>> launch
+//
+// The message names the call, the file:line and the runtime's error string, e.g.
+// "cudaMalloc(&p, bytes) failed at src/kernels/transport/ep_transport.cu:120: out of memory".
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "megamoe/status.h"
+
+namespace megamoe {
+
+inline Status cuda_status(cudaError_t err, const char* expr, const char* file, int line) {
+  return Status(StatusCode::kCudaError, std::string(expr) + " failed at " + file + ":" + std::to_string(line) +
+                                            ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")");
+}
+
+}  // namespace megamoe
+
+#define MEGAMOE_CUDA_CHECK(expr)                                                    \
+  do {                                                                              \
+    const cudaError_t _megamoe_err = (expr);                                        \
+    if (_megamoe_err != cudaSuccess)                                                \
+      return ::megamoe::cuda_status(_megamoe_err, #expr, __FILE__, __LINE__);       \
+  } while (0)
+
+// Checks the launch that just happened on this thread (configuration errors, not kernel faults).
+#define MEGAMOE_CUDA_CHECK_LAUNCH() MEGAMOE_CUDA_CHECK(cudaGetLastError())
+
+// A precondition that returns `status_expr` (a Status) when false.
+#define MEGAMOE_CHECK_OR_RETURN(cond, status_expr) \
+  do {                                             \
+    if (!(cond)) return (status_expr);             \
+  } while (0)

@@ -1,0 +1,171 @@
+// Device primitives for cross-GPU signalling over NCCL symmetric memory (sm_90a).
+//
+// Signals region (WorkspaceLayout::signals, uint64[R][kSignalSlots]), in rank d's copy:
+//   [s][kSlotDispatch]  epoch written by source s: s's dispatch rows for that epoch are in d's recv_*
+//   [s][kSlotCombine]   epoch written by owner s: s's partials for d's tokens are in d's combine rows
+//   [s][kSlotAbort]     non-zero once rank s gave up waiting (1 + stage); sticky: the group is dead
+//   [d][kLocal*]        cells only d itself touches (launch epoch, block tickets)
+// invariant: every cross-rank cell only grows (epochs are compared with >=), so no buffer is ever reset
+// between launches, and a launch's signals cannot be confused with the previous launch's.
+// invariant: the launch epoch lives in the workspace (not in a kernel argument), so a CUDA graph replays
+// with a fresh epoch each time; the first kernel of a forward (layout) bumps it.
+//
+// Bounded waits: wait_for_epoch() polls with ld.acquire.sys, checks the abort cells and %globaltimer,
+// and on timeout records (rank, SM, stage, peer, expected, seen) in the error cell (first failure wins),
+// raises the abort cell of this rank in every peer's copy (so they stop waiting promptly) and returns
+// false. No trap: the host reads the error cell and turns it into a Status.
+#pragma once
+
+#include <nccl.h>
+#include <nccl_device.h>
+
+#include <cstdint>
+
+#include "kernels/transport/sm90_launch.h"
+#include "megamoe/workspace.h"
+
+namespace megamoe {
+namespace kernels {
+
+enum SignalSlot : int {
+  kSlotDispatch = 0,
+  kSlotCombine = 1,
+  kSlotAbort = 2,
+  // Local cells (row = own rank).
+  kLocalEpoch = 8,           // launch epoch, bumped by the layout kernel
+  kLocalDispatchTicket = 9,  // blocks of the dispatch kernel that finished (last one resets it)
+  kLocalCombineTicket = 10,  // reserved for a fused combine
+  kLocalPoolTicket = 11,     // blocks of pool_offsets_kernel that finished (last one resets it)
+};
+
+__device__ __forceinline__ uint64_t globaltimer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ int sm_id() {
+  int s;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
+  return s;
+}
+
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ void st_relaxed_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// Device-scope ticket: returns the old value (acq_rel, so the last taker sees every earlier block's
+// writes that were fenced before their ticket).
+__device__ __forceinline__ uint64_t atomic_add_acq_rel_gpu(uint64_t* p, uint64_t v) {
+  uint64_t old;
+  asm volatile("atom.acq_rel.gpu.global.add.u64 %0, [%1], %2;" : "=l"(old) : "l"(p), "l"(v) : "memory");
+  return old;
+}
+
+// What a kernel needs to reach its peers' copies and to wait boundedly.
+// (fields in SignalParams, filled by the host)
+struct SignalCtx : SignalParams {
+
+  __device__ __forceinline__ uint64_t* own_signals() const {
+    return reinterpret_cast<uint64_t*>(own_base + signals_offset);
+  }
+  // Cell [row][slot] in this rank's copy.
+  __device__ __forceinline__ uint64_t* own_cell(int row, int slot) const {
+    return own_signals() + row * WorkspaceLayout::kSignalSlots + slot;
+  }
+  // Any pointer into `peer`'s copy of the workspace, by byte offset.
+  __device__ __forceinline__ char* peer_ptr(int peer, int64_t offset) const {
+    if (peer == rank) return own_base + offset;
+    return static_cast<char*>(ncclGetPeerPointer(window, static_cast<size_t>(offset), peer));
+  }
+  // Cell [row][slot] in `peer`'s copy.
+  __device__ __forceinline__ uint64_t* peer_cell(int peer, int row, int slot) const {
+    return reinterpret_cast<uint64_t*>(peer_ptr(peer, signals_offset)) + row * WorkspaceLayout::kSignalSlots + slot;
+  }
+  __device__ __forceinline__ uint64_t local_epoch() const {
+    return *reinterpret_cast<volatile uint64_t*>(own_cell(rank, kLocalEpoch));
+  }
+};
+
+// The first rank whose abort cell is raised in this rank's copy, or -1.
+__device__ __forceinline__ int first_aborter(const SignalCtx& ctx) {
+  for (int s = 0; s < ctx.num_ranks; ++s)
+    if (ld_relaxed_sys(ctx.own_cell(s, kSlotAbort)) != 0) return s;
+  return -1;
+}
+
+// Records the first failure of this rank (later ones are dropped).
+__device__ __forceinline__ void record_wait_error(const SignalCtx& ctx, int32_t kind, int32_t stage, int32_t peer,
+                                                  uint64_t expected, uint64_t seen) {
+  if (atomicCAS(&ctx.error_cell->flag, 0, kind) == 0) {
+    ctx.error_cell->rank = ctx.rank;
+    ctx.error_cell->sm = sm_id();
+    ctx.error_cell->stage = stage;
+    ctx.error_cell->peer = peer;
+    ctx.error_cell->expected = static_cast<int64_t>(expected);
+    ctx.error_cell->seen = static_cast<int64_t>(seen);
+    __threadfence_system();
+  }
+}
+
+// Raises this rank's abort cell in every copy (its own included), so every waiter returns promptly.
+__device__ __forceinline__ void raise_abort(const SignalCtx& ctx, int32_t stage) {
+  for (int p = 0; p < ctx.num_ranks; ++p) st_release_sys(ctx.peer_cell(p, ctx.rank, kSlotAbort), 1u + stage);
+}
+
+// Waits until *cell >= expected. Returns true when it got there; false on timeout (recorded and
+// abort raised) or when a peer aborted (recorded as kWaitPeerAbort). One thread calls it.
+static __device__ __noinline__ bool wait_for_epoch(const SignalCtx& ctx, const uint64_t* cell, uint64_t expected,
+                                            int32_t stage, int32_t peer) {
+  uint64_t seen = ld_acquire_sys(cell);
+  if (seen >= expected) return true;
+  const uint64_t start = globaltimer_ns();
+  for (uint32_t iter = 1;; ++iter) {
+    seen = ld_acquire_sys(cell);
+    if (seen >= expected) return true;
+    if ((iter & 63u) == 0) {
+      const int aborter = first_aborter(ctx);
+      if (aborter >= 0) {
+        record_wait_error(ctx, kWaitPeerAbort, stage, aborter, expected, seen);
+        return false;
+      }
+      if (globaltimer_ns() - start > static_cast<uint64_t>(ctx.timeout_ns)) {
+        record_wait_error(ctx, kWaitTimeout, stage, peer, expected, seen);
+        raise_abort(ctx, stage);
+        return false;
+      }
+      if (iter > 4096) __nanosleep(256);
+    }
+  }
+}
+
+// Waits for cell [s][slot] >= epoch for every rank s. Returns false at the first failure.
+__device__ __forceinline__ bool wait_all_ranks(const SignalCtx& ctx, int slot, uint64_t epoch, int32_t stage) {
+  for (int s = 0; s < ctx.num_ranks; ++s)
+    if (!wait_for_epoch(ctx, ctx.own_cell(s, slot), epoch, stage, s)) return false;
+  return true;
+}
+
+// Publishes `epoch` in cell [rank][slot] of every rank's copy. Callers fence their data first.
+__device__ __forceinline__ void signal_all_ranks(const SignalCtx& ctx, int slot, uint64_t epoch) {
+  for (int p = 0; p < ctx.num_ranks; ++p) st_release_sys(ctx.peer_cell(p, ctx.rank, slot), epoch);
+}
+
+}  // namespace kernels
+}  // namespace megamoe

@@ -1,0 +1,349 @@
+#include "kernels/transport/ep_transport.h"
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+
+#include "comm/nccl_check.h"
+#include "comm/nccl_comm.h"
+#include "comm/nccl_window.h"
+#include "core/cuda_check.h"
+#include "core/env.h"
+#include "kernels/transport/sm90_launch.h"
+
+namespace megamoe {
+namespace {
+
+using kernels::InputStatus;
+using kernels::TransportParams;
+
+int64_t align256(int64_t v) { return (v + 255) / 256 * 256; }
+
+struct ScratchLayout {
+  int64_t pool_intra = 0, pool_hist = 0, seg_total = 0, input_status = 0, total = 0;
+  static ScratchLayout make(const WorkspaceParams& p) {
+    ScratchLayout s;
+    const int64_t R = p.ep_size, T = std::max<int64_t>(p.max_tokens_per_rank, 1), k = p.top_k;
+    const int64_t chunks = (T + kernels::kPoolChunkRows - 1) / kernels::kPoolChunkRows;
+    int64_t cur = 0;
+    auto take = [&cur](int64_t* off, int64_t bytes) {
+      *off = cur;
+      cur = align256(cur + bytes);
+    };
+    take(&s.pool_intra, R * T * k * 4);
+    take(&s.pool_hist, R * chunks * p.experts_per_rank * 4);
+    take(&s.seg_total, p.experts_per_rank * 4);
+    take(&s.input_status, sizeof(InputStatus));
+    s.total = cur;
+    return s;
+  }
+};
+
+// Refuses collective work while this stream (or, in global capture mode, any stream) is capturing.
+Status refuse_during_capture(cudaStream_t stream, const char* what) {
+  bool capturing = false;
+  if (stream) {
+    cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+    MEGAMOE_CUDA_CHECK(cudaStreamIsCapturing(stream, &st));
+    capturing = st != cudaStreamCaptureStatusNone;
+  }
+  if (!capturing) {
+    cudaStreamCaptureStatus legacy = cudaStreamCaptureStatusNone;
+    const cudaError_t err = cudaStreamIsCapturing(cudaStreamLegacy, &legacy);
+    if (err != cudaSuccess) cudaGetLastError();
+    capturing = err == cudaErrorStreamCaptureImplicit || (err == cudaSuccess && legacy != cudaStreamCaptureStatusNone);
+  }
+  if (capturing)
+    return Status(StatusCode::kFailedPrecondition,
+                  std::string(what) +
+                      " during CUDA-graph capture: allocation and registration of the symmetric workspace are "
+                      "collective and cannot be captured; call warmup() on every rank first, then capture");
+  return Status::ok();
+}
+
+bool on_device(const TensorView& t, int device) { return t.device.kind == DeviceKind::kCuda && t.device.index == device; }
+
+std::string shape_of(const TensorView& t) { return t.to_string(); }
+
+}  // namespace
+
+const char* transport_stage_name(int32_t stage) {
+  switch (stage) {
+    case kernels::kStageDispatchDone: return "dispatch-done";
+    case kernels::kStageCombineDone: return "combine-done";
+    default: return "unknown-stage";
+  }
+}
+
+Status EpTransportOptions::validate() const {
+  const WorkspaceParams& p = params;
+  if (p.ep_size < 1 || p.ep_size > kernels::kMaxTransportRanks)
+    return invalid_argument("EP transport", "ep_size", std::to_string(p.ep_size),
+                            "must be in [1, 8] (one NVLink domain)");
+  if (p.experts_per_rank < 1)
+    return invalid_argument("EP transport", "experts_per_rank", std::to_string(p.experts_per_rank), "must be >= 1");
+  if (p.top_k < 1 || p.top_k > kernels::kMaxTopK)
+    return invalid_argument("EP transport", "top_k", std::to_string(p.top_k), "must be in [1, 16]");
+  if (p.hidden < 128 || p.hidden % 128 != 0)
+    return invalid_argument("EP transport", "hidden", std::to_string(p.hidden), "must be a positive multiple of 128");
+  if (p.max_tokens_per_rank < 0 || p.max_tokens_per_rank > 65535)
+    return invalid_argument("EP transport", "max_tokens_per_rank", std::to_string(p.max_tokens_per_rank),
+                            "must be in [0, 65535]");
+  if (p.block_m < 1) return invalid_argument("EP transport", "block_m", std::to_string(p.block_m), "must be >= 1");
+  if (p.dispatch_format != kWsBf16 && p.dispatch_format != kWsFp8Block)
+    return invalid_argument("EP transport", "dispatch_format", std::to_string(p.dispatch_format), "bf16 or fp8-block");
+  if (p.combine_format != kWsBf16 && p.combine_format != kWsMxfp8 && p.combine_format != kWsNvfp4)
+    return invalid_argument("EP transport", "combine_format", std::to_string(p.combine_format),
+                            "bf16, mxfp8 or nvfp4");
+  if (p.in_kernel_fc2_reduce)
+    return invalid_argument("EP transport", "in_kernel_fc2_reduce", "1",
+                            "the transport's combine reduces staged rows; the in-kernel reduce is the backend's");
+  return Status::ok();
+}
+
+Status EpTransport::create(std::shared_ptr<Communicator> comm, const EpTransportOptions& options,
+                           std::unique_ptr<EpTransport>* out) {
+  if (!out) return invalid_argument("argument", "out", "null", "must point to a transport handle");
+  NcclRankComm* nccl = nccl_rank_of(comm.get());
+  if (!nccl)
+    return invalid_argument("EP transport", "comm", comm ? comm->to_string() : "null",
+                            "must be an NCCL communicator (create_nccl_group / create_nccl_rank)");
+  MEGAMOE_RETURN_IF_ERROR(options.validate());
+  if (options.params.ep_size != comm->size())
+    return invalid_argument("EP transport", "ep_size", std::to_string(options.params.ep_size),
+                            "must equal the communicator's size " + std::to_string(comm->size()));
+  std::unique_ptr<EpTransport> t(new EpTransport());
+  t->comm_ = std::move(comm);
+  t->nccl_ = nccl;
+  t->options_ = options;
+  t->layout_ = WorkspaceLayout::make(options.params);
+  t->rank_ = nccl->rank();
+  t->size_ = nccl->size();
+  t->device_ = nccl->device();
+  t->num_experts_ = options.params.ep_size * options.params.experts_per_rank;
+  cudaDeviceProp prop{};
+  MEGAMOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, t->device_));
+  t->num_sms_ = options.num_sms > 0 ? std::min(options.num_sms, prop.multiProcessorCount) : prop.multiProcessorCount;
+  *out = std::move(t);
+  return Status::ok();
+}
+
+EpTransport::~EpTransport() {
+  if (scratch_) {
+    int prev = -1;
+    cudaGetDevice(&prev);
+    cudaSetDevice(device_);
+    cudaFree(scratch_);
+    if (prev >= 0) cudaSetDevice(prev);
+  }
+  workspace_.reset();  // may deregister the window (collective): destroy every rank's transport
+}
+
+Status EpTransport::warmup(cudaStream_t stream) {
+  if (base_) return Status::ok();
+  MEGAMOE_RETURN_IF_ERROR(refuse_during_capture(stream, "EpTransport::warmup()"));
+  MEGAMOE_CUDA_CHECK(cudaSetDevice(device_));
+  // Collective work below must not be disturbed by another thread's capture (one process driving
+  // several ranks): relaxed capture mode for this thread, restored on every path.
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  MEGAMOE_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+  Status st = [&]() -> Status {
+    MEGAMOE_RETURN_IF_ERROR(ensure_device_comm(nccl_));
+    WorkspaceKey key;
+    key.params = options_.params;
+    key.ep_rank = rank_;
+    key.group_id = comm_->group_id();
+    key.device = Device::cuda(device_);
+    std::shared_ptr<NcclRankComm> keep(comm_, nccl_);
+    auto allocate = [keep](int64_t bytes, void** base, std::function<void(void*)>* release) {
+      return symmetric_alloc(keep, bytes, base, release);
+    };
+    std::shared_ptr<Workspace> ws;
+    MEGAMOE_RETURN_IF_ERROR(WorkspacePool::global().acquire(key, allocate, &ws));
+    ncclWindow_t win = symmetric_window_of(ws->base);
+    if (!win)
+      return Status(StatusCode::kInternal, "the pooled workspace for " + key.to_string() +
+                                               " has no NCCL window (allocated by another allocator?)");
+    const ScratchLayout sl = ScratchLayout::make(options_.params);
+    void* scratch = nullptr;
+    MEGAMOE_CUDA_CHECK(cudaMalloc(&scratch, sl.total));
+    MEGAMOE_CUDA_CHECK(cudaMemset(scratch, 0, sl.total));
+    MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+    workspace_ = std::move(ws);
+    base_ = workspace_->base;
+    window_ = win;
+    scratch_ = scratch;
+    scratch_bytes_ = sl.total;
+    return Status::ok();
+  }();
+  cudaThreadExchangeStreamCaptureMode(&mode);
+  return st;
+}
+
+Status EpTransport::check_ready(cudaStream_t stream, const char* what) const {
+  if (base_) return Status::ok();
+  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+  if (stream) cudaStreamIsCapturing(stream, &cs);
+  return Status(StatusCode::kFailedPrecondition,
+                std::string("EpTransport::") + what + " before warmup()" +
+                    (cs != cudaStreamCaptureStatusNone ? " inside CUDA-graph capture" : "") +
+                    ": the symmetric workspace is allocated collectively in warmup(); call warmup() on every rank "
+                    "first (before any capture)");
+}
+
+Status EpTransport::check_tokens(const TensorView& ids, const char* what, int64_t* num_tokens) const {
+  const int64_t k = options_.params.top_k, T_max = options_.params.max_tokens_per_rank;
+  if (ids.dtype != DType::kInt32 || ids.ndim != 2 || ids.shape[1] != k)
+    return invalid_argument(what, "topk_ids", shape_of(ids), "must be int32 [T, " + std::to_string(k) + "]");
+  if (ids.shape[0] > T_max)
+    return invalid_argument(what, "T", std::to_string(ids.shape[0]),
+                            "must be <= max_tokens_per_rank=" + std::to_string(T_max) + " (refused before launch)");
+  if (ids.shape[0] > 0 && (!on_device(ids, device_) || !ids.is_contiguous()))
+    return invalid_argument(what, "topk_ids", shape_of(ids),
+                            "must be contiguous on cuda:" + std::to_string(device_));
+  *num_tokens = ids.shape[0];
+  return Status::ok();
+}
+
+namespace {
+TransportParams make_args(const EpTransport& t, void* window, void* scratch, const EpTransportOptions& o,
+                        int64_t num_tokens) {
+  TransportParams a{};
+  const WorkspaceLayout& l = t.layout();
+  const ScratchLayout sl = ScratchLayout::make(o.params);
+  char* s = static_cast<char*>(scratch);
+  a.sig.window = static_cast<ncclWindow_t>(window);
+  a.sig.own_base = static_cast<char*>(t.base());
+  a.sig.signals_offset = l.signals.offset;
+  a.sig.error_cell = reinterpret_cast<WaitError*>(static_cast<char*>(t.base()) + l.error_cell.offset);
+  a.sig.rank = t.rank();
+  a.sig.num_ranks = t.size();
+  const int64_t ms = o.wait_timeout_ms > 0 ? o.wait_timeout_ms : env_knobs().wait_timeout_ms;
+  a.sig.timeout_ns = ms * 1000000;
+  a.layout = l;
+  a.num_experts = o.params.ep_size * o.params.experts_per_rank;
+  a.num_tokens = num_tokens;
+  a.pow2_scales = o.pow2_scales;
+  a.pool_intra = reinterpret_cast<int32_t*>(s + sl.pool_intra);
+  a.pool_hist = reinterpret_cast<int32_t*>(s + sl.pool_hist);
+  a.seg_total = reinterpret_cast<int32_t*>(s + sl.seg_total);
+  a.input_status = reinterpret_cast<InputStatus*>(s + sl.input_status);
+  return a;
+}
+}  // namespace
+
+Status EpTransport::dispatch(const TensorView& x, const TensorView& x_scale, const TensorView& topk_ids,
+                             const TensorView& topk_weights, cudaStream_t stream) {
+  MEGAMOE_RETURN_IF_ERROR(check_ready(stream, "dispatch()"));
+  int64_t T = 0;
+  MEGAMOE_RETURN_IF_ERROR(check_tokens(topk_ids, "dispatch", &T));
+  const int64_t H = options_.params.hidden, k = options_.params.top_k;
+  const bool x_fp8 = x.dtype == DType::kFloat8E4M3;
+  if (!(x.dtype == DType::kBFloat16 || x_fp8) || x.ndim != 2 || x.shape[0] != T || x.shape[1] != H)
+    return invalid_argument("dispatch", "x", shape_of(x),
+                            "must be bfloat16 or float8_e4m3 [T=" + std::to_string(T) + ", H=" + std::to_string(H) + "]");
+  if (T > 0 && (!on_device(x, device_) || !x.is_contiguous() || reinterpret_cast<uintptr_t>(x.data) % 16 != 0))
+    return invalid_argument("dispatch", "x", shape_of(x),
+                            "must be contiguous and 16-byte aligned on cuda:" + std::to_string(device_));
+  if (x_fp8) {
+    if (x_scale.dtype != DType::kFloat32 || x_scale.ndim != 2 || x_scale.shape[0] != T || x_scale.shape[1] != H / 128)
+      return invalid_argument("dispatch", "x_scale", shape_of(x_scale),
+                              "must be float32 [T, H/128] with an e4m3 x");
+    if (T > 0 && (!on_device(x_scale, device_) || !x_scale.is_contiguous()))
+      return invalid_argument("dispatch", "x_scale", shape_of(x_scale), "must be contiguous on the same device");
+  }
+  if (topk_weights.dtype != DType::kFloat32 || topk_weights.ndim != 2 || topk_weights.shape[0] != T ||
+      topk_weights.shape[1] != k)
+    return invalid_argument("dispatch", "topk_weights", shape_of(topk_weights), "must be float32 [T, k]");
+  if (T > 0 && (!on_device(topk_weights, device_) || !topk_weights.is_contiguous()))
+    return invalid_argument("dispatch", "topk_weights", shape_of(topk_weights), "must be contiguous on the same device");
+  const bool fp8_wire = options_.params.dispatch_format == kWsFp8Block;
+  const int mode = fp8_wire ? (x_fp8 ? kernels::kFp8Copy : kernels::kBf16ToFp8)
+                            : (x_fp8 ? kernels::kFp8ToBf16 : kernels::kBf16Copy);
+  MEGAMOE_CUDA_CHECK(cudaSetDevice(device_));
+  const TransportParams args = make_args(*this, window_, scratch_, options_, T);
+  last_num_tokens_ = T;
+  return kernels::launch_dispatch(args, mode, x.data, x_fp8 ? x_scale.ptr<float>() : nullptr, topk_ids.ptr<int32_t>(),
+                                  topk_weights.ptr<float>(), num_sms_, static_cast<cudaStream_t>(stream));
+}
+
+Status EpTransport::build_expert_pool(cudaStream_t stream) {
+  MEGAMOE_RETURN_IF_ERROR(check_ready(stream, "build_expert_pool()"));
+  MEGAMOE_CUDA_CHECK(cudaSetDevice(device_));
+  const TransportParams args = make_args(*this, window_, scratch_, options_, last_num_tokens_);
+  return kernels::launch_expert_pool(args, num_sms_, stream);
+}
+
+Status EpTransport::combine_send(const TensorView& out, cudaStream_t stream) {
+  MEGAMOE_RETURN_IF_ERROR(check_ready(stream, "combine_send()"));
+  const int64_t P = layout_.pool_rows, H = options_.params.hidden;
+  if (!(out.dtype == DType::kFloat32 || out.dtype == DType::kBFloat16) || out.ndim != 2 || out.shape[0] != P ||
+      out.shape[1] != H)
+    return invalid_argument("combine_send", "expert_out", shape_of(out),
+                            "must be float32 or bfloat16 [pool_rows=" + std::to_string(P) + ", H=" + std::to_string(H) +
+                                "]");
+  if (P > 0 && (!on_device(out, device_) || !out.is_contiguous() || reinterpret_cast<uintptr_t>(out.data) % 16 != 0))
+    return invalid_argument("combine_send", "expert_out", shape_of(out), "must be contiguous, 16-byte aligned, on the device");
+  MEGAMOE_CUDA_CHECK(cudaSetDevice(device_));
+  const TransportParams args = make_args(*this, window_, scratch_, options_, last_num_tokens_);
+  return kernels::launch_combine_send(args, out.data, out.dtype == DType::kFloat32, num_sms_, stream);
+}
+
+Status EpTransport::combine(const TensorView& topk_ids, const TensorView& y, cudaStream_t stream) {
+  MEGAMOE_RETURN_IF_ERROR(check_ready(stream, "combine()"));
+  int64_t T = 0;
+  MEGAMOE_RETURN_IF_ERROR(check_tokens(topk_ids, "combine", &T));
+  const int64_t H = options_.params.hidden;
+  if (y.dtype != DType::kBFloat16 || y.ndim != 2 || y.shape[0] != T || y.shape[1] != H)
+    return invalid_argument("combine", "y", shape_of(y), "must be bfloat16 [T, H]");
+  if (T > 0 && (!on_device(y, device_) || !y.is_contiguous() || reinterpret_cast<uintptr_t>(y.data) % 16 != 0))
+    return invalid_argument("combine", "y", shape_of(y), "must be contiguous, 16-byte aligned, on the device");
+  MEGAMOE_CUDA_CHECK(cudaSetDevice(device_));
+  const TransportParams args = make_args(*this, window_, scratch_, options_, T);
+  return kernels::launch_combine_reduce(args, topk_ids.ptr<int32_t>(), y.ptr<uint16_t>(), num_sms_, stream);
+}
+
+Status EpTransport::check_error(cudaStream_t stream) {
+  if (!base_) return Status::ok();
+  MEGAMOE_CUDA_CHECK(cudaSetDevice(device_));
+  MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  WaitError err{};
+  MEGAMOE_CUDA_CHECK(cudaMemcpy(&err, static_cast<char*>(base_) + layout_.error_cell.offset, sizeof(err),
+                                cudaMemcpyDeviceToHost));
+  if (err.flag != 0) {
+    const int64_t ms = options_.wait_timeout_ms > 0 ? options_.wait_timeout_ms : env_knobs().wait_timeout_ms;
+    std::ostringstream os;
+    if (err.flag == kernels::kWaitTimeout) {
+      os << "EP transport wait timed out: rank " << err.rank << " (SM " << err.sm << ") waited at stage "
+         << transport_stage_name(err.stage) << " for peer rank " << err.peer << " to publish epoch " << err.expected
+         << ", saw " << err.seen << " after " << ms << " ms (MEGAMOE_WAIT_TIMEOUT_MS); did rank " << err.peer
+         << " skip a launch or fail? The group is aborted: rebuild it";
+    } else {
+      os << "EP transport aborted: rank " << err.rank << " (SM " << err.sm << ") stopped waiting at stage "
+         << transport_stage_name(err.stage) << " (expected epoch " << err.expected << ", saw " << err.seen
+         << ") because rank " << err.peer << " timed out and aborted the group; rebuild it";
+    }
+    return Status(StatusCode::kTimeout, os.str());
+  }
+  const ScratchLayout sl = ScratchLayout::make(options_.params);
+  InputStatus in{};
+  char* status_ptr = static_cast<char*>(scratch_) + sl.input_status;
+  MEGAMOE_CUDA_CHECK(cudaMemcpy(&in, status_ptr, sizeof(in), cudaMemcpyDeviceToHost));
+  if (in.bad_count != 0 || in.pool_overflow != 0) {
+    MEGAMOE_CUDA_CHECK(cudaMemset(status_ptr, 0, sizeof(in)));
+    std::ostringstream os;
+    if (in.bad_count != 0) {
+      os << "invalid topk_ids: topk_ids[" << in.first_token << ", " << in.first_slot << "]=" << in.first_value
+         << ", must be -1 or a global expert id in [0, " << num_experts_
+         << ") not repeated within the token (rank " << rank_ << ", " << in.bad_count
+         << " bad slot(s) since the last check, each treated as -1)";
+    } else {
+      os << "EP transport: received counts exceed the expert pool on rank " << rank_ << " (" << in.pool_overflow
+         << " time(s)); peers disagree on the geometry";
+    }
+    return Status(in.bad_count != 0 ? StatusCode::kInvalidArgument : StatusCode::kInternal, os.str());
+  }
+  return Status::ok();
+}
+
+}  // namespace megamoe

@@ -1,0 +1,100 @@
+// EpTransport: the expert-parallel token transport of the GPU backends over NCCL symmetric memory.
+//
+// One object per rank (one GPU), built on that rank's NCCL Communicator and a WorkspaceLayout. It owns
+// (shares, through WorkspacePool) the symmetric workspace and its window, the local scratch, and the
+// launch epoch (which lives in the workspace's signals, so CUDA-graph replays get fresh epochs).
+//
+// Per forward, in stream order, with no host synchronisation (capturable in a CUDA graph):
+//   dispatch()          one fused layout + copy kernel: counts, rows and metadata into every owner's
+//                       receive regions; returns (on the device) once this rank's regions are complete
+//   build_expert_pool() owner: expert_offsets, pool_src, pool_x(_scales) (expert-major, BM-padded)
+//   ... experts (FC1/FC2) ...; FC2 either writes the source's combine rows itself or calls
+//   combine_send()      owner: partial = weight * out[pool row] -> wire format -> source's combine row
+//   combine()           source: publish "my partials are sent", wait for every rank's, reduce the k
+//                       partials of each token in slot order (fp32) into y (bf16)
+// Every rank calls these in the same order, the same number of times (a rank with 0 tokens too).
+// check_error() synchronises the stream and turns the device error cell (bounded-wait timeouts, peer
+// aborts) and the bad-input counters into a Status. After a timeout the group is aborted for good:
+// build a new communicator and transport.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+
+#include "megamoe/comm.h"
+#include "megamoe/status.h"
+#include "megamoe/tensor.h"
+#include "megamoe/workspace.h"
+
+namespace megamoe {
+
+class NcclRankComm;
+
+struct EpTransportOptions {
+  WorkspaceParams params;      // ep_size must equal the communicator's size
+  bool pow2_scales = false;    // bf16 x -> fp8 wire with power-of-two scales
+  int num_sms = 0;             // CTAs of the copy kernels: 0 = every SM
+  int64_t wait_timeout_ms = 0; // bound of every device wait; 0 = MEGAMOE_WAIT_TIMEOUT_MS
+  Status validate() const;
+};
+
+class EpTransport {
+ public:
+  static Status create(std::shared_ptr<Communicator> comm, const EpTransportOptions& options,
+                       std::unique_ptr<EpTransport>* out);
+  ~EpTransport();
+  EpTransport(const EpTransport&) = delete;
+  EpTransport& operator=(const EpTransport&) = delete;
+
+  // Collective, blocking: device communicator, symmetric workspace, scratch. Refused during CUDA-graph
+  // capture. Idempotent.
+  Status warmup(cudaStream_t stream = nullptr);
+  bool warmed_up() const { return base_ != nullptr; }
+
+  // x [T, H] bf16, or e4m3 with x_scale [T, H/128] fp32; topk_ids [T, k] int32; topk_weights [T, k]
+  // fp32; all on this rank's device, contiguous. T <= max_tokens_per_rank (refused before launch).
+  Status dispatch(const TensorView& x, const TensorView& x_scale, const TensorView& topk_ids,
+                  const TensorView& topk_weights, cudaStream_t stream);
+  Status build_expert_pool(cudaStream_t stream);
+  // expert_out [pool_rows, H] fp32 or bf16: the FC2 output of each pool row (before the weight).
+  Status combine_send(const TensorView& expert_out, cudaStream_t stream);
+  // topk_ids as given to dispatch(); y [T, H] bf16.
+  Status combine(const TensorView& topk_ids, const TensorView& y, cudaStream_t stream);
+
+  // Synchronises `stream`; ok, or kTimeout (stage, peer, expected, seen), or kInvalidArgument (bad
+  // topk ids: first bad token, slot, value; the counters are cleared once reported).
+  Status check_error(cudaStream_t stream);
+
+  const WorkspaceLayout& layout() const { return layout_; }
+  void* base() const { return base_; }  // this rank's copy of the workspace
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  int device() const { return device_; }
+  Communicator* communicator() const { return comm_.get(); }
+  // Bytes this rank's last dispatch/combine configuration moves are computed by callers (bench).
+
+ private:
+  EpTransport() = default;
+  Status check_ready(cudaStream_t stream, const char* what) const;
+  Status check_tokens(const TensorView& topk_ids, const char* what, int64_t* num_tokens) const;
+
+  std::shared_ptr<Communicator> comm_;
+  NcclRankComm* nccl_ = nullptr;
+  EpTransportOptions options_;
+  WorkspaceLayout layout_;
+  int rank_ = 0, size_ = 1, device_ = 0, num_sms_ = 0;
+  int64_t num_experts_ = 0;
+  std::shared_ptr<Workspace> workspace_;
+  void* base_ = nullptr;
+  void* window_ = nullptr;  // ncclWindow_t
+  void* scratch_ = nullptr; // local: pool_intra, pool_hist, seg_total, input status
+  int64_t scratch_bytes_ = 0;
+  int64_t last_num_tokens_ = 0;
+};
+
+// Stage names of the transport's waits ("dispatch-done", "combine-done").
+const char* transport_stage_name(int32_t stage);
+
+}  // namespace megamoe

@@ -1,0 +1,63 @@
+// Launchers of the combine kernels.
+#include <algorithm>
+
+#include "core/cuda_check.h"
+#include "kernels/transport/sm90_combine.cuh"
+#include "kernels/transport/sm90_launch.h"
+
+namespace megamoe {
+namespace kernels {
+
+namespace {
+template <typename InT>
+void send_as(const TransportArgs& args, const void* out, int ctas, int parts, cudaStream_t stream) {
+  const InT* in = static_cast<const InT*>(out);
+  switch (args.layout.params.combine_format) {
+    case kWsMxfp8: combine_send_kernel<kWsMxfp8, InT><<<ctas, kCombineThreads, 0, stream>>>(args, in, 1); break;
+    case kWsNvfp4: combine_send_kernel<kWsNvfp4, InT><<<ctas, kCombineThreads, 0, stream>>>(args, in, 1); break;
+    default: combine_send_kernel<kWsBf16, InT><<<ctas, kCombineThreads, 0, stream>>>(args, in, parts); break;
+  }
+}
+
+// Parts per bf16 row: enough work items (row or token, part) to fill `ctas` CTAs at small T
+// (decode: 8 rows of 28 rounds at T = 1 become 7 parts of 4 rounds); 1 when rows alone fill them.
+int bf16_parts(int64_t rows, int64_t items_wanted, int64_t hidden, int64_t max_parts) {
+  const int64_t rounds = std::max<int64_t>(1, (hidden / 8 + 31) / 32);
+  const int64_t want = (items_wanted + std::max<int64_t>(rows, 1) - 1) / std::max<int64_t>(rows, 1);
+  return static_cast<int>(std::max<int64_t>(1, std::min({want, rounds, max_parts})));
+}
+}  // namespace
+
+Status launch_combine_send(const TransportParams& params, const void* expert_out, bool out_is_fp32, int num_sms,
+                           cudaStream_t stream) {
+  const TransportArgs args = TransportArgs::from(params);
+  // Grid: 2 CTAs per SM, fewer when the pool is small; rows ~ T * k (about what a rank owns).
+  const int64_t sms = std::max(num_sms, 1);
+  const int ctas = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((args.layout.pool_rows + 7) / 8, 2 * sms)));
+  const int parts = bf16_parts(args.num_tokens * args.top_k(), 2 * sms * (kCombineThreads / 32) * 2,
+                               args.layout.params.hidden, 7);
+  if (out_is_fp32) send_as<float>(args, expert_out, ctas, parts, stream);
+  else send_as<uint16_t>(args, expert_out, ctas, parts, stream);
+  MEGAMOE_CUDA_CHECK_LAUNCH();
+  return Status::ok();
+}
+
+Status launch_combine_reduce(const TransportParams& params, const int32_t* topk_ids, uint16_t* y, int num_sms,
+                             cudaStream_t stream) {
+  const TransportArgs args = TransportArgs::from(params);
+  const int64_t sms = std::max(num_sms, 1), T = args.num_tokens, warps_per_cta = kCombineThreads / 32;
+  // bf16: (token, part) items, ~2048 of them at small T (decode spreads a token over many warps).
+  const bool bf16 = args.layout.params.combine_format == kWsBf16;
+  const int parts = bf16 ? bf16_parts(T, 2048, args.layout.params.hidden, 64) : 1;
+  const int ctas = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((T * parts + warps_per_cta - 1) / warps_per_cta, 2 * sms)));
+  switch (args.layout.params.combine_format) {
+    case kWsMxfp8: combine_reduce_kernel<kWsMxfp8><<<ctas, kCombineThreads, 0, stream>>>(args, topk_ids, y, 1); break;
+    case kWsNvfp4: combine_reduce_kernel<kWsNvfp4><<<ctas, kCombineThreads, 0, stream>>>(args, topk_ids, y, 1); break;
+    default: combine_reduce_kernel<kWsBf16><<<ctas, kCombineThreads, 0, stream>>>(args, topk_ids, y, parts); break;
+  }
+  MEGAMOE_CUDA_CHECK_LAUNCH();
+  return Status::ok();
+}
+
+}  // namespace kernels
+}  // namespace megamoe

@@ -1,0 +1,425 @@
+// Dispatch kernel of the EP transport (sm_90a, NCCL symmetric memory, NVLink stores): the layout
+// (rows, counts, id checks) and the copy fused into one launch.
+//
+// dispatch_kernel (grid G x 512 threads; CTA b owns tokens [b*TPC, min(T, (b+1)*TPC)), TPC <= 512):
+//   layout   every CTA counts, per destination rank, the tokens before its chunk that go there
+//            (redundantly: ids are read from L2, no grid-wide scan or barrier), then ranks its own
+//            chunk's tokens with warp ballots: row i at destination r = the i-th token of this rank
+//            sent to r, in token order (the CPU reference's compaction). The last CTA (b = G-1) also
+//            checks every id (bad ones counted, the first recorded, treated as -1), builds the
+//            per-expert histogram, and writes recv_token_counts[me] / recv_expert_counts[me][*] into
+//            every destination's copy (zeros included: a rank with 0 tokens still writes them).
+//   copy     work item = (token, part): a part is a contiguous range of 32-chunk rounds of the row,
+//            so a small T still spreads over many warps. Each lane loads kLoadRounds rounds before it
+//            stores (latency hiding), and sends the token once per destination rank (not once per
+//            expert) to row me*T_max + i of the owner's recv_tokens (+ recv_scales, + recv_meta):
+//            16-byte stores for rows, scales (4 blocks gathered into one float4) and metadata.
+//            bf16 -> e4m3 1x128 on the fly: q = x * (1/s), checked exact (see quantize_pair).
+//   signal   each CTA fences its stores and takes a ticket; the last one bumps the launch epoch,
+//            publishes it in every destination's [me][kSlotDispatch] cell, and waits (bounded) until
+//            every source has published it here, so when the kernel ends this rank's receive regions
+//            are complete.
+#pragma once
+
+#include "kernels/transport/sm90_transport_args.cuh"
+
+namespace megamoe {
+namespace kernels {
+
+constexpr int kDispatchThreads = 512;
+constexpr int kDispatchWarps = kDispatchThreads / 32;
+constexpr int kMaxTokensPerCta = kDispatchThreads;  // one token per thread in the ranking pass
+constexpr int kLoadRounds = 2;                      // 32-chunk rounds a lane loads before it stores
+
+// Host-chosen shape of one dispatch launch (launch_dispatch): grid = ceil(T / tokens_per_cta).
+struct DispatchShape {
+  int tokens_per_cta;  // TPC, in [1, kMaxTokensPerCta]
+  int parts;           // work items per token, in [1, rounds of the row]
+};
+
+// Destination-rank mask of a token: bit r set when a slot holds an id in [0, E) owned by rank r.
+// Repeated ids map to the same rank, so this equals the mask over the valid slots only.
+__device__ __forceinline__ uint32_t token_dest_mask(const int32_t* ids, int k, uint32_t E, uint32_t El) {
+  uint32_t mask = 0;
+  for (int j = 0; j < k; ++j) {
+    const uint32_t id = static_cast<uint32_t>(__ldg(ids + j));
+    if (id < E) mask |= 1u << (id / El);  // -1 and other negatives wrap to >= E
+  }
+  return mask;
+}
+
+// 4 destination bits -> four 16-bit counters of one u64 (counts <= T_max <= 65535 never carry).
+__device__ __forceinline__ unsigned long long spread4(uint32_t m) {
+  return static_cast<unsigned long long>(m & 1u) | (static_cast<unsigned long long>(m >> 1 & 1u) << 16) |
+         (static_cast<unsigned long long>(m >> 2 & 1u) << 32) | (static_cast<unsigned long long>(m >> 3 & 1u) << 48);
+}
+
+__device__ __forceinline__ uint32_t packed_count(const unsigned long long* packed, int r) {
+  return static_cast<uint32_t>((packed[r >> 2] >> (16 * (r & 3))) & 0xFFFFu);
+}
+
+__device__ __forceinline__ uint16_t cvt_e4m3x2(float lo, float hi) {
+  uint16_t r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// e4m3 codes of (v0 / s, v1 / s), v0 in the low byte, bit-identical to
+// fmt::float_to_e4m3(fmt::div_rn(v, s)). q = RN(v * inv), inv = RN(1 / s), is within 3 ulp of
+// RN(v / s) (relative error <= 1.5 * 2^-23; fp32 subnormal results are within 2 ulp), and the encoder
+// is monotone in |v| for a fixed sign: when the codes of q -/+ 8 ulp (same sign) agree, they are the
+// code of the correctly rounded quotient (cvt.rn.satfinite equals fmt::float_to_e4m3 on non-NaN
+// input). Otherwise (q near an e4m3 rounding boundary, ~1e-5 of the elements; |q| >= 2^127; NaN) the
+// exact division. Power-of-two scales make inv and q exact.
+__device__ __forceinline__ uint32_t quantize_pair(float v0, float v1, float s, float inv) {
+  const uint32_t b0 = __float_as_uint(__fmul_rn(v0, inv)), b1 = __float_as_uint(__fmul_rn(v1, inv));
+  const uint32_t a0 = b0 & 0x7FFFFFFFu, a1 = b1 & 0x7FFFFFFFu;
+  const uint32_t lo0 = (b0 & 0x80000000u) | (a0 > 8u ? a0 - 8u : 0u);
+  const uint32_t lo1 = (b1 & 0x80000000u) | (a1 > 8u ? a1 - 8u : 0u);
+  const uint16_t lo = cvt_e4m3x2(__uint_as_float(lo0), __uint_as_float(lo1));
+  const uint16_t hi = cvt_e4m3x2(__uint_as_float(b0 + 8u), __uint_as_float(b1 + 8u));
+  if (lo == hi && (a0 | a1) < 0x7F000000u) return lo;
+  return static_cast<uint32_t>(fmt::float_to_e4m3(fmt::div_rn(v0, s))) |
+         (static_cast<uint32_t>(fmt::float_to_e4m3(fmt::div_rn(v1, s))) << 8);
+}
+
+// Shared state of one dispatch CTA.
+struct DispatchSmem {
+  char* peer_base[kMaxTransportRanks];
+  int32_t rows[kMaxTokensPerCta][kMaxTransportRanks];  // row at destination r of each chunk token, or -1
+  int32_t warp_counts[kDispatchWarps][kMaxTransportRanks];
+  unsigned long long before[2];  // packed per-destination counts of the tokens before the chunk
+  unsigned long long total[2];   // CTA 0: of all T tokens
+  long long first_bad;
+  int num_bad;
+};
+
+// Layout part of a CTA: s.rows for its chunk [t_lo, t_hi). CTA 0 also checks every id, builds the
+// per-expert histogram `hist` (dynamic shared, [E]) and writes the counts into every destination.
+__device__ __forceinline__ void dispatch_layout(const TransportArgs& a, const int32_t* __restrict__ topk_ids,
+                                                DispatchSmem& s, int32_t* hist, int64_t t_lo, int64_t t_hi) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int R = a.sig.num_ranks, rank = a.sig.rank;
+  const int k = static_cast<int>(a.top_k());
+  const int64_t T = a.num_tokens;
+  const uint32_t E = static_cast<uint32_t>(a.num_experts), El = static_cast<uint32_t>(a.experts_per_rank());
+  const bool counts_cta = blockIdx.x == 0;
+  if (tid < 2) s.before[tid] = s.total[tid] = 0;
+  if (tid == 0) {
+    s.first_bad = LLONG_MAX;
+    s.num_bad = 0;
+  }
+  if (counts_cta)
+    for (int64_t i = tid; i < E; i += blockDim.x) hist[i] = 0;
+  __syncthreads();
+
+  // Tokens before the chunk, per destination (redundant across CTAs; the ids come from L2).
+  unsigned long long packed0 = 0, packed1 = 0;
+#pragma unroll 4
+  for (int64_t t = tid; t < t_lo; t += blockDim.x) {
+    const uint32_t m = token_dest_mask(topk_ids + t * k, k, E, El);
+    packed0 += spread4(m & 0xFu);
+    packed1 += spread4(m >> 4);
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    packed0 += __shfl_xor_sync(0xFFFFFFFFu, packed0, o);
+    packed1 += __shfl_xor_sync(0xFFFFFFFFu, packed1, o);
+  }
+  if (lane == 0 && (packed0 | packed1)) {
+    atomicAdd(&s.before[0], packed0);
+    atomicAdd(&s.before[1], packed1);
+  }
+  if (counts_cta) {  // every token: id checks, histogram, totals
+    long long first_bad = LLONG_MAX;
+    int num_bad = 0;
+    unsigned long long total0 = 0, total1 = 0;
+    for (int64_t t = tid; t < T; t += blockDim.x) {
+      const int32_t* ids = topk_ids + t * k;
+      uint32_t m = 0;
+      for (int j = 0; j < k; ++j) {
+        if (slot_valid(ids, j, a.num_experts)) {
+          atomicAdd(&hist[ids[j]], 1);
+          m |= 1u << (static_cast<uint32_t>(ids[j]) / El);
+        } else if (ids[j] != -1) {
+          ++num_bad;
+          first_bad = min(first_bad, static_cast<long long>(t * k + j));
+        }
+      }
+      total0 += spread4(m & 0xFu);
+      total1 += spread4(m >> 4);
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+      total0 += __shfl_xor_sync(0xFFFFFFFFu, total0, o);
+      total1 += __shfl_xor_sync(0xFFFFFFFFu, total1, o);
+      num_bad += __shfl_xor_sync(0xFFFFFFFFu, num_bad, o);
+      first_bad = min(first_bad, __shfl_xor_sync(0xFFFFFFFFu, first_bad, o));
+    }
+    if (lane == 0) {
+      if (total0 | total1) {
+        atomicAdd(&s.total[0], total0);
+        atomicAdd(&s.total[1], total1);
+      }
+      if (num_bad) {
+        atomicAdd(&s.num_bad, num_bad);
+        atomicMin(&s.first_bad, first_bad);
+      }
+    }
+  }
+
+  // The chunk: thread i ranks token t_lo + i; ballots count the earlier tokens of its warp.
+  const int64_t t = t_lo + tid;
+  const uint32_t m = t < t_hi ? token_dest_mask(topk_ids + t * k, k, E, El) : 0u;
+  uint32_t lane_before[kMaxTransportRanks];
+#pragma unroll
+  for (int r = 0; r < kMaxTransportRanks; ++r) {
+    const uint32_t ballot = __ballot_sync(0xFFFFFFFFu, m >> r & 1u);
+    lane_before[r] = __popc(ballot & ((1u << lane) - 1u));
+    if (lane == 0) s.warp_counts[warp][r] = __popc(ballot);
+  }
+  __syncthreads();
+  if (t < t_hi) {
+#pragma unroll
+    for (int r = 0; r < kMaxTransportRanks; ++r) {
+      int32_t row = -1;
+      if (r < R && (m >> r & 1u)) {
+        uint32_t base = packed_count(s.before, r) + lane_before[r];
+        for (int w = 0; w < warp; ++w) base += s.warp_counts[w][r];
+        row = static_cast<int32_t>(base);
+      }
+      s.rows[tid][r] = row;
+    }
+  }
+
+  if (counts_cta) {
+    if (tid == 0 && s.num_bad > 0) {
+      InputStatus* st = a.input_status;
+      if (st->bad_count == 0) {
+        st->first_token = static_cast<int32_t>(s.first_bad / k);
+        st->first_slot = static_cast<int32_t>(s.first_bad % k);
+        st->first_value = topk_ids[s.first_bad];
+      }
+      st->bad_count += s.num_bad;
+    }
+    for (int r = 0; r < R; ++r) {
+      int32_t* expert_counts =
+          reinterpret_cast<int32_t*>(s.peer_base[r] + a.layout.recv_expert_counts.offset) + rank * El;
+      for (int64_t e = tid; e < El; e += blockDim.x) expert_counts[e] = hist[r * El + e];
+      if (tid == 0)
+        reinterpret_cast<int32_t*>(s.peer_base[r] + a.layout.recv_token_counts.offset)[rank] =
+            static_cast<int32_t>(packed_count(s.total, r));
+    }
+  }
+  __syncthreads();
+}
+
+// Calls f(r, recv_row) for every destination r the token goes to (rows[r] >= 0).
+template <typename F>
+__device__ __forceinline__ void for_each_dest(const int32_t* rows, int R, int64_t row0, F&& f) {
+#pragma unroll
+  for (int r = 0; r < kMaxTransportRanks; ++r) {
+    if (r >= R) break;
+    if (rows[r] >= 0) f(r, row0 + rows[r]);
+  }
+}
+
+// One warp's share (rounds [rb, re) of 32 chunks, plus the metadata row for part 0) of token t.
+template <int kMode>
+__device__ __forceinline__ void dispatch_part(const TransportArgs& a, char* const* peer_base, const int32_t* rows,
+                                              int64_t t, int part, int parts, const void* __restrict__ x,
+                                              const float* __restrict__ x_scale, const int32_t* __restrict__ topk_ids,
+                                              const float* __restrict__ topk_weights, int lane) {
+  const int64_t H = a.hidden(), k = a.top_k(), El = a.experts_per_rank();
+  const int R = a.sig.num_ranks;
+  const int64_t row0 = a.sig.rank * a.t_max();
+  constexpr bool kFp8Wire = (kMode == kBf16ToFp8 || kMode == kFp8Copy);
+  const int64_t row_bytes = kFp8Wire ? H : 2 * H;
+  const int64_t scale_cols = H / fmt::kFp8BlockSize;
+  const bool scales_v4 = scale_cols % 4 == 0;  // scale rows 16-byte aligned
+  const int64_t tok_off = a.layout.recv_tokens.offset, scale_off = a.layout.recv_scales.offset;
+  // Chunk = one lane's 16 wire bytes (8 for fp8 -> bf16's input); a round = 32 chunks.
+  const int64_t chunks = (kMode == kFp8ToBf16 || kMode == kBf16Copy) ? H / 8 : H / 16;
+  const int64_t rounds = (chunks + 31) / 32;
+  const int64_t rb = rounds * part / parts, re = rounds * (part + 1) / parts;
+
+  if constexpr (kMode == kBf16ToFp8) {
+    const char* src = static_cast<const char*>(x) + t * H * 2;
+    const bool pow2 = a.pow2_scales;
+    for (int64_t r0 = rb; r0 < re; r0 += kLoadRounds) {
+      uint4 in[kLoadRounds][2];
+#pragma unroll
+      for (int u = 0; u < kLoadRounds; ++u) {
+        const int64_t c = (r0 + u) * 32 + lane;
+        if (r0 + u < re && c < chunks) {
+          in[u][0] = ld_nc_v4(src + c * 32);
+          in[u][1] = ld_nc_v4(src + c * 32 + 16);
+        } else {
+          in[u][0] = in[u][1] = make_uint4(0, 0, 0, 0);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kLoadRounds; ++u) {
+        if (r0 + u >= re) break;  // warp-uniform
+        const int64_t c = (r0 + u) * 32 + lane;
+        const uint32_t w[8] = {in[u][0].x, in[u][0].y, in[u][0].z, in[u][0].w,
+                               in[u][1].x, in[u][1].y, in[u][1].z, in[u][1].w};
+        float v[16];
+        float amax = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          v[2 * i] = fmt::bf16_to_float(static_cast<uint16_t>(w[i] & 0xFFFFu));
+          v[2 * i + 1] = fmt::bf16_to_float(static_cast<uint16_t>(w[i] >> 16));
+          amax = fmaxf(amax, fmt::finite_abs(v[2 * i]));
+          amax = fmaxf(amax, fmt::finite_abs(v[2 * i + 1]));
+        }
+        // The 8 lanes of a 128-block (lane & ~7) reduce their amax; chunks % 8 == 0, so a block's
+        // lanes are all active or all inactive.
+        amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
+        amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
+        amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 4));
+        const float s = fmt::fp8_block_scale(amax, pow2);
+        const float inv = __frcp_rn(s);
+        uint32_t q[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          q[i] = quantize_pair(v[4 * i], v[4 * i + 1], s, inv) | (quantize_pair(v[4 * i + 2], v[4 * i + 3], s, inv) << 16);
+        const uint4 out = make_uint4(q[0], q[1], q[2], q[3]);
+        const float s1 = __shfl_sync(0xFFFFFFFFu, s, 8), s2 = __shfl_sync(0xFFFFFFFFu, s, 16),
+                    s3 = __shfl_sync(0xFFFFFFFFu, s, 24);
+        const int64_t block0 = (r0 + u) * 4;  // first 128-block of the round
+        const int64_t nb = scale_cols - block0 < 4 ? scale_cols - block0 : 4;
+        for_each_dest(rows, R, row0, [&](int r, int64_t row) {
+          if (c < chunks) st_v4(peer_base[r] + tok_off + row * row_bytes + c * 16, out);
+          if (lane == 0) {
+            float* d = reinterpret_cast<float*>(peer_base[r] + scale_off) + row * scale_cols + block0;
+            if (nb == 4 && scales_v4) {
+              *reinterpret_cast<float4*>(d) = make_float4(s, s1, s2, s3);
+            } else {
+              const float sv[4] = {s, s1, s2, s3};
+#pragma unroll
+              for (int b = 0; b < 4; ++b)
+                if (b < nb) d[b] = sv[b];
+            }
+          }
+        });
+      }
+    }
+  } else if constexpr (kMode == kFp8Copy || kMode == kBf16Copy) {
+    const char* src = static_cast<const char*>(x) + t * row_bytes;
+    for (int64_t r0 = rb; r0 < re; r0 += kLoadRounds) {
+      uint4 in[kLoadRounds];
+#pragma unroll
+      for (int u = 0; u < kLoadRounds; ++u) {
+        const int64_t c = (r0 + u) * 32 + lane;
+        in[u] = (r0 + u < re && c < chunks) ? ld_nc_v4(src + c * 16) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int u = 0; u < kLoadRounds; ++u) {
+        if (r0 + u >= re) break;
+        const int64_t c = (r0 + u) * 32 + lane;
+        if constexpr (kMode == kFp8Copy) {  // the round's 4 blocks' scales, by lanes 0..3
+          const int64_t b = (r0 + u) * 4 + lane;
+          const float sv = (lane < 4 && b < scale_cols) ? x_scale[t * scale_cols + b] : 0.f;
+          for_each_dest(rows, R, row0, [&](int r, int64_t row) {
+            if (c < chunks) st_v4(peer_base[r] + tok_off + row * row_bytes + c * 16, in[u]);
+            if (lane < 4 && b < scale_cols)
+              reinterpret_cast<float*>(peer_base[r] + scale_off)[row * scale_cols + b] = sv;
+          });
+        } else {
+          for_each_dest(rows, R, row0, [&](int r, int64_t row) {
+            if (c < chunks) st_v4(peer_base[r] + tok_off + row * row_bytes + c * 16, in[u]);
+          });
+        }
+      }
+    }
+  } else {  // kFp8ToBf16: 8 elements per chunk
+    const uint8_t* src = static_cast<const uint8_t*>(x) + t * H;
+    for (int64_t rr = rb; rr < re; ++rr) {
+      const int64_t c = rr * 32 + lane;
+      if (c >= chunks) continue;
+      const uint2 q = *reinterpret_cast<const uint2*>(src + c * 8);
+      const float s = x_scale[t * scale_cols + (c * 8) / fmt::kFp8BlockSize];
+      const uint32_t w[2] = {q.x, q.y};
+      uint32_t o[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint8_t c0 = static_cast<uint8_t>(w[i / 2] >> (16 * (i & 1)));
+        const uint8_t c1 = static_cast<uint8_t>(w[i / 2] >> (16 * (i & 1) + 8));
+        o[i] = fmt::float_to_bf16(fmt::mul_rn(fmt::e4m3_to_float(c0), s)) |
+               (static_cast<uint32_t>(fmt::float_to_bf16(fmt::mul_rn(fmt::e4m3_to_float(c1), s))) << 16);
+      }
+      const uint4 out = make_uint4(o[0], o[1], o[2], o[3]);
+      for_each_dest(rows, R, row0, [&](int r, int64_t row) { st_v4(peer_base[r] + tok_off + row * row_bytes + c * 16, out); });
+    }
+  }
+
+  // Metadata row (part 0): src_token, local_expert[k], weight[k], zero padding; lane l writes words
+  // 4l..4l+3 with one 16-byte store per destination (meta_bytes is a multiple of 16).
+  if (part == 0 && lane * 16 < a.layout.meta_bytes) {
+    const int32_t* ids = topk_ids + t * k;
+    for_each_dest(rows, R, row0, [&](int r, int64_t row) {
+      uint32_t word[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int64_t wi = 4 * lane + q;
+        uint32_t v = 0;
+        if (wi == 0) {
+          v = static_cast<uint32_t>(t);
+        } else if (wi <= k) {
+          const int j = static_cast<int>(wi - 1);
+          const bool here = slot_valid(ids, j, a.num_experts) && ids[j] / El == r;
+          v = static_cast<uint32_t>(here ? static_cast<int32_t>(ids[j] - r * El) : -1);
+        } else if (wi <= 2 * k) {
+          const int j = static_cast<int>(wi - 1 - k);
+          const bool here = slot_valid(ids, j, a.num_experts) && ids[j] / El == r;
+          v = here ? __float_as_uint(topk_weights[t * k + j]) : 0u;
+        }
+        word[q] = v;
+      }
+      st_v4(peer_base[r] + a.layout.recv_meta.offset + row * a.layout.meta_bytes + lane * 16,
+            make_uint4(word[0], word[1], word[2], word[3]));
+    });
+  }
+}
+
+template <int kMode>
+__global__ void __launch_bounds__(kDispatchThreads, 2)
+    dispatch_kernel(TransportArgs a, DispatchShape shape, const void* __restrict__ x, const float* __restrict__ x_scale,
+                    const int32_t* __restrict__ topk_ids, const float* __restrict__ topk_weights) {
+  __shared__ DispatchSmem s;
+  extern __shared__ int32_t hist[];  // [E], CTA 0 only
+  if (threadIdx.x < a.sig.num_ranks) s.peer_base[threadIdx.x] = a.sig.peer_ptr(threadIdx.x, 0);
+  const int64_t t_lo = static_cast<int64_t>(blockIdx.x) * shape.tokens_per_cta;
+  const int64_t t_hi = min(a.num_tokens, t_lo + shape.tokens_per_cta);
+  dispatch_layout(a, topk_ids, s, hist, t_lo, t_hi);  // ends with a CTA barrier
+
+  const int lane = threadIdx.x & 31;
+  const int items = (t_hi > t_lo ? static_cast<int>(t_hi - t_lo) : 0) * shape.parts;
+  for (int i = threadIdx.x / 32; i < items; i += kDispatchWarps) {
+    const int ct = i / shape.parts, part = i % shape.parts;
+    dispatch_part<kMode>(a, s.peer_base, s.rows[ct], t_lo + ct, part, shape.parts, x, x_scale, topk_ids, topk_weights, lane);
+  }
+
+  // invariant: every CTA takes exactly one ticket, whatever happened above.
+  // One fence per CTA, after the barrier: the CTA's stores happen-before thread 0's fence.sc.sys, which
+  // orders them before its ticket (a fence per thread serialised ~1 us each and cost tens of us).
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    uint64_t* ticket = a.sig.own_cell(a.sig.rank, kLocalDispatchTicket);
+    const uint64_t old = atomic_add_acq_rel_gpu(ticket, 1);
+    if (old + 1 == gridDim.x) {
+      *ticket = 0;  // the next launch starts after this kernel ends (stream order)
+      // The launch epoch of this forward (combine reads it): bumped once, by the last CTA.
+      uint64_t* epoch_cell = a.sig.own_cell(a.sig.rank, kLocalEpoch);
+      const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(epoch_cell) + 1;
+      *reinterpret_cast<volatile uint64_t*>(epoch_cell) = epoch;
+      __threadfence_system();
+      signal_all_ranks(a.sig, kSlotDispatch, epoch);
+      const SignalCtx sig = a.sig;  // a local copy: the wait is not inlined
+      wait_all_ranks(sig, kSlotDispatch, epoch, kStageDispatchDone);
+    }
+  }
+}
+
+}  // namespace kernels
+}  // namespace megamoe

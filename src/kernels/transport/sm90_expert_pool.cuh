@@ -1,0 +1,206 @@
+// Expert-pool build (owner side, local memory only), after dispatch_kernel has seen every source's
+// epoch. Produces expert_offsets, pool_src and pool_x(_scales) exactly as the CPU reference does:
+// rows expert-major, ordered by (local expert, source rank, recv row), each expert's segment padded to
+// a multiple of block_m with rows whose pool_src = -1 and whose pool_x bytes (and scales) are zero.
+//
+// pool_rank_kernel    warp per 32 recv rows of one source: for each (row, slot) the number of earlier
+//                     rows of the chunk holding the same local expert (pool_intra), and the chunk's
+//                     rows per expert (pool_hist). Deterministic: no atomics.
+// pool_offsets_kernel warp per expert: turns pool_hist into exclusive bases over (source, chunk) and
+//                     seg_total; the last CTA (ticket) block-scans the padded segment sizes into
+//                     expert_offsets.
+// pool_scatter_kernel warp per recv row: pool row = offsets[e] + base[s][chunk][e] + intra; copies the
+//                     wire row (16-byte vectors) and scales, writes pool_src; then warps zero the
+//                     padding rows.
+#pragma once
+
+#include <cub/block/block_scan.cuh>
+
+#include "kernels/transport/sm90_transport_args.cuh"
+
+namespace megamoe {
+namespace kernels {
+
+constexpr int kPoolOffsetsThreads = 256;
+
+__device__ __forceinline__ const int32_t* meta_experts(const TransportArgs& a, int64_t recv_row) {
+  return reinterpret_cast<const int32_t*>(a.sig.own_base + a.layout.recv_meta.offset + recv_row * a.layout.meta_bytes) + 1;
+}
+
+// Local expert of (recv row, slot), -1 when none or out of range (never trusted blindly).
+__device__ __forceinline__ int32_t meta_expert(const TransportArgs& a, const int32_t* experts, int j) {
+  const int32_t e = experts[j];
+  return (e >= 0 && e < a.experts_per_rank()) ? e : -1;
+}
+
+__global__ void __launch_bounds__(256) pool_rank_kernel(TransportArgs a) {
+  const int R = a.sig.num_ranks;
+  const int64_t k = a.top_k(), El = a.experts_per_rank(), T_max = a.t_max(), chunks = a.num_chunks();
+  const int lane = threadIdx.x & 31;
+  const int32_t* recv_counts = a.own<int32_t>(a.layout.recv_token_counts);
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  for (int64_t w = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; w < R * chunks; w += warps) {
+    const int s = static_cast<int>(w / chunks);
+    const int64_t chunk = w % chunks;
+    const int64_t n = min(static_cast<int64_t>(recv_counts[s]), T_max);
+    if (chunk * kPoolChunkRows >= n) continue;  // warp-uniform
+    int32_t* hist = a.pool_hist + (s * chunks + chunk) * El;
+    for (int64_t e = lane; e < El; e += 32) hist[e] = 0;
+    __syncwarp();
+    const int64_t i = chunk * kPoolChunkRows + lane;
+    const bool live = i < n;
+    const int64_t recv_row = s * T_max + i;
+    int32_t mine[kMaxTopK];
+    int before[kMaxTopK], after[kMaxTopK];
+    const int32_t* experts = live ? meta_experts(a, recv_row) : nullptr;
+#pragma unroll
+    for (int j = 0; j < kMaxTopK; ++j) {
+      mine[j] = (live && j < k) ? meta_expert(a, experts, j) : -1;
+      before[j] = after[j] = 0;
+    }
+    for (int other = 0; other < kPoolChunkRows; ++other) {
+      int32_t theirs[kMaxTopK];
+#pragma unroll
+      for (int jj = 0; jj < kMaxTopK; ++jj) theirs[jj] = __shfl_sync(0xFFFFFFFFu, mine[jj], other);
+#pragma unroll
+      for (int j = 0; j < kMaxTopK; ++j) {
+        bool holds = false;
+#pragma unroll
+        for (int jj = 0; jj < kMaxTopK; ++jj) holds |= (theirs[jj] == mine[j]);
+        before[j] += (other < lane) && holds;
+        after[j] += (other > lane) && holds;
+      }
+    }
+    if (live) {
+      for (int j = 0; j < k; ++j) {
+        a.pool_intra[recv_row * k + j] = mine[j] >= 0 ? before[j] : -1;
+        if (mine[j] >= 0 && after[j] == 0) hist[mine[j]] = before[j] + 1;  // the chunk's last row with it
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kPoolOffsetsThreads) pool_offsets_kernel(TransportArgs a) {
+  using Scan = cub::BlockScan<int64_t, kPoolOffsetsThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  __shared__ int64_t s_carry;
+  __shared__ bool s_last;
+  const int R = a.sig.num_ranks;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32, warps_per_cta = kPoolOffsetsThreads / 32;
+  const int64_t El = a.experts_per_rank(), T_max = a.t_max(), chunks = a.num_chunks(), BM = a.layout.params.block_m;
+  const int32_t* recv_counts = a.own<int32_t>(a.layout.recv_token_counts);
+  int32_t* offsets = a.own<int32_t>(a.layout.expert_offsets);
+
+  // A warp per expert: exclusive bases over (source, chunk) in place, 32 chunks per warp scan.
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * warps_per_cta + warp; e < El;
+       e += static_cast<int64_t>(gridDim.x) * warps_per_cta) {
+    int64_t running = 0;
+    for (int s = 0; s < R; ++s) {
+      const int64_t n = min(static_cast<int64_t>(recv_counts[s]), T_max);
+      const int64_t used = (n + kPoolChunkRows - 1) / kPoolChunkRows;
+      int32_t* hist = a.pool_hist + s * chunks * El + e;
+      for (int64_t c0 = 0; c0 < used; c0 += 32) {
+        const int64_t c = c0 + lane;
+        const int32_t h = c < used ? hist[c * El] : 0;
+        int32_t incl = h;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+          const int32_t v = __shfl_up_sync(0xFFFFFFFFu, incl, o);
+          if (lane >= o) incl += v;
+        }
+        if (c < used) hist[c * El] = static_cast<int32_t>(running + incl - h);
+        running += __shfl_sync(0xFFFFFFFFu, incl, 31);
+      }
+    }
+    if (lane == 0) a.seg_total[e] = static_cast<int32_t>(running);
+  }
+
+  // The last CTA to finish turns the padded segment sizes into expert_offsets.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    uint64_t* ticket = a.sig.own_cell(a.sig.rank, kLocalPoolTicket);
+    const uint64_t old = atomic_add_acq_rel_gpu(ticket, 1);
+    s_last = old + 1 == gridDim.x;
+    if (s_last) *ticket = 0;  // the next launch starts after this kernel ends (stream order)
+    s_carry = 0;
+  }
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  for (int64_t e0 = 0; e0 < El; e0 += blockDim.x) {
+    const int64_t e = e0 + threadIdx.x;
+    const int64_t seg = e < El ? static_cast<int64_t>(__ldcg(a.seg_total + e)) : 0;
+    const int64_t padded = (seg + BM - 1) / BM * BM;
+    int64_t excl, agg;
+    Scan(scan_tmp).ExclusiveSum(padded, excl, agg);
+    if (e < El) offsets[e] = static_cast<int32_t>(s_carry + excl);
+    __syncthreads();
+    if (threadIdx.x == 0) s_carry += agg;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    int64_t end = s_carry;
+    if (end > a.layout.pool_rows) {  // inconsistent counts: never write past the pool
+      a.input_status->pool_overflow += 1;
+      end = a.layout.pool_rows;
+    }
+    offsets[El] = static_cast<int32_t>(end);
+  }
+}
+
+__global__ void __launch_bounds__(256) pool_scatter_kernel(TransportArgs a) {
+  const int R = a.sig.num_ranks;
+  const int64_t k = a.top_k(), El = a.experts_per_rank(), T_max = a.t_max(), chunks = a.num_chunks();
+  const int64_t H = a.hidden();
+  const bool fp8 = a.layout.params.dispatch_format == kWsFp8Block;
+  const int64_t row_bytes = H * ws_elem_bytes(a.layout.params.dispatch_format);
+  const int64_t scale_cols = H / fmt::kFp8BlockSize;
+  const int lane = threadIdx.x & 31;
+  const int32_t* recv_counts = a.own<int32_t>(a.layout.recv_token_counts);
+  const int32_t* offsets = a.own<int32_t>(a.layout.expert_offsets);
+  int32_t* pool_src = a.own<int32_t>(a.layout.pool_src);
+  char* pool_x = a.own<char>(a.layout.pool_x);
+  float* pool_scales = a.own<float>(a.layout.pool_x_scales);
+  const char* recv_x = a.own<char>(a.layout.recv_tokens);
+  const float* recv_scales = a.own<float>(a.layout.recv_scales);
+  const int64_t pool_end = offsets[El];
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  const int64_t warp_id = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+
+  for (int64_t w = warp_id; w < R * T_max; w += warps) {
+    const int s = static_cast<int>(w / T_max);
+    const int64_t i = w % T_max;
+    if (i >= min(static_cast<int64_t>(recv_counts[s]), T_max)) continue;
+    const int32_t* experts = meta_experts(a, w);
+    const int64_t chunk = i / kPoolChunkRows;
+    for (int j = 0; j < k; ++j) {
+      const int32_t e = meta_expert(a, experts, j);
+      if (e < 0) continue;
+      const int64_t p = offsets[e] + a.pool_hist[(s * chunks + chunk) * El + e] + a.pool_intra[w * k + j];
+      if (p < 0 || p >= pool_end || p >= offsets[e] + a.seg_total[e]) continue;  // inconsistent input
+      if (lane == 0) pool_src[p] = static_cast<int32_t>(w * k + j);
+      for (int64_t c = lane; c < row_bytes / 16; c += 32)
+        st_v4(pool_x + p * row_bytes + c * 16, *reinterpret_cast<const uint4*>(recv_x + w * row_bytes + c * 16));
+      if (fp8)
+        for (int64_t c = lane; c < scale_cols; c += 32) pool_scales[p * scale_cols + c] = recv_scales[w * scale_cols + c];
+    }
+  }
+  // Padding rows: pool_src = -1, zero bytes and scales.
+  for (int64_t p = warp_id; p < pool_end; p += warps) {
+    int lo = 0, hi = static_cast<int>(El) - 1;  // last expert with offsets[e] <= p
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (offsets[mid] <= p) lo = mid;
+      else hi = mid - 1;
+    }
+    if (p < offsets[lo] + a.seg_total[lo]) continue;
+    if (lane == 0) pool_src[p] = -1;
+    for (int64_t c = lane; c < row_bytes / 16; c += 32) st_v4(pool_x + p * row_bytes + c * 16, make_uint4(0, 0, 0, 0));
+    if (fp8)
+      for (int64_t c = lane; c < scale_cols; c += 32) pool_scales[p * scale_cols + c] = 0.f;
+  }
+}
+
+}  // namespace kernels
+}  // namespace megamoe

@@ -1,0 +1,73 @@
+// Host launchers of the EP-transport kernels (checked; no synchronisation; capturable), and the plain
+// parameter structs host code fills (no device code here, so host .cpp files can include it).
+#pragma once
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <cstdint>
+
+#include "megamoe/status.h"
+#include "megamoe/workspace.h"
+
+namespace megamoe {
+namespace kernels {
+
+constexpr int kMaxTransportRanks = 8;  // one NVLink domain (LSA team) of H100/H200 GPUs
+constexpr int kPoolChunkRows = 32;     // recv rows ranked together by one warp in the pool build
+constexpr int kMaxTopK = 16;           // top_k bound of the transport (meta row fits one warp)
+
+// Dispatch wire modes (x format -> wire format).
+enum DispatchMode : int { kBf16ToFp8 = 0, kFp8Copy = 1, kBf16Copy = 2, kFp8ToBf16 = 3 };
+
+// Stage ids shared with the CPU reference (reference::ProtocolStage).
+enum TransportStage : int32_t { kStageDispatchDone = 3, kStageCombineDone = 4 };
+
+// WaitError::flag values.
+enum WaitErrorKind : int32_t { kWaitOk = 0, kWaitTimeout = 1, kWaitPeerAbort = 2 };
+
+// Bad routing input seen on the device (sticky until the host reads and clears it in check_error()).
+struct InputStatus {
+  int32_t bad_count;    // slots with an id outside [-1, E) or repeating an earlier slot's id
+  int32_t first_token;  // first bad (token, slot) of the first launch that had one
+  int32_t first_slot;
+  int32_t first_value;
+  int32_t pool_overflow;  // received rows that did not fit the expert pool (inconsistent peers)
+  int32_t pad[3];
+};
+
+struct SignalParams {
+  ncclWindow_t window;    // the symmetric workspace window
+  char* own_base;         // this rank's copy of the workspace (local pointer)
+  int64_t signals_offset;
+  WaitError* error_cell;  // this rank's error cell (local)
+  int rank;
+  int num_ranks;
+  int64_t timeout_ns;
+};
+
+struct TransportParams {
+  SignalParams sig;
+  WorkspaceLayout layout;
+  int64_t num_experts;  // E = R * E_l
+  int64_t num_tokens;   // T of this launch (this rank)
+  bool pow2_scales;
+  // Local (non-symmetric) scratch, allocated at warmup.
+  int32_t* pool_intra;  // [R * T_max, k] rank of (recv row, slot) among its chunk's rows of that expert
+  int32_t* pool_hist;   // [R, chunks, E_l] rows per expert per chunk, then exclusive prefix (base)
+  int32_t* seg_total;   // [E_l] real rows per local expert
+  InputStatus* input_status;
+};
+
+// Dispatch: one fused layout + copy kernel for `mode`, shaped for `num_sms` SMs.
+Status launch_dispatch(const TransportParams& params, int mode, const void* x, const float* x_scale,
+                       const int32_t* topk_ids, const float* topk_weights, int num_sms, cudaStream_t stream);
+Status launch_expert_pool(const TransportParams& params, int num_sms, cudaStream_t stream);
+// expert_out: fp32 when out_is_fp32, else bf16. Grids are shaped for `num_sms` SMs.
+Status launch_combine_send(const TransportParams& params, const void* expert_out, bool out_is_fp32, int num_sms,
+                           cudaStream_t stream);
+Status launch_combine_reduce(const TransportParams& params, const int32_t* topk_ids, uint16_t* y, int num_sms,
+                             cudaStream_t stream);
+
+}  // namespace kernels
+}  // namespace megamoe

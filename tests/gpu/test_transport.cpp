@@ -1,0 +1,425 @@
+// EP transport on NCCL symmetric memory: 2 GPUs, one thread per rank (ncclCommInitAll group).
+// Every test checks exact bytes against the host truth built with the fmt:: codecs.
+#include <cstring>
+#include <mutex>
+
+#include "test_transport_harness.h"
+
+namespace megamoe {
+namespace test {
+namespace {
+
+constexpr int kRanks = 2;
+
+#define REQUIRE_GROUP(group)                                  \
+  std::string _reason;                                        \
+  auto* group = nccl_group(kRanks, &_reason);                 \
+  if (!group) GTEST_SKIP() << _reason;
+
+struct RankRun {
+  std::unique_ptr<EpTransport> transport;
+  cudaStream_t stream = nullptr;
+  RankInputs in;
+  std::unique_ptr<DeviceBuffer> x, ids, weights, y, expert_out;
+};
+
+// Builds the transport and uploads the inputs of `rank`.
+void setup_rank(const Case& c, std::shared_ptr<Communicator> comm, int rank, RankRun* run) {
+  EpTransportOptions o;
+  o.params = c.params();
+  o.pow2_scales = c.pow2_scales;
+  o.num_sms = c.num_sms;
+  MEGAMOE_ASSERT_OK(EpTransport::create(comm, o, &run->transport));
+  MEGAMOE_CUDA_OK(cudaStreamCreateWithFlags(&run->stream, cudaStreamNonBlocking));
+  MEGAMOE_ASSERT_OK(run->transport->warmup(run->stream));
+  run->in = c.inputs(rank);
+  const int64_t T = run->in.num_tokens, H = c.hidden, k = c.top_k;
+  run->x.reset(new DeviceBuffer(std::max<int64_t>(T * H * 2, 16)));
+  run->ids.reset(new DeviceBuffer(std::max<int64_t>(T * k * 4, 16)));
+  run->weights.reset(new DeviceBuffer(std::max<int64_t>(T * k * 4, 16)));
+  run->y.reset(new DeviceBuffer(std::max<int64_t>(T * H * 2, 16)));
+  run->x->upload(run->in.x);
+  run->ids->upload(run->in.topk_ids);
+  run->weights->upload(run->in.topk_weights);
+}
+
+void teardown_rank(RankRun* run) {
+  if (run->stream) cudaStreamSynchronize(run->stream);
+  run->transport.reset();  // collective window release: every rank does it on its own thread
+  if (run->stream) cudaStreamDestroy(run->stream);
+}
+
+TensorView view(DeviceBuffer* b, DType dt, std::initializer_list<int64_t> shape, int dev) {
+  return TensorView(b ? b->ptr : nullptr, dt, shape, Device::cuda(dev));
+}
+
+Status dispatch_once(const Case& c, RankRun* run, int rank) {
+  const int64_t T = run->in.num_tokens;
+  return run->transport->dispatch(view(run->x.get(), DType::kBFloat16, {T, c.hidden}, rank), TensorView(),
+                                  view(run->ids.get(), DType::kInt32, {T, c.top_k}, rank),
+                                  view(run->weights.get(), DType::kFloat32, {T, c.top_k}, rank), run->stream);
+}
+
+Status combine_once(const Case& c, RankRun* run, int rank) {
+  const int64_t T = run->in.num_tokens;
+  const WorkspaceLayout& l = run->transport->layout();
+  MEGAMOE_RETURN_IF_ERROR(
+      run->transport->combine_send(view(run->expert_out.get(), DType::kFloat32, {l.pool_rows, c.hidden}, rank), run->stream));
+  return run->transport->combine(view(run->ids.get(), DType::kInt32, {T, c.top_k}, rank),
+                                 view(run->y.get(), DType::kBFloat16, {T, c.hidden}, rank), run->stream);
+}
+
+Status forward(const Case& c, RankRun* run, int rank) {
+  MEGAMOE_RETURN_IF_ERROR(dispatch_once(c, run, rank));
+  MEGAMOE_RETURN_IF_ERROR(run->transport->build_expert_pool(run->stream));
+  return combine_once(c, run, rank);
+}
+
+template <typename T>
+std::vector<T> read_region(const EpTransport& t, const WorkspaceRegion& r) {
+  std::vector<T> v(r.bytes / sizeof(T));
+  if (!v.empty()) cudaMemcpy(v.data(), static_cast<char*>(t.base()) + r.offset, v.size() * sizeof(T), cudaMemcpyDeviceToHost);
+  return v;
+}
+
+// Full check of one forward: receive regions, pool, output; then `repeats` more forwards (and, with
+// `graph`, CUDA-graph replays) must give the same y bit for bit.
+void run_case(const Case& c, int repeats = 0, bool graph = false) {
+  REQUIRE_GROUP(group);
+  std::vector<RankInputs> all;
+  for (int r = 0; r < kRanks; ++r) all.push_back(c.inputs(r));
+  run_ranks(kRanks, [&](int rank) {
+    RankRun run;
+    setup_rank(c, (*group)[rank], rank, &run);
+    if (::testing::Test::HasFatalFailure()) return teardown_rank(&run);
+    const EpTransport& t = *run.transport;
+    const WorkspaceLayout& l = t.layout();
+    const int64_t H = c.hidden, k = c.top_k, El = c.num_experts / kRanks, T_max = c.max_tokens;
+
+    EXPECT_TRUE(dispatch_once(c, &run, rank).is_ok());
+    Status st = run.transport->check_error(run.stream);
+    EXPECT_TRUE(st.is_ok()) << st.to_string();
+    const Truth tr = protocol_truth(c, all, rank);
+    EXPECT_EQ(read_region<int32_t>(t, l.recv_token_counts), tr.recv_token_counts) << "rank " << rank;
+    EXPECT_EQ(read_region<int32_t>(t, l.recv_expert_counts), tr.recv_expert_counts) << "rank " << rank;
+    const auto recv_x = read_region<uint8_t>(t, l.recv_tokens);
+    const auto recv_scales = read_region<float>(t, l.recv_scales);
+    const auto recv_meta = read_region<uint8_t>(t, l.recv_meta);
+    const int64_t row_bytes = H * ws_elem_bytes(c.dispatch_format);
+    int64_t bad_rows = 0;
+    for (int s = 0; s < kRanks; ++s) {
+      for (size_t i = 0; i < tr.recv_src_token[s].size(); ++i) {
+        const int64_t tok = tr.recv_src_token[s][i], row = s * T_max + static_cast<int64_t>(i);
+        std::vector<uint8_t> bytes;
+        std::vector<float> scales;
+        encode_wire_row(c, &all[s].x[tok * H], &bytes, &scales);
+        bool ok = std::memcmp(bytes.data(), &recv_x[row * row_bytes], row_bytes) == 0;
+        if (c.dispatch_format == kWsFp8Block)
+          ok = ok && std::memcmp(scales.data(), &recv_scales[row * (H / 128)], scales.size() * 4) == 0;
+        // Metadata: src token, local expert per slot, weights, zero padding.
+        std::vector<uint8_t> meta(l.meta_bytes, 0);
+        int32_t* mw = reinterpret_cast<int32_t*>(meta.data());
+        mw[0] = static_cast<int32_t>(tok);
+        for (int64_t j = 0; j < k; ++j) {
+          const int32_t id = all[s].topk_ids[tok * k + j];
+          bool mine = id >= 0 && id < c.num_experts && id / El == rank;
+          for (int64_t jj = 0; jj < j && mine; ++jj) mine = all[s].topk_ids[tok * k + jj] != id;
+          mw[1 + j] = mine ? id - rank * static_cast<int32_t>(El) : -1;
+          const float w = mine ? all[s].topk_weights[tok * k + j] : 0.f;
+          std::memcpy(&mw[1 + k + j], &w, 4);
+        }
+        ok = ok && std::memcmp(meta.data(), &recv_meta[row * l.meta_bytes], l.meta_bytes) == 0;
+        if (!ok && ++bad_rows <= 3)
+          ADD_FAILURE() << "rank " << rank << ": recv row " << row << " (source " << s << ", token " << tok
+                        << ") differs from the host truth";
+      }
+    }
+    EXPECT_EQ(bad_rows, 0) << "rank " << rank;
+
+    EXPECT_TRUE(run.transport->build_expert_pool(run.stream).is_ok());
+    st = run.transport->check_error(run.stream);
+    EXPECT_TRUE(st.is_ok()) << st.to_string();
+    const auto offsets = read_region<int32_t>(t, l.expert_offsets);
+    EXPECT_EQ(offsets, tr.expert_offsets) << "rank " << rank;
+    const auto pool_src = read_region<int32_t>(t, l.pool_src);
+    const int64_t used = tr.expert_offsets[El];
+    EXPECT_TRUE(std::equal(tr.pool_src.begin(), tr.pool_src.end(), pool_src.begin())) << "rank " << rank << ": pool_src";
+    const auto pool_x = read_region<uint8_t>(t, l.pool_x);
+    const auto pool_scales = read_region<float>(t, l.pool_x_scales);
+    int64_t bad_pool = 0;
+    for (int64_t p = 0; p < used; ++p) {
+      const int32_t src = tr.pool_src[p];
+      const bool ok = src < 0 ? std::all_of(&pool_x[p * row_bytes], &pool_x[(p + 1) * row_bytes], [](uint8_t b) { return b == 0; })
+                              : std::memcmp(&pool_x[p * row_bytes], &recv_x[(src / k) * row_bytes], row_bytes) == 0;
+      if (!ok && ++bad_pool <= 3) ADD_FAILURE() << "rank " << rank << ": pool row " << p << " (src " << src << ")";
+    }
+    EXPECT_EQ(bad_pool, 0);
+
+    // Identity experts: FC2 output = the dequantised pool row.
+    const std::vector<float> expert_out = identity_expert_out(c, l, pool_x, pool_scales);
+    run.expert_out.reset(new DeviceBuffer(std::max<size_t>(expert_out.size() * 4, 16)));
+    run.expert_out->upload(expert_out);
+    EXPECT_TRUE(combine_once(c, &run, rank).is_ok());
+    st = run.transport->check_error(run.stream);
+    EXPECT_TRUE(st.is_ok()) << st.to_string();
+    const int64_t T = run.in.num_tokens;
+    const auto y = run.y->download<uint16_t>(T * H);
+    const auto want = expected_output(c, run.in);
+    int64_t bad = 0;
+    double err2 = 0, ref2 = 0;
+    for (int64_t i = 0; i < T * H; ++i) {
+      if (y[i] != want[i] && ++bad <= 3)
+        ADD_FAILURE() << "rank " << rank << ": y[" << i / H << ", " << i % H << "] = " << fmt::bf16_to_float(y[i])
+                      << ", host codecs give " << fmt::bf16_to_float(want[i]);
+      const double d = fmt::bf16_to_float(y[i]) - fmt::bf16_to_float(want[i]);
+      err2 += d * d;
+      ref2 += static_cast<double>(fmt::bf16_to_float(want[i])) * fmt::bf16_to_float(want[i]);
+    }
+    EXPECT_EQ(bad, 0) << "rank " << rank << " (rel L2 vs host codecs " << std::sqrt(err2 / std::max(ref2, 1e-30)) << ")";
+
+    for (int it = 0; it < repeats; ++it) {
+      run.y->upload(std::vector<uint16_t>(T * H, 0xFFFF));  // poison
+      EXPECT_TRUE(forward(c, &run, rank).is_ok());
+      if (it == repeats - 1 || it % 25 == 0) {
+        st = run.transport->check_error(run.stream);
+        EXPECT_TRUE(st.is_ok()) << st.to_string();
+        EXPECT_EQ(run.y->download<uint16_t>(T * H), y) << "rank " << rank << ": repeat " << it << " differs";
+      }
+    }
+    if (graph) {
+      cudaGraph_t g = nullptr;
+      cudaGraphExec_t exec = nullptr;
+      EXPECT_EQ(cudaStreamBeginCapture(run.stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+      const Status cap = forward(c, &run, rank);
+      EXPECT_EQ(cudaStreamEndCapture(run.stream, &g), cudaSuccess);
+      EXPECT_TRUE(cap.is_ok()) << cap.to_string();
+      EXPECT_EQ(cudaGraphInstantiate(&exec, g, 0), cudaSuccess);
+      for (int it = 0; it < 5; ++it) {
+        run.y->upload(std::vector<uint16_t>(T * H, 0xFFFF));
+        EXPECT_EQ(cudaGraphLaunch(exec, run.stream), cudaSuccess);
+        st = run.transport->check_error(run.stream);
+        EXPECT_TRUE(st.is_ok()) << st.to_string();
+        EXPECT_EQ(run.y->download<uint16_t>(T * H), y) << "rank " << rank << ": graph replay " << it << " differs";
+      }
+      if (exec) cudaGraphExecDestroy(exec);
+      if (g) cudaGraphDestroy(g);
+    }
+    teardown_rank(&run);
+  });
+}
+
+Case base_case() {
+  Case c;
+  c.tokens = {48, 37};
+  return c;
+}
+
+TEST(Sm90Transport, Bf16Wire_RankTagged_Counts_RoundTripBitwise_EP2) {
+  Case c = base_case();
+  c.unit_weights = true;  // y = bf16(x * fan-out) exactly
+  run_case(c);
+}
+
+TEST(Sm90Transport, Fp8Wire_Bf16Combine_EP2) {
+  Case c = base_case();
+  c.dispatch_format = kWsFp8Block;
+  run_case(c);
+}
+
+TEST(Sm90Transport, Fp8Wire_Pow2Scales_EP2) {
+  Case c = base_case();
+  c.dispatch_format = kWsFp8Block;
+  c.pow2_scales = true;
+  run_case(c);
+}
+
+TEST(Sm90Transport, Mxfp8Combine_EP2) {
+  Case c = base_case();
+  c.dispatch_format = kWsFp8Block;
+  c.combine_format = kWsMxfp8;
+  run_case(c);
+}
+
+TEST(Sm90Transport, Nvfp4Combine_EP2) {
+  Case c = base_case();
+  c.dispatch_format = kWsFp8Block;
+  c.combine_format = kWsNvfp4;
+  run_case(c);
+}
+
+TEST(Sm90Transport, ZeroTokenRank_EP2) {
+  Case c = base_case();
+  c.tokens = {40, 0};
+  run_case(c, 2);
+  c.tokens = {0, 0};
+  run_case(c, 2);
+}
+
+TEST(Sm90Transport, AllTokensToOneExpert_EP2) {
+  Case c = base_case();
+  c.routing = Routing::kOneExpert;
+  c.tokens = {64, 64};
+  c.block_m = 64;
+  run_case(c);
+}
+
+TEST(Sm90Transport, TEqualsMaxTokens_DeepSeekHidden_EP2_H7168_K8_E256) {
+  Case c;
+  c.hidden = 7168;
+  c.num_experts = 256;
+  c.top_k = 8;
+  c.max_tokens = 128;
+  c.tokens = {128, 128};
+  c.dispatch_format = kWsFp8Block;
+  run_case(c);
+}
+
+// Many tokens per dispatch CTA (cross-CTA prefix counts, multi-warp ranking inside a CTA) and
+// combine grids smaller than the work: 2 SMs' worth of CTAs, then the full GPU at T ~ 2000.
+TEST(Sm90Transport, ManyTokensPerCta_FewSms_EP2) {
+  Case c = base_case();
+  c.dispatch_format = kWsFp8Block;
+  c.max_tokens = 2048;
+  c.tokens = {600, 451};
+  c.num_sms = 2;
+  run_case(c, 1);
+  c.tokens = {2048, 1531};
+  c.num_sms = 0;
+  run_case(c);
+}
+
+TEST(Sm90Transport, Repeat100Bitwise_EP2) {
+  Case c = base_case();
+  c.dispatch_format = kWsFp8Block;
+  c.combine_format = kWsMxfp8;
+  run_case(c, 100);
+}
+
+TEST(Sm90Transport, CudaGraphReplayEqualsEager_EP2) {
+  Case c = base_case();
+  c.dispatch_format = kWsFp8Block;
+  run_case(c, 1, true);
+}
+
+TEST(Sm90Transport, BadTopkIdsReported_EP2) {
+  REQUIRE_GROUP(group);
+  Case c = base_case();
+  c.routing = Routing::kWithBad;
+  std::mutex m;
+  std::vector<std::string> messages(kRanks);
+  run_ranks(kRanks, [&](int rank) {
+    RankRun run;
+    setup_rank(c, (*group)[rank], rank, &run);
+    if (::testing::Test::HasFatalFailure()) return teardown_rank(&run);
+    EXPECT_TRUE(dispatch_once(c, &run, rank).is_ok());
+    EXPECT_TRUE(run.transport->build_expert_pool(run.stream).is_ok());
+    const WorkspaceLayout& l = run.transport->layout();
+    std::vector<float> zeros(l.pool_rows * c.hidden, 0.f);
+    run.expert_out.reset(new DeviceBuffer(zeros.size() * 4));
+    run.expert_out->upload(zeros);
+    EXPECT_TRUE(combine_once(c, &run, rank).is_ok());
+    const Status st = run.transport->check_error(run.stream);
+    {
+      std::lock_guard<std::mutex> lock(m);
+      messages[rank] = st.to_string();
+    }
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+    EXPECT_NE(st.message().find("topk_ids[3, 1]=" + std::to_string(c.num_experts + 5)), std::string::npos) << st.message();
+    EXPECT_TRUE(run.transport->check_error(run.stream).is_ok()) << "the counters clear once reported";
+    teardown_rank(&run);
+  });
+  std::printf("  bad-id report: %s\n", messages[0].c_str());
+}
+
+TEST(Sm90Transport, TooManyTokensRefusedBeforeLaunch_EP2) {
+  REQUIRE_GROUP(group);
+  Case c = base_case();
+  c.tokens = {64, 64};
+  run_ranks(kRanks, [&](int rank) {
+    RankRun run;
+    setup_rank(c, (*group)[rank], rank, &run);
+    if (::testing::Test::HasFatalFailure()) return teardown_rank(&run);
+    DeviceBuffer big(65 * c.hidden * 2), ids(65 * c.top_k * 4), w(65 * c.top_k * 4);
+    const Status st = run.transport->dispatch(view(&big, DType::kBFloat16, {65, c.hidden}, rank), TensorView(),
+                                              view(&ids, DType::kInt32, {65, c.top_k}, rank),
+                                              view(&w, DType::kFloat32, {65, c.top_k}, rank), run.stream);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(st.message().find("max_tokens_per_rank=64"), std::string::npos) << st.message();
+    teardown_rank(&run);
+  });
+}
+
+TEST(Sm90Transport, WarmupDuringCaptureRefused_EP2) {
+  REQUIRE_GROUP(group);
+  Case c = base_case();
+  run_ranks(kRanks, [&](int rank) {
+    EpTransportOptions o;
+    o.params = c.params();
+    std::unique_ptr<EpTransport> t;
+    MEGAMOE_ASSERT_OK(EpTransport::create((*group)[rank], o, &t));
+    cudaStream_t s;
+    MEGAMOE_CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    MEGAMOE_CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    const Status st = t->warmup(s);
+    cudaGraph_t g = nullptr;
+    cudaStreamEndCapture(s, &g);
+    if (g) cudaGraphDestroy(g);
+    EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition);
+    EXPECT_NE(st.message().find("call warmup() on every rank first"), std::string::npos) << st.message();
+    cudaStreamDestroy(s);
+  });
+}
+
+// Rank 1 skips a launch: rank 0 must report a timeout naming the stage and the peer, with no hang.
+TEST(Sm90Transport, SkippedLaunchTimesOut_EP2) {
+  REQUIRE_GROUP(group);
+  Case c = base_case();
+  c.max_tokens = 32;  // its own workspace key: the aborted workspace is not shared with other tests
+  c.tokens = {16, 16};
+  std::vector<Status> results(kRanks);
+  const auto start = std::chrono::steady_clock::now();
+  run_ranks(kRanks, [&](int rank) {
+    RankRun run;
+    EpTransportOptions o;
+    o.params = c.params();
+    o.wait_timeout_ms = 1500;
+    MEGAMOE_ASSERT_OK(EpTransport::create((*group)[rank], o, &run.transport));
+    MEGAMOE_CUDA_OK(cudaStreamCreateWithFlags(&run.stream, cudaStreamNonBlocking));
+    MEGAMOE_ASSERT_OK(run.transport->warmup(run.stream));
+    run.in = c.inputs(rank);
+    run.x.reset(new DeviceBuffer(16 * c.hidden * 2));
+    run.ids.reset(new DeviceBuffer(16 * c.top_k * 4));
+    run.weights.reset(new DeviceBuffer(16 * c.top_k * 4));
+    run.x->upload(run.in.x);
+    run.ids->upload(run.in.topk_ids);
+    run.weights->upload(run.in.topk_weights);
+    if (rank == 0) {
+      EXPECT_TRUE(dispatch_once(c, &run, rank).is_ok());
+    }
+    results[rank] = run.transport->check_error(run.stream);
+    teardown_rank(&run);
+  });
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::printf("  rank 0: %s\n  (%.2f s)\n", results[0].to_string().c_str(), secs);
+  EXPECT_EQ(results[0].code(), StatusCode::kTimeout) << results[0].to_string();
+  EXPECT_NE(results[0].message().find("dispatch-done"), std::string::npos);
+  EXPECT_NE(results[0].message().find("peer rank 1"), std::string::npos);
+  EXPECT_TRUE(results[1].is_ok()) << results[1].to_string();
+  EXPECT_LT(secs, 30.0);
+}
+
+TEST(Sm90Transport, NotNcclCommunicatorRefused) {
+  std::vector<std::shared_ptr<Communicator>> host;
+  MEGAMOE_ASSERT_OK(create_host_group(2, &host));
+  Case c = base_case();
+  EpTransportOptions o;
+  o.params = c.params();
+  std::unique_ptr<EpTransport> t;
+  const Status st = EpTransport::create(host[0], o, &t);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("NCCL communicator"), std::string::npos) << st.message();
+}
+
+}  // namespace
+}  // namespace test
+}  // namespace megamoe

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "commands.h"
+#include "gemm_cmd.h"
 #include "transport_cmd.h"
 #include "presets.h"
 
@@ -33,6 +34,7 @@ int run_tool(int argc, char** argv) {
   CommandRun run_info = megamoe::tool::add_info_command(&app);
   CommandRun run_check = megamoe::tool::add_check_command(&app);
   CommandRun run_bench = megamoe::tool::add_bench_command(&app);
+  CommandRun run_bench_gemm = megamoe::tool::add_gemm_bench_command(&app);  // gemm_cmd.cpp
   megamoe::tool::register_transport_commands(app);  // launch, bench-transport: run inside parse()
 
   try {
@@ -59,6 +61,7 @@ int run_tool(int argc, char** argv) {
     if (name == "info") return run_info();
     if (name == "check") return run_check();
     if (name == "bench") return run_bench();
+    if (name == "bench-gemm") return run_bench_gemm();
   } catch (const megamoe::tool::ToolError& e) {
     std::fflush(stdout);
     std::fprintf(stderr, "megamoe %s: error: %s\n", name.c_str(), e.what());

@@ -1,0 +1,63 @@
+// gemm_fill.cu — see gemm_fill.h.
+#include "kernels/gemm/gemm_fill.h"
+
+#include <cuda_runtime.h>
+
+#include "megamoe/formats.h"
+
+namespace megamoe::gemm {
+namespace {
+
+__device__ __forceinline__ uint64_t mix64(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ull;
+  x ^= x >> 33;
+  return x;
+}
+
+__device__ __forceinline__ float unit(uint64_t h) { return float(h >> 40) * (1.f / 16777216.f); }  // [0, 1)
+
+template <int kKind>  // 0 e4m3, 1 bf16
+__global__ void fill_kernel(uint8_t* dst, int64_t count, uint64_t seed) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count; i += stride) {
+    const float v = unit(mix64(seed * 0x9e3779b97f4a7c15ull + uint64_t(i))) * 2.f - 1.f;
+    if constexpr (kKind == 0) {
+      dst[i] = fmt::float_to_e4m3(v * 2.f);
+    } else {
+      reinterpret_cast<uint16_t*>(dst)[i] = fmt::float_to_bf16(v);
+    }
+  }
+}
+
+__global__ void fill_f32_kernel(float* dst, int64_t count, float lo, float hi, uint64_t seed) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count; i += stride)
+    dst[i] = lo + (hi - lo) * unit(mix64(seed * 0x9e3779b97f4a7c15ull + uint64_t(i)));
+}
+
+int blocks_for(int64_t count) {
+  const int64_t b = (count + 255) / 256;
+  return int(b < 4096 ? (b > 0 ? b : 1) : 4096);
+}
+
+}  // namespace
+
+cudaError_t fill_random_e4m3(void* dst, int64_t count, uint64_t seed, cudaStream_t stream) {
+  fill_kernel<0><<<blocks_for(count), 256, 0, stream>>>(static_cast<uint8_t*>(dst), count, seed);
+  return cudaGetLastError();
+}
+
+cudaError_t fill_random_bf16(void* dst, int64_t count, uint64_t seed, cudaStream_t stream) {
+  fill_kernel<1><<<blocks_for(count), 256, 0, stream>>>(static_cast<uint8_t*>(dst), count, seed);
+  return cudaGetLastError();
+}
+
+cudaError_t fill_random_f32(float* dst, int64_t count, float lo, float hi, uint64_t seed, cudaStream_t stream) {
+  fill_f32_kernel<<<blocks_for(count), 256, 0, stream>>>(dst, count, lo, hi, seed);
+  return cudaGetLastError();
+}
+
+}  // namespace megamoe::gemm

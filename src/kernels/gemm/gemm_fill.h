@@ -1,0 +1,18 @@
+// gemm_fill.h — device fills for GEMM benchmarks: random but finite operands, generated on the GPU
+// (a host generator would spend seconds on the multi-GB weight sets of the benchmark).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace megamoe::gemm {
+
+// e4m3 codes with |value| <= 2 (never NaN), from a counter-based hash of (seed, index).
+cudaError_t fill_random_e4m3(void* dst, int64_t count, uint64_t seed, cudaStream_t stream);
+// bf16 values uniform in [-1, 1).
+cudaError_t fill_random_bf16(void* dst, int64_t count, uint64_t seed, cudaStream_t stream);
+// fp32 values uniform in [lo, hi).
+cudaError_t fill_random_f32(float* dst, int64_t count, float lo, float hi, uint64_t seed, cudaStream_t stream);
+
+}  // namespace megamoe::gemm

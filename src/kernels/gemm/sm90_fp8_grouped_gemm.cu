@@ -1,0 +1,243 @@
+// sm90_fp8_grouped_gemm.cu — host launcher of the grouped GEMM: argument checks, tile choice,
+// tensor maps, grid, launch. Device code: sm90_fp8_grouped_gemm.cuh.
+#include "kernels/gemm/sm90_fp8_grouped_gemm.h"
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <mutex>
+#include <sstream>
+
+#include "kernels/gemm/gemm_heuristic.h"
+#include "kernels/gemm/sm90_fp8_grouped_gemm.cuh"
+
+namespace megamoe::gemm {
+
+MEGAMOE_GROUPED_GEMM_CONFIGS_FP8(MEGAMOE_GROUPED_GEMM_EXTERN)
+MEGAMOE_GROUPED_GEMM_CONFIGS_BF16(MEGAMOE_GROUPED_GEMM_EXTERN)
+
+const char* to_string(GemmDtype d) { return d == GemmDtype::kFp8Block ? "fp8-block" : "bf16"; }
+const char* to_string(GroupedLayout l) { return l == GroupedLayout::kContiguous ? "contiguous" : "masked"; }
+const char* to_string(GemmEpilogue e) {
+  switch (e) {
+    case GemmEpilogue::kSwigluFp8: return "swiglu-fp8";
+    case GemmEpilogue::kSwigluBf16: return "swiglu-bf16";
+    default: return "store-bf16";
+  }
+}
+
+std::string GemmTileConfig::to_string() const {
+  std::ostringstream s;
+  s << "GemmTileConfig(block_m=" << block_m << ", block_n=" << block_n << ", num_sms=" << num_sms << ")";
+  return s.str();
+}
+
+std::string GroupedGemmArgs::to_string() const {
+  std::ostringstream s;
+  s << "GroupedGemmArgs(dtype=" << gemm::to_string(dtype) << ", layout=" << gemm::to_string(layout)
+    << ", epilogue=" << gemm::to_string(epilogue) << ", num_experts=" << num_experts << ", n=" << n << ", k=" << k
+    << ", m_rows=" << m_rows << ", tiles=" << tiles.to_string() << ")";
+  return s.str();
+}
+
+namespace {
+
+constexpr int kMaxExperts = 512;
+
+Status bad(const std::string& field, const std::string& value, const std::string& rule) {
+  // Same message form as megamoe::invalid_argument (not called: that lives in the host library).
+  return Status(StatusCode::kInvalidArgument, "invalid grouped GEMM argument: " + field + "=" + value + ", " + rule);
+}
+
+bool aligned(const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) % a) == 0; }
+
+int64_t round_up4(int64_t v) { return (v + 3) / 4 * 4; }
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      p = nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+// 2-D tensor map: dims {inner, outer}, outer stride in bytes, box {box_inner, box_outer}.
+Status make_map(CUtensorMap* map, CUtensorMapDataType type, const void* base, uint64_t inner, uint64_t outer,
+                uint64_t stride_bytes, uint32_t box_inner, uint32_t box_outer, bool swizzle128, const char* what) {
+  auto fn = encode_fn();
+  if (fn == nullptr) return Status(StatusCode::kUnavailable, "grouped GEMM: cuTensorMapEncodeTiled not available");
+  const cuuint64_t dims[2] = {inner, outer};
+  const cuuint64_t strides[1] = {stride_bytes};
+  const cuuint32_t box[2] = {box_inner, box_outer};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r = fn(map, type, 2, const_cast<void*>(base), dims, strides, box, elem_strides,
+                        CU_TENSOR_MAP_INTERLEAVE_NONE,
+                        swizzle128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
+                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    std::ostringstream s;
+    s << "grouped GEMM: cuTensorMapEncodeTiled failed for " << what << " (CUresult " << int(r) << ", dims {" << inner
+      << ", " << outer << "}, stride " << stride_bytes << ", box {" << box_inner << ", " << box_outer << "})";
+    return Status(StatusCode::kInternal, s.str());
+  }
+  return Status::ok();
+}
+
+struct DeviceInfo {
+  int major = 0, sms = 0;
+};
+
+Status current_device(DeviceInfo* info) {
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&info->major, cudaDevAttrComputeCapabilityMajor, dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&info->sms, cudaDevAttrMultiProcessorCount, dev);
+  if (e != cudaSuccess) return Status(StatusCode::kUnavailable, std::string("grouped GEMM: no CUDA device: ") + cudaGetErrorString(e));
+  if (info->major != 9)
+    return Status(StatusCode::kUnavailable, "grouped GEMM: needs an sm_90 (Hopper) device, compute capability major=" +
+                                                std::to_string(info->major));
+  return Status::ok();
+}
+
+}  // namespace
+
+Status validate_grouped_gemm(const GroupedGemmArgs& a) {
+  const bool fp8 = a.dtype == GemmDtype::kFp8Block;
+  const bool swiglu = a.epilogue != GemmEpilogue::kStoreBf16;
+  const int64_t eb = fp8 ? 1 : 2;
+  if (a.num_experts < 1 || a.num_experts > kMaxExperts)
+    return bad("num_experts", std::to_string(a.num_experts), "must be in [1, 512]");
+  if (a.k <= 0 || a.k % 128 != 0) return bad("k", std::to_string(a.k), "must be a positive multiple of 128");
+  if (a.n <= 0 || a.n % (swiglu ? 256 : 128) != 0)
+    return bad("n", std::to_string(a.n), swiglu ? "must be a positive multiple of 256 (2I, I a multiple of 128)"
+                                                : "must be a positive multiple of 128");
+  if (a.epilogue == GemmEpilogue::kSwigluFp8 && !fp8) return bad("epilogue", "swiglu-fp8", "needs dtype fp8-block");
+  if (a.epilogue == GemmEpilogue::kSwigluBf16 && fp8) return bad("epilogue", "swiglu-bf16", "needs dtype bf16");
+  if (a.m_rows < 0 || a.m_rows > (int64_t(1) << 30)) return bad("m_rows", std::to_string(a.m_rows), "must be in [0, 2^30]");
+  if (int64_t(a.num_experts) * a.n >= (int64_t(1) << 31)) return bad("num_experts*n", std::to_string(int64_t(a.num_experts) * a.n), "must be < 2^31");
+  if (a.layout == GroupedLayout::kMasked && int64_t(a.num_experts) * a.m_rows >= (int64_t(1) << 31))
+    return bad("num_experts*max_m", std::to_string(int64_t(a.num_experts) * a.m_rows), "must be < 2^31");
+  if (a.a == nullptr || a.b == nullptr || a.d == nullptr) return bad("a/b/d", "null", "device pointers required");
+  if (!aligned(a.a, 16) || !aligned(a.b, 16)) return bad("a/b", "unaligned", "must be 16-byte aligned (TMA)");
+  const int64_t lda = a.lda ? a.lda : a.k;
+  if (lda < a.k || (lda * eb) % 16 != 0) return bad("lda", std::to_string(lda), "must be >= k with a row stride multiple of 16 bytes");
+  if (a.layout == GroupedLayout::kContiguous && a.expert_offsets == nullptr) return bad("expert_offsets", "null", "required for the contiguous layout");
+  if (a.layout == GroupedLayout::kMasked && a.masked_counts == nullptr) return bad("masked_counts", "null", "required for the masked layout");
+  if (fp8) {
+    if (a.a_scales == nullptr || a.b_scales == nullptr) return bad("a_scales/b_scales", "null", "required for fp8-block");
+    if (!aligned(a.a_scales, 16)) return bad("a_scales", "unaligned", "must be 16-byte aligned (TMA)");
+    const int64_t ld = a.ld_a_scales ? a.ld_a_scales : round_up4(a.m_rows);
+    if (ld < a.m_rows || ld % 4 != 0) return bad("ld_a_scales", std::to_string(ld), "must be >= m_rows and a multiple of 4");
+  }
+  const int64_t d_cols = swiglu ? a.n / 2 : a.n;
+  const int64_t ldd = a.ldd ? a.ldd : d_cols;
+  const int64_t d_eb = a.epilogue == GemmEpilogue::kSwigluFp8 ? 1 : 2;
+  // The epilogues store 16-byte (bf16) / 8-byte (e4m3) segments per lane.
+  if (ldd < d_cols || (ldd * d_eb) % 16 != 0)
+    return bad("ldd", std::to_string(ldd), "must be >= the output columns with a row stride multiple of 16 bytes");
+  if (!aligned(a.d, 16)) return bad("d", "unaligned", "must be 16-byte aligned");
+  if (a.epilogue == GemmEpilogue::kSwigluFp8) {
+    if (a.d_scales == nullptr) return bad("d_scales", "null", "required for swiglu-fp8");
+    const int64_t ld = a.ld_d_scales ? a.ld_d_scales : round_up4(a.m_rows);
+    if (ld < a.m_rows) return bad("ld_d_scales", std::to_string(ld), "must be >= m_rows");
+  }
+  const GemmTileConfig& t = a.tiles;
+  if (t.block_m != 0 && t.block_m != 64 && t.block_m != 128) return bad("tiles.block_m", std::to_string(t.block_m), "must be 0, 64 or 128");
+  if (t.block_n != 0 && t.block_n != 128 && t.block_n != 256) return bad("tiles.block_n", std::to_string(t.block_n), "must be 0, 128 or 256");
+  if (t.block_n != 0 && a.n % t.block_n != 0) return bad("tiles.block_n", std::to_string(t.block_n), "must divide n");
+  if (swiglu && t.block_n == 128) return bad("tiles.block_n", "128", "the SwiGLU epilogues need 256 (128 gate + 128 up)");
+  if (t.num_sms < 0) return bad("tiles.num_sms", std::to_string(t.num_sms), "must be >= 0");
+  return Status::ok();
+}
+
+Status launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream, GemmTileConfig* used) {
+  MEGAMOE_RETURN_IF_ERROR(validate_grouped_gemm(args));
+  DeviceInfo dev;
+  MEGAMOE_RETURN_IF_ERROR(current_device(&dev));
+  const bool fp8 = args.dtype == GemmDtype::kFp8Block;
+  const bool masked = args.layout == GroupedLayout::kMasked;
+  const bool swiglu = args.epilogue != GemmEpilogue::kStoreBf16;
+  const int64_t eb = fp8 ? 1 : 2;
+
+  GemmShapeHint hint;
+  hint.m_per_expert = args.expected_m_per_expert > 0 ? args.expected_m_per_expert
+                                                     : (masked ? args.m_rows : args.m_rows / args.num_experts);
+  hint.num_experts = args.num_experts;
+  hint.n = args.n;
+  hint.k = args.k;
+  hint.epilogue = args.epilogue;
+  hint.num_sms = dev.sms;
+  Knobs overrides;
+  overrides.block_m = args.tiles.block_m;
+  overrides.block_n = args.tiles.block_n;
+  overrides.num_sms = args.tiles.num_sms;
+  const GemmTileConfig cfg = select_gemm_tiles(hint, &overrides);
+  if (used) *used = cfg;
+  if (args.m_rows == 0) return Status::ok();  // no rows: nothing to compute (masked max_m = 0 too)
+
+  const int64_t lda = args.lda ? args.lda : args.k;
+  const int64_t a_rows = masked ? int64_t(args.num_experts) * args.m_rows : args.m_rows;
+  CUtensorMap tmap_a, tmap_b, tmap_sfa;
+  MEGAMOE_RETURN_IF_ERROR(make_map(&tmap_a, CU_TENSOR_MAP_DATA_TYPE_UINT8, args.a, uint64_t(args.k) * eb, a_rows,
+                                   lda * eb, 128, cfg.block_m, true, "A"));
+  MEGAMOE_RETURN_IF_ERROR(make_map(&tmap_b, CU_TENSOR_MAP_DATA_TYPE_UINT8, args.b, uint64_t(args.k) * eb,
+                                   uint64_t(args.num_experts) * args.n, uint64_t(args.k) * eb, 128, cfg.block_n, true, "B"));
+  const int64_t num_kb = args.k / 128;
+  if (fp8) {
+    const int64_t ld = args.ld_a_scales ? args.ld_a_scales : round_up4(args.m_rows);
+    MEGAMOE_RETURN_IF_ERROR(make_map(&tmap_sfa, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, args.a_scales, args.m_rows,
+                                     masked ? num_kb * args.num_experts : num_kb, ld * 4, cfg.block_m + 4, 1, false,
+                                     "A scales"));
+  } else {
+    tmap_sfa = tmap_a;  // unused
+  }
+
+  GroupedGemmParams p{};
+  p.layout = masked ? kLayoutMasked : kLayoutContiguous;
+  p.num_experts = args.num_experts;
+  p.n = args.n;
+  p.k = args.k;
+  p.max_m = masked ? int32_t(args.m_rows) : 0;
+  p.expert_offsets = args.expert_offsets;
+  p.masked_counts = args.masked_counts;
+  p.sfb = args.b_scales;
+  p.d = args.d;
+  p.ld_d = args.ldd ? args.ldd : (swiglu ? args.n / 2 : args.n);
+  p.row_map = args.row_map;
+  p.row_weight = args.row_weight;
+  p.sfd = args.d_scales;
+  p.ld_sfd = args.ld_d_scales ? args.ld_d_scales : round_up4(args.m_rows);
+  p.sfd_expert_stride = masked ? int64_t(args.n / 256) * p.ld_sfd : 0;
+  p.pow2_scales = args.pow2_scales ? 1 : 0;
+
+  // Persistent grid: all SMs, fewer when the contiguous pool cannot have that many tiles.
+  int64_t grid = cfg.num_sms > 0 ? std::min(cfg.num_sms, dev.sms) : dev.sms;
+  if (!masked) {
+    const int64_t max_tiles = (args.m_rows / cfg.block_m + args.num_experts) * (args.n / cfg.block_n);
+    grid = std::min(grid, std::max<int64_t>(max_tiles, 1));
+  }
+
+  cudaError_t err = cudaErrorInvalidConfiguration;
+#define MEGAMOE_DISPATCH(BM, BN, FP8, EPI)                                                                      \
+  if (cfg.block_m == BM && cfg.block_n == BN && fp8 == FP8 && p_epi == EPI)                                     \
+    err = launch_grouped_gemm_config<GroupedGemmConfig<BM, BN, FP8, EPI>>(tmap_a, tmap_b, tmap_sfa, p, int(grid), stream);
+  const int p_epi = args.epilogue == GemmEpilogue::kStoreBf16  ? kEpiStoreBf16
+                    : args.epilogue == GemmEpilogue::kSwigluFp8 ? kEpiSwigluFp8
+                                                                : kEpiSwigluBf16;
+  MEGAMOE_GROUPED_GEMM_CONFIGS_FP8(MEGAMOE_DISPATCH)
+  MEGAMOE_GROUPED_GEMM_CONFIGS_BF16(MEGAMOE_DISPATCH)
+#undef MEGAMOE_DISPATCH
+  if (err != cudaSuccess)
+    return Status(StatusCode::kCudaError, std::string("grouped GEMM launch failed: ") + cudaGetErrorString(err) + " (" +
+                                              args.to_string() + ", " + cfg.to_string() + ")");
+  return Status::ok();
+}
+
+}  // namespace megamoe::gemm

@@ -1,0 +1,558 @@
+// sm90_fp8_grouped_gemm.cuh — the Hopper grouped GEMM for the experts, as device building blocks
+// (pipeline, producer, math, epilogues) and the persistent kernel that composes them.
+//
+// D[rows of expert e, N] = A[rows, K] * B[e]^T, B[e] = [N, K] (K the reduction dim, K-major both).
+//   fp8:  e4m3 x e4m3, fp32 accumulation; DeepSeek-style scales applied per 128-wide K block in fp32
+//         registers: acc_final += (sa[row, kb] * sb[e, n/128, kb]) * acc_kb, where acc_kb is the
+//         wgmma result of one K block (the "promotion" that keeps fp8 tensor-core accumulation short).
+//   bf16: bf16 x bf16, fp32 accumulation straight in the wgmma accumulators.
+//
+// Kernel (one CTA per SM, persistent; CTA i runs tiles i, i + grid, ...; see grouped_scheduler.h):
+//   warpgroups 0 .. kNumMathWG-1  math: each owns 64 rows of the BLOCK_M tile and all BLOCK_N
+//                                 columns, issued as BLOCK_N/128 chunks of wgmma m64n128 (one temp
+//                                 accumulator, promoted into a final accumulator per chunk), then
+//                                 runs the epilogue from registers straight to global memory.
+//   warpgroup kNumMathWG          producer: one thread issues, per K block, TMA loads of the A tile
+//                                 (BLOCK_M x 128 B), the B tile (BLOCK_N x 128 B), the A scales
+//                                 (a BLOCK_M + 4 fp32 box starting 16-byte aligned) and 4-byte
+//                                 cp.async loads of the B scales.
+// Shared memory: kStages ring slots {A, B, SFA, SFB}, a full and an empty mbarrier per slot, the
+// scheduler tables. full[s]: expect_tx arrival + (fp8) the cp.async arrival, completes when the
+// bytes land; empty[s]: one arrival per math warp once its wgmmas on the slot retired.
+//
+// Layouts (bytes are e4m3 or bf16; everything K-major):
+//   A       [rows, K], row stride lda elements (a multiple of 16 bytes)
+//   SFA     fp32, M-major ("transposed"): contiguous [K/128][ld_sfa] indexed [kb][row];
+//           masked [E][K/128][ld_sfa] indexed [e][kb][m]; ld_sfa >= rows (or max_m), multiple of 4.
+//   B       [E, N, K]; SFB fp32 [E, N/128, K/128]
+//   SwiGLU  B is the prepared w13: per 256 rows, 128 gate rows then the 128 matching up rows (see
+//           gemm_weights.h); D = h [rows, N/2], fp8 + SFD [N/256][ld] (M-major like SFA), or bf16.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cstdint>
+
+#include "kernels/gemm/grouped_scheduler.h"
+#include "kernels/gemm/sm90_gemm_ptx.cuh"
+#include "megamoe/formats.h"
+
+namespace megamoe::gemm {
+
+enum EpilogueKind : int32_t {
+  kEpiStoreBf16 = 0,   // D bf16 rows (optionally weighted, optionally routed through row_map)
+  kEpiSwigluFp8 = 1,   // h = silu(gate) * up, requantised to e4m3 with 1x128 fp32 scales
+  kEpiSwigluBf16 = 2,  // h = silu(gate) * up as bf16
+};
+
+// Everything the device code needs besides the three tensor maps. Filled by the host launcher.
+struct GroupedGemmParams {
+  int32_t layout;       // kLayoutContiguous | kLayoutMasked
+  int32_t num_experts;
+  int32_t n;            // columns of B per expert (2I for the SwiGLU epilogues)
+  int32_t k;            // reduction length in elements, multiple of 128 (fp8) / 64 (bf16)
+  int32_t max_m;        // masked: rows per expert in A
+  const int32_t* expert_offsets;  // contiguous: [E + 1]
+  const int32_t* masked_counts;   // masked: [E]
+  const float* sfb;     // fp8: [E, N/128, K/128]
+  // epilogue
+  void* d;              // bf16 [*, ld_d] or e4m3 [*, ld_d]
+  int64_t ld_d;         // elements
+  const int32_t* row_map;    // kEpiStoreBf16: A row -> D row (< 0: not stored); null: identity
+  const float* row_weight;   // kEpiStoreBf16: per A row factor applied in fp32; null: 1
+  float* sfd;                // kEpiSwigluFp8: output scales, M-major like SFA
+  int64_t ld_sfd;            // row stride of SFD (>= rows)
+  int64_t sfd_expert_stride; // masked: (N/256) * ld_sfd; contiguous: 0
+  int32_t pow2_scales;       // kEpiSwigluFp8: power-of-two output scales
+};
+
+template <int kBlockM_, int kBlockN_, bool kFp8_, int kEpilogue_>
+struct GroupedGemmConfig {
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr bool kFp8 = kFp8_;
+  static constexpr int kEpilogue = kEpilogue_;
+  static constexpr int kBlockKBytes = 128;            // one 128-byte swizzle row per tile row
+  static constexpr int kBlockK = kFp8 ? 128 : 64;     // elements per K block
+  static constexpr int kNumMathWG = kBlockM / 64;
+  static constexpr int kNumChunks = kBlockN / 128;
+  static constexpr int kNumThreads = 128 * (kNumMathWG + 1);
+  static constexpr int kMathThreads = 128 * kNumMathWG;
+  static constexpr int kStageA = kBlockM * kBlockKBytes;
+  static constexpr int kStageB = kBlockN * kBlockKBytes;
+  // A scales: a box of BLOCK_M + 4 fp32 starting at the tile's first row rounded down to 4 (a 16-byte
+  // aligned start in global memory, whatever the segment offset); slots 128-byte aligned for TMA.
+  static constexpr int kSfaBox = kBlockM + 4;
+  static constexpr int kSfaStride = kFp8 ? (kSfaBox * 4 + 127) / 128 * 32 : 0;  // floats per slot
+  static constexpr int kStageSFA = kSfaStride * 4;
+  static constexpr int kStageSFB = 16;
+  static constexpr int kStageBytes = kStageA + kStageB + kStageSFA + kStageSFB + 16;  // + 2 barriers
+  static constexpr int kSmemBudget = 227 * 1024 - 1024 /* alignment slack */ - 8 * 1024 /* tables */;
+  static constexpr int kStagesFit = kSmemBudget / kStageBytes;
+  static constexpr int kStages = kStagesFit > 8 ? 8 : kStagesFit;
+  static constexpr uint32_t kTxBytes = kStageA + kStageB + (kFp8 ? kSfaBox * 4 : 0);
+  static constexpr int kMaxExperts = 512;
+  // setmaxnreg budgets (64K registers per SM): the producer shrinks to 40, the math warpgroups grow.
+  static constexpr uint32_t kProducerRegs = kNumMathWG == 1 ? 96 : 40;
+  static constexpr uint32_t kMathRegs = kNumMathWG == 1 ? 256 : 232;  // scheduler tables: 3 * (E + 1) int32 <= 8 KiB
+  static_assert(kBlockM == 64 || kBlockM == 128, "BLOCK_M is 64 or 128");
+  static_assert(kBlockN == 128 || kBlockN == 256, "BLOCK_N is 128 or 256");
+  static_assert(kEpilogue == kEpiStoreBf16 || kBlockN == 256, "SwiGLU tiles hold 128 gate + 128 up columns");
+  static_assert(kStages >= 3, "pipeline too shallow");
+
+  // Dynamic shared memory: 1 KiB alignment slack + ring + barriers + tables.
+  static constexpr int smem_bytes(int num_experts) {
+    return 1024 + kStages * (kStageA + kStageB + kStageSFA + kStageSFB) + kStages * 16 + 3 * (num_experts + 1) * 4 + 16;
+  }
+};
+
+// The carved shared memory of one CTA.
+template <class Cfg>
+struct GroupedGemmSmem {
+  uint8_t* a;       // [kStages][kStageA], 1024-aligned
+  uint8_t* b;       // [kStages][kStageB], 1024-aligned
+  float* sfa;       // [kStages][kSfaStride]
+  float* sfb;       // [kStages][4]
+  uint64_t* full;   // [kStages]
+  uint64_t* empty;  // [kStages]
+  int32_t* row_begin;
+  int32_t* num_rows;
+  int32_t* m_block_prefix;
+
+  __device__ __forceinline__ static GroupedGemmSmem carve(uint8_t* raw, int num_experts) {
+    GroupedGemmSmem s;
+    uint8_t* p = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
+    s.a = p;
+    p += Cfg::kStages * Cfg::kStageA;
+    s.b = p;
+    p += Cfg::kStages * Cfg::kStageB;
+    s.sfa = reinterpret_cast<float*>(p);
+    p += Cfg::kStages * Cfg::kStageSFA;
+    s.sfb = reinterpret_cast<float*>(p);
+    p += Cfg::kStages * Cfg::kStageSFB;
+    s.full = reinterpret_cast<uint64_t*>(p);
+    s.empty = s.full + Cfg::kStages;
+    p += Cfg::kStages * 16;
+    s.row_begin = reinterpret_cast<int32_t*>(p);
+    s.num_rows = s.row_begin + num_experts;
+    s.m_block_prefix = s.num_rows + num_experts;
+    return s;
+  }
+};
+
+// Ring position shared by producer and consumers; both walk the same sequence of K blocks.
+struct PipeState {
+  int32_t stage = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ void advance(int stages) {
+    if (++stage == stages) {
+      stage = 0;
+      phase ^= 1u;
+    }
+  }
+};
+
+// Builds the scheduler tables in shared memory (all threads of the CTA call it; ends in a barrier).
+template <class Cfg>
+__device__ __forceinline__ GroupedSchedule build_schedule(const GroupedGemmSmem<Cfg>& sm, const GroupedGemmParams& p,
+                                                          int num_n_blocks) {
+  const int E = p.num_experts;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int32_t begin, rows;
+    grouped_expert_rows(p.layout, e, p.expert_offsets, p.masked_counts, p.max_m, &begin, &rows);
+    sm.row_begin[e] = begin;
+    sm.num_rows[e] = rows;
+    sm.m_block_prefix[e + 1] = (rows + Cfg::kBlockM - 1) / Cfg::kBlockM;
+  }
+  __syncthreads();
+  if (threadIdx.x < 32) {  // warp 0: inclusive scan in chunks of 32
+    const int lane = threadIdx.x;
+    int32_t carry = 0;
+    for (int base = 0; base < E; base += 32) {
+      int32_t v = base + lane < E ? sm.m_block_prefix[base + lane + 1] : 0;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int32_t up = __shfl_up_sync(0xffffffffu, v, o);
+        if (lane >= o) v += up;
+      }
+      if (base + lane < E) sm.m_block_prefix[base + lane + 1] = carry + v;
+      carry += __shfl_sync(0xffffffffu, v, 31);
+    }
+    if (lane == 0) sm.m_block_prefix[0] = 0;
+  }
+  __syncthreads();
+  GroupedSchedule s;
+  s.row_begin = sm.row_begin;
+  s.num_rows = sm.num_rows;
+  s.m_block_prefix = sm.m_block_prefix;
+  s.num_experts = E;
+  s.num_n_blocks = num_n_blocks;
+  s.block_m = Cfg::kBlockM;
+  return s;
+}
+
+template <class Cfg>
+__device__ __forceinline__ void init_barriers(const GroupedGemmSmem<Cfg>& sm) {
+#pragma unroll
+  for (int s = 0; s < Cfg::kStages; ++s) {
+    ptx::mbar_init(&sm.full[s], Cfg::kFp8 ? 2 : 1);  // expect_tx arrival (+ cp.async arrival)
+    ptx::mbar_init(&sm.empty[s], Cfg::kNumMathWG * 4);  // one per math warp
+  }
+  ptx::mbar_init_fence();
+}
+
+// ---- producer ------------------------------------------------------------------------------------
+
+// First A-scale column the TMA box starts at: the tile's first scale row rounded down to 4 (16 bytes).
+__device__ __forceinline__ int32_t sfa_first_row(const GroupedGemmParams& p, const GroupedTile& t) {
+  return p.layout == kLayoutMasked ? t.m0 : t.row0;
+}
+__device__ __forceinline__ int32_t sfa_box_start(const GroupedGemmParams& p, const GroupedTile& t) {
+  const int32_t r = sfa_first_row(p, t);
+  return r & ~3;  // invariant: TMA needs a 16-byte aligned global start (an unaligned one faults)
+}
+
+// Loads every K block of one tile into the ring. Called by one thread.
+template <class Cfg>
+__device__ __forceinline__ void produce_tile(const GroupedGemmSmem<Cfg>& sm, PipeState& pipe, const GroupedTile& t,
+                                             const GroupedGemmParams& p, const CUtensorMap* tmap_a,
+                                             const CUtensorMap* tmap_b, const CUtensorMap* tmap_sfa) {
+  const int num_kb = p.k / Cfg::kBlockK;
+  const int32_t b_row = t.expert * p.n + t.n_block * Cfg::kBlockN;
+  const float* sfb_tile = nullptr;
+  if constexpr (Cfg::kFp8) sfb_tile = p.sfb + (int64_t(t.expert) * (p.n / 128) + t.n_block * Cfg::kNumChunks) * num_kb;
+  for (int kb = 0; kb < num_kb; ++kb) {
+    ptx::mbar_wait(&sm.empty[pipe.stage], pipe.phase ^ 1u);
+    uint64_t* full = &sm.full[pipe.stage];
+    ptx::mbar_arrive_expect_tx(full, Cfg::kTxBytes);
+    ptx::tma_load_2d(sm.a + pipe.stage * Cfg::kStageA, tmap_a, full, kb * Cfg::kBlockKBytes, t.row0);
+    ptx::tma_load_2d(sm.b + pipe.stage * Cfg::kStageB, tmap_b, full, kb * Cfg::kBlockKBytes, b_row);
+    if constexpr (Cfg::kFp8) {
+      const int32_t sfa_x = sfa_box_start(p, t);
+      const int32_t sfa_y = p.layout == kLayoutMasked ? t.expert * num_kb + kb : kb;
+      ptx::tma_load_2d(sm.sfa + pipe.stage * Cfg::kSfaStride, tmap_sfa, full, sfa_x, sfa_y);
+#pragma unroll
+      for (int c = 0; c < Cfg::kNumChunks; ++c) ptx::cp_async_4(sm.sfb + pipe.stage * 4 + c, sfb_tile + c * num_kb + kb);
+      ptx::cp_async_mbar_arrive_noinc(full);
+    }
+    pipe.advance(Cfg::kStages);
+  }
+}
+
+// ---- math ------------------------------------------------------------------------------------------
+
+// Runs the K loop of one tile for math warpgroup `wg` (0-based among the math warpgroups), leaving
+// the fp32 result for its 64 rows x BLOCK_N columns in acc[chunk][...] (fragment layout of
+// ptx::wgmma_m64n128k32_e4m3). Called by all 128 threads of the warpgroup.
+template <class Cfg>
+__device__ __forceinline__ void math_tile(const GroupedGemmSmem<Cfg>& sm, PipeState& pipe, const GroupedGemmParams& p,
+                                          const GroupedTile& t, int wg, float (&acc)[Cfg::kNumChunks][64]) {
+  const int num_kb = p.k / Cfg::kBlockK;
+  const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+  const int r0 = wg * 64 + warp * 16 + lane / 4;  // this thread's first row in the tile; second is r0 + 8
+  const int sfa0 = sfa_first_row(p, t) - sfa_box_start(p, t) + r0;  // its A scale in the slot
+#pragma unroll
+  for (int c = 0; c < Cfg::kNumChunks; ++c)
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[c][i] = 0.f;
+
+  for (int kb = 0; kb < num_kb; ++kb) {
+    ptx::mbar_wait(&sm.full[pipe.stage], pipe.phase);
+    const uint8_t* a_tile = sm.a + pipe.stage * Cfg::kStageA + wg * 64 * Cfg::kBlockKBytes;
+    const uint8_t* b_tile = sm.b + pipe.stage * Cfg::kStageB;
+    const uint64_t desc_a = ptx::make_sw128_desc(a_tile);
+    if constexpr (Cfg::kFp8) {
+      const float sa0 = sm.sfa[pipe.stage * Cfg::kSfaStride + sfa0];
+      const float sa1 = sm.sfa[pipe.stage * Cfg::kSfaStride + sfa0 + 8];
+      float sb[Cfg::kNumChunks];
+#pragma unroll
+      for (int c = 0; c < Cfg::kNumChunks; ++c) sb[c] = sm.sfb[pipe.stage * 4 + c];
+      float tmp[64];
+#pragma unroll
+      for (int c = 0; c < Cfg::kNumChunks; ++c) {
+        const uint64_t desc_b = ptx::make_sw128_desc(b_tile + c * 128 * Cfg::kBlockKBytes);
+        ptx::fence_operands(tmp);
+        ptx::wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < 4; ++k) ptx::wgmma_m64n128k32_e4m3(tmp, desc_a + 2 * k, desc_b + 2 * k, k > 0);
+        ptx::wgmma_commit();
+        ptx::wgmma_wait<0>();
+        ptx::fence_operands(tmp);
+        if (c == Cfg::kNumChunks - 1) {
+          // All reads of this slot (wgmma and scales) are done: hand it back to the producer.
+          __syncwarp();
+          if (lane == 0) ptx::mbar_arrive(&sm.empty[pipe.stage]);
+        }
+        const float s0 = sa0 * sb[c], s1 = sa1 * sb[c];
+#pragma unroll
+        for (int i = 0; i < 64; i += 4) {
+          acc[c][i + 0] = fmaf(s0, tmp[i + 0], acc[c][i + 0]);
+          acc[c][i + 1] = fmaf(s0, tmp[i + 1], acc[c][i + 1]);
+          acc[c][i + 2] = fmaf(s1, tmp[i + 2], acc[c][i + 2]);
+          acc[c][i + 3] = fmaf(s1, tmp[i + 3], acc[c][i + 3]);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int c = 0; c < Cfg::kNumChunks; ++c) ptx::fence_operands(acc[c]);
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int c = 0; c < Cfg::kNumChunks; ++c) {
+        const uint64_t desc_b = ptx::make_sw128_desc(b_tile + c * 128 * Cfg::kBlockKBytes);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) ptx::wgmma_m64n128k16_bf16(acc[c], desc_a + 2 * k, desc_b + 2 * k, 1);
+      }
+      ptx::wgmma_commit();
+      ptx::wgmma_wait<0>();
+#pragma unroll
+      for (int c = 0; c < Cfg::kNumChunks; ++c) ptx::fence_operands(acc[c]);
+      __syncwarp();
+      if (lane == 0) ptx::mbar_arrive(&sm.empty[pipe.stage]);
+    }
+    pipe.advance(Cfg::kStages);
+  }
+}
+
+// ---- epilogues -------------------------------------------------------------------------------------
+
+// Where an output row goes. The default sink writes D[row_map ? row_map[a_row] : a_row]; a fused
+// kernel supplies its own (e.g. a peer's combine buffer through an LSA pointer).
+struct DefaultRowSink {
+  __nv_bfloat16* d;
+  int64_t ld_d;
+  const int32_t* row_map;
+  __device__ __forceinline__ __nv_bfloat16* row_ptr(int32_t a_row) const {
+    const int32_t dst = row_map ? row_map[a_row] : a_row;
+    return dst < 0 ? nullptr : d + int64_t(dst) * ld_d;
+  }
+};
+
+// Quad transpose: the 4 lanes q of a quad each hold x[0..3]; afterwards y[p] = lane p's x[q]. Used
+// to turn the wgmma fragment (a quad holds 8 consecutive columns of one row per 8-column group,
+// 2 per lane) into one contiguous 4-group segment per lane, so the epilogue issues 16-byte
+// (bf16) / 8-byte (e4m3) stores of full sectors instead of 4-byte / 2-byte ones. All 32 lanes
+// must call it (warp shuffles); selects, not indexed registers, keep everything in registers.
+__device__ __forceinline__ void quad_transpose(const uint32_t (&x)[4], uint32_t (&y)[4]) {
+  const int q = threadIdx.x & 3;
+  auto pick = [&](int k) { return k == 0 ? x[0] : k == 1 ? x[1] : k == 2 ? x[2] : x[3]; };
+  const uint32_t r1 = __shfl_xor_sync(0xffffffffu, pick(q ^ 1), 1);
+  const uint32_t r2 = __shfl_xor_sync(0xffffffffu, pick(q ^ 2), 2);
+  const uint32_t r3 = __shfl_xor_sync(0xffffffffu, pick(q ^ 3), 3);
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    const int d = p ^ q;
+    y[p] = d == 0 ? x[p] : d == 1 ? r1 : d == 2 ? r2 : r3;
+  }
+}
+
+// Two fp32 to packed bf16x2 (round to nearest even, as fmt::float_to_bf16 for every non-NaN input;
+// a NaN becomes the canonical 0x7FFF where the host codec keeps the payload).
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// bf16 rows: value = acc (* row_weight). After the quad transpose lane q of a quad stores columns
+// [8(4j+q), 8(4j+q) + 8) of its row, for j = 0..3, per 128-column chunk: one 16-byte store each.
+// invariant: D rows are 16-byte aligned (validate_grouped_gemm checks d and ldd).
+template <class Cfg, class Sink>
+__device__ __forceinline__ void epilogue_store_bf16(const float (&acc)[Cfg::kNumChunks][64], const GroupedTile& t,
+                                                    int wg, const Sink& sink, const float* row_weight) {
+  const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4, q = lane % 4;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = wg * 64 + warp * 16 + lane / 4 + 8 * h;
+    const bool valid = r < t.rows;  // uniform over the quad
+    const int32_t a_row = t.row0 + r;
+    __nv_bfloat16* out = valid ? sink.row_ptr(a_row) : nullptr;
+    const float w = (valid && row_weight) ? row_weight[a_row] : 1.f;
+#pragma unroll
+    for (int c = 0; c < Cfg::kNumChunks; ++c)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        uint32_t x[4], y[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int i = 4 * j + k;
+          const float v0 = acc[c][4 * i + 2 * h], v1 = acc[c][4 * i + 2 * h + 1];
+          x[k] = row_weight ? pack_bf16x2(v0 * w, v1 * w) : pack_bf16x2(v0, v1);
+        }
+        quad_transpose(x, y);
+        if (out != nullptr)
+          *reinterpret_cast<uint4*>(out + t.n_block * Cfg::kBlockN + c * 128 + 8 * (4 * j + q)) =
+              make_uint4(y[0], y[1], y[2], y[3]);
+      }
+  }
+}
+
+// silu(g) * u in fp32: expf and a fast division (g / (1 + e), 0 when 1 + e overflows), then an IEEE
+// multiply. Not a codec: the requantisation below is.
+__device__ __forceinline__ float swiglu(float g, float u) {
+  return fmt::mul_rn(__fdividef(g, 1.f + expf(-g)), u);
+}
+
+// SwiGLU over a 128 gate + 128 up tile: h[:, 128 * n_block ...] of width 128, one 1x128 block per
+// row: fp8 e4m3 codes + fp32 scale (fmt::fp8_block_scale of the row's amax and e4m3(div_rn(h, s)),
+// as fmt::quantize_fp8_1x128 computes them), or bf16. Stores: 8 bytes (e4m3) / 16 bytes (bf16)
+// per lane after the quad transpose.
+template <class Cfg>
+__device__ __forceinline__ void epilogue_swiglu(const float (&acc)[Cfg::kNumChunks][64], const GroupedTile& t, int wg,
+                                                const GroupedGemmParams& p) {
+  const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4, q = lane % 4;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = wg * 64 + warp * 16 + lane / 4 + 8 * h;
+    float v[32];
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      v[2 * i] = swiglu(acc[0][4 * i + 2 * h], acc[1][4 * i + 2 * h]);
+      v[2 * i + 1] = swiglu(acc[0][4 * i + 2 * h + 1], acc[1][4 * i + 2 * h + 1]);
+      amax = fmaxf(amax, fmaxf(fmt::finite_abs(v[2 * i]), fmt::finite_abs(v[2 * i + 1])));
+    }
+    // The 4 lanes of a quad hold one row.
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    const bool valid = r < t.rows;  // uniform over the quad
+    const int64_t a_row = t.row0 + r;
+    if constexpr (Cfg::kEpilogue == kEpiSwigluFp8) {
+      const float s = fmt::fp8_block_scale(amax, p.pow2_scales != 0);
+      uint8_t* out = static_cast<uint8_t*>(p.d) + a_row * p.ld_d + t.n_block * 128;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        uint32_t x[4], y[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int i = 4 * j + k;
+          // == fmt::float_to_e4m3(fmt::div_rn(v, s)) for each of the pair
+          x[k] = ptx::cvt_e4m3x2(fmt::div_rn(v[2 * i], s), fmt::div_rn(v[2 * i + 1], s));
+        }
+        quad_transpose(x, y);
+        if (valid)
+          *reinterpret_cast<uint2*>(out + 8 * (4 * j + q)) = make_uint2(y[0] | (y[1] << 16), y[2] | (y[3] << 16));
+      }
+      if (valid && q == 0) {
+        const int64_t m = p.layout == kLayoutMasked ? t.m0 + r : a_row;
+        p.sfd[t.expert * p.sfd_expert_stride + int64_t(t.n_block) * p.ld_sfd + m] = s;
+      }
+    } else {
+      __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.d) + a_row * p.ld_d + t.n_block * 128;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        uint32_t x[4], y[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) x[k] = pack_bf16x2(v[2 * (4 * j + k)], v[2 * (4 * j + k) + 1]);
+        quad_transpose(x, y);
+        if (valid) *reinterpret_cast<uint4*>(out + 8 * (4 * j + q)) = make_uint4(y[0], y[1], y[2], y[3]);
+      }
+    }
+  }
+}
+
+// ---- the persistent kernel ---------------------------------------------------------------------------
+
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kNumThreads, 1)
+    sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
+                             const __grid_constant__ CUtensorMap tmap_sfa, const __grid_constant__ GroupedGemmParams p) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ uint8_t smem_raw[];
+  const GroupedGemmSmem<Cfg> sm = GroupedGemmSmem<Cfg>::carve(smem_raw, p.num_experts);
+  const int wg = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    init_barriers<Cfg>(sm);
+    ptx::tma_prefetch_desc(&tmap_a);
+    ptx::tma_prefetch_desc(&tmap_b);
+    if constexpr (Cfg::kFp8) ptx::tma_prefetch_desc(&tmap_sfa);
+  }
+  const int num_n_blocks = p.n / Cfg::kBlockN;
+  const GroupedSchedule sched = build_schedule<Cfg>(sm, p, num_n_blocks);  // ends in __syncthreads
+  const int num_tiles = sched.num_tiles();
+  PipeState pipe;
+
+  if (wg == Cfg::kNumMathWG) {
+    // Producer warpgroup: few registers; one thread issues every copy.
+    ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
+    if (threadIdx.x % 128 == 0) {
+      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+        const GroupedTile tile = sched.tile(t);
+        produce_tile<Cfg>(sm, pipe, tile, p, &tmap_a, &tmap_b, &tmap_sfa);
+      }
+    }
+  } else {
+    ptx::setmaxnreg_inc<Cfg::kMathRegs>();
+    float acc[Cfg::kNumChunks][64];
+    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+      const GroupedTile tile = sched.tile(t);
+      math_tile<Cfg>(sm, pipe, p, tile, wg, acc);
+      if constexpr (Cfg::kEpilogue == kEpiStoreBf16) {
+        const DefaultRowSink sink{static_cast<__nv_bfloat16*>(p.d), p.ld_d, p.row_map};
+        epilogue_store_bf16<Cfg>(acc, tile, wg, sink, p.row_weight);
+      } else {
+        epilogue_swiglu<Cfg>(acc, tile, wg, p);
+      }
+    }
+  }
+#endif
+}
+
+}  // namespace megamoe::gemm
+
+// ---- host side: one launch of one configuration (explicitly instantiated in the *_inst.cu files) ----
+#if !defined(__CUDACC_RTC__)
+#include <cuda_runtime.h>
+
+#include <mutex>
+namespace megamoe::gemm {
+
+template <class Cfg>
+cudaError_t launch_grouped_gemm_config(const CUtensorMap& tmap_a, const CUtensorMap& tmap_b, const CUtensorMap& tmap_sfa,
+                                       const GroupedGemmParams& p, int grid, cudaStream_t stream) {
+  const int smem = Cfg::smem_bytes(p.num_experts);
+  // invariant: the dynamic limit is raised once per configuration and device (a function attribute
+  // is per device) to the largest it can need (kMaxExperts), so launches inside CUDA-graph capture
+  // do no attribute changes after the first launch on a device.
+  static std::mutex mutex;
+  static uint64_t raised_on = 0;  // bit d: raised on CUDA device d (d < 64)
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device < 0 || device >= 64) return cudaErrorInvalidDevice;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!(raised_on >> device & 1u)) {
+      err = cudaFuncSetAttribute(sm90_grouped_gemm_kernel<Cfg>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 Cfg::smem_bytes(Cfg::kMaxExperts));
+      if (err != cudaSuccess) return err;
+      raised_on |= uint64_t(1) << device;
+    }
+  }
+  sm90_grouped_gemm_kernel<Cfg><<<grid, Cfg::kNumThreads, smem, stream>>>(tmap_a, tmap_b, tmap_sfa, p);
+  return cudaGetLastError();
+}
+
+#define MEGAMOE_GROUPED_GEMM_CONFIGS_FP8(X)   \
+  X(64, 128, true, kEpiStoreBf16)             \
+  X(64, 256, true, kEpiStoreBf16)             \
+  X(128, 128, true, kEpiStoreBf16)            \
+  X(128, 256, true, kEpiStoreBf16)            \
+  X(64, 256, true, kEpiSwigluFp8)             \
+  X(128, 256, true, kEpiSwigluFp8)
+#define MEGAMOE_GROUPED_GEMM_CONFIGS_BF16(X)  \
+  X(64, 128, false, kEpiStoreBf16)            \
+  X(64, 256, false, kEpiStoreBf16)            \
+  X(128, 128, false, kEpiStoreBf16)           \
+  X(128, 256, false, kEpiStoreBf16)           \
+  X(64, 256, false, kEpiSwigluBf16)           \
+  X(128, 256, false, kEpiSwigluBf16)
+
+#define MEGAMOE_GROUPED_GEMM_EXTERN(BM, BN, FP8, EPI)                                                          \
+  extern template cudaError_t launch_grouped_gemm_config<GroupedGemmConfig<BM, BN, FP8, EPI>>(                 \
+      const CUtensorMap&, const CUtensorMap&, const CUtensorMap&, const GroupedGemmParams&, int, cudaStream_t);
+#define MEGAMOE_GROUPED_GEMM_INSTANTIATE(BM, BN, FP8, EPI)                                                     \
+  template cudaError_t launch_grouped_gemm_config<GroupedGemmConfig<BM, BN, FP8, EPI>>(                        \
+      const CUtensorMap&, const CUtensorMap&, const CUtensorMap&, const GroupedGemmParams&, int, cudaStream_t);
+
+}  // namespace megamoe::gemm
+#endif

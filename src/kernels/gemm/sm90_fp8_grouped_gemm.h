@@ -1,0 +1,101 @@
+// sm90_fp8_grouped_gemm.h — host API of the Hopper (sm_90a) grouped GEMM for the experts.
+//
+// One call computes, for every local expert e, D[rows of e] = epilogue(A[rows of e] * B[e]^T) with
+// K the reduction dimension of both operands. Device pointers only; launches on `stream`; never
+// synchronises the host; safe inside CUDA-graph capture (no allocation, no host reads of device data).
+//
+//   dtype kFp8Block: A e4m3 with fp32 1x128 scales, B e4m3 with fp32 128x128 scales (DeepSeek-V3);
+//                    scales may be any positive fp32, power-of-two ones included.
+//   dtype kBf16:     A and B bf16, no scales.
+//
+// Grouped M layouts (see grouped_scheduler.h):
+//   kContiguous  A [m_rows, K]; expert e owns rows [expert_offsets[e], expert_offsets[e+1]) (device
+//                int32 [E+1]; as dispatch writes the pool, segments padded to its BLOCK_M). The A
+//                scales are M-major: a_scales[kb * ld_a_scales + row], ld_a_scales >= m_rows and a
+//                multiple of 4.
+//   kMasked      A [E, max_m, K] (m_rows = max_m); expert e owns its first masked_counts[e] rows
+//                (device int32 [E]). A scales a_scales[(e * K/128 + kb) * ld_a_scales + m],
+//                ld_a_scales >= max_m, multiple of 4.
+// B is [E, N, K] row-major; B scales [E, N/128, K/128] fp32.
+//
+// Epilogues:
+//   kStoreBf16   D bf16: row r of A goes to D[row_map ? row_map[r] : r] (row_map < 0: dropped),
+//                times row_weight[r] when given (fp32, before the bf16 rounding). Masked: D rows
+//                are e * max_m + m like A's.
+//   kSwigluFp8   B is the prepared w13 (gemm_weights.h: per 256 rows, 128 gate rows then the 128
+//                up rows of the same intermediate columns); N = 2I. D = h [rows, I] e4m3 with 1x128
+//                scales written M-major like A's (d_scales[kb * ld_d_scales + row], masked
+//                d_scales[(e * I/128 + kb) * ld_d_scales + m]), so FC2 consumes D and d_scales as its
+//                A and a_scales directly. Rounding: formats.h (fp8_block_scale, float_to_e4m3).
+//   kSwigluBf16  the same, h as bf16.
+// Rows of a segment past its end and padding rows inside the last tile are never stored.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string>
+
+#include "megamoe/status.h"
+
+namespace megamoe::gemm {
+
+enum class GemmDtype { kFp8Block, kBf16 };
+enum class GroupedLayout { kContiguous, kMasked };
+enum class GemmEpilogue { kStoreBf16, kSwigluFp8, kSwigluBf16 };
+
+const char* to_string(GemmDtype d);
+const char* to_string(GroupedLayout l);
+const char* to_string(GemmEpilogue e);
+
+// Tile configuration. 0 = chosen by select_gemm_tiles() (gemm_heuristic.h).
+struct GemmTileConfig {
+  int32_t block_m = 0;  // 64 or 128 (rows per tile: one or two math warpgroups)
+  int32_t block_n = 0;  // 128 or 256 (SwiGLU: 256 = 128 gate + 128 up)
+  int32_t num_sms = 0;  // persistent CTAs; 0 = all SMs
+  std::string to_string() const;
+};
+
+struct GroupedGemmArgs {
+  GemmDtype dtype = GemmDtype::kFp8Block;
+  GroupedLayout layout = GroupedLayout::kContiguous;
+  GemmEpilogue epilogue = GemmEpilogue::kStoreBf16;
+  int32_t num_experts = 0;
+  int32_t n = 0;  // rows of each B[e] (2I for SwiGLU); multiple of 128 (SwiGLU: 256)
+  int32_t k = 0;  // multiple of 128
+  // A
+  const void* a = nullptr;
+  int64_t lda = 0;      // elements; 0 = k
+  int64_t m_rows = 0;   // contiguous: rows of A (the pool); masked: max_m
+  const float* a_scales = nullptr;
+  int64_t ld_a_scales = 0;  // 0 = m_rows rounded up to 4
+  const int32_t* expert_offsets = nullptr;  // contiguous
+  const int32_t* masked_counts = nullptr;   // masked
+  // B
+  const void* b = nullptr;
+  const float* b_scales = nullptr;
+  // D
+  void* d = nullptr;
+  int64_t ldd = 0;  // elements; 0 = n (kStoreBf16) or n/2 (SwiGLU)
+  float* d_scales = nullptr;  // kSwigluFp8
+  int64_t ld_d_scales = 0;    // 0 = m_rows rounded up to 4
+  const int32_t* row_map = nullptr;   // kStoreBf16
+  const float* row_weight = nullptr;  // kStoreBf16
+  bool pow2_scales = false;           // kSwigluFp8 output scales
+  // Tiles: 0 fields from the heuristic, with expected_m_per_expert as its bucket hint (0: derived
+  // from m_rows / num_experts).
+  GemmTileConfig tiles;
+  int64_t expected_m_per_expert = 0;
+
+  std::string to_string() const;
+};
+
+// Checks the arguments (shape rules, alignment, nulls) without launching. Messages name the field.
+Status validate_grouped_gemm(const GroupedGemmArgs& args);
+
+// Launches the grouped GEMM on `stream`. Returns kInvalidArgument for bad arguments, kUnavailable
+// when the current device is not sm_90, kCudaError when the launch fails. *used (optional) receives
+// the tile configuration that ran.
+Status launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream, GemmTileConfig* used = nullptr);
+
+}  // namespace megamoe::gemm

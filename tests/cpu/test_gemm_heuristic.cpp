@@ -1,0 +1,221 @@
+// Grouped GEMM host pieces: the persistent tile scheduler (grouped_scheduler.h), the tile heuristic
+// and its knob overrides (gemm_heuristic.h), argument validation, and the SwiGLU weight preparation.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <numeric>
+#include <random>
+#include <set>
+#include <tuple>
+#include <vector>
+
+#include "kernels/gemm/gemm_heuristic.h"
+#include "kernels/gemm/gemm_weights.h"
+#include "kernels/gemm/grouped_scheduler.h"
+#include "kernels/gemm/sm90_fp8_grouped_gemm.h"
+
+namespace {
+
+using namespace megamoe::gemm;
+using megamoe::Status;
+
+// Every (expert, row block, n block) of every segment is produced exactly once, rows stay inside
+// their segment, and the CTA round-robin covers each tile once whatever the grid.
+void check_schedule(int32_t layout, const std::vector<int32_t>& offsets, const std::vector<int32_t>& counts,
+                    int32_t max_m, int32_t block_m, int32_t n_blocks) {
+  const int32_t E = layout == kLayoutMasked ? int32_t(counts.size()) : int32_t(offsets.size()) - 1;
+  std::vector<int32_t> begin(E), rows(E), prefix(E + 1);
+  build_grouped_tables(layout, E, offsets.data(), counts.data(), max_m, block_m, begin.data(), rows.data(), prefix.data());
+  GroupedSchedule s{begin.data(), rows.data(), prefix.data(), E, n_blocks, block_m};
+  int64_t expected_tiles = 0;
+  std::map<std::pair<int32_t, int32_t>, int> row_cover;  // (expert, row) -> times covered (per n block)
+  for (int32_t e = 0; e < E; ++e) expected_tiles += (rows[e] + block_m - 1) / block_m * n_blocks;
+  ASSERT_EQ(s.num_tiles(), expected_tiles);
+  std::set<std::tuple<int32_t, int32_t, int32_t>> seen;
+  for (int32_t grid : {1, 7, 132}) {
+    seen.clear();
+    row_cover.clear();
+    for (int32_t cta = 0; cta < grid; ++cta)
+      for (int32_t t = cta; t < s.num_tiles(); t += grid) {
+        const GroupedTile g = s.tile(t);
+        ASSERT_GE(g.expert, 0);
+        ASSERT_LT(g.expert, E);
+        ASSERT_GT(g.rows, 0) << "tile of an empty expert";
+        ASSERT_LE(g.rows, block_m);
+        ASSERT_LE(g.m0 + g.rows, rows[g.expert]) << "tile rows past the segment";
+        ASSERT_EQ(g.row0, begin[g.expert] + g.m0);
+        ASSERT_TRUE(seen.insert({g.expert, g.m0, g.n_block}).second) << "tile produced twice";
+        if (g.n_block == 0)
+          for (int32_t r = 0; r < g.rows; ++r) row_cover[{g.expert, g.m0 + r}]++;
+      }
+    ASSERT_EQ(int64_t(seen.size()), expected_tiles);
+    for (int32_t e = 0; e < E; ++e)
+      for (int32_t r = 0; r < rows[e]; ++r) ASSERT_EQ((row_cover[{e, r}]), 1) << "expert " << e << " row " << r;
+  }
+}
+
+TEST(GemmScheduler, ContiguousPaddedAndUneven) {
+  check_schedule(kLayoutContiguous, {0, 128, 128, 384, 512, 1024}, {}, 0, 128, 16);
+  check_schedule(kLayoutContiguous, {0, 1, 8, 8, 71, 200, 329}, {}, 0, 64, 3);
+  check_schedule(kLayoutContiguous, {0, 0, 0}, {}, 0, 128, 4);  // M = 0
+}
+
+TEST(GemmScheduler, MaskedCountsClampedToMaxM) {
+  check_schedule(kLayoutMasked, {}, {8, 0, 1, 7, 64, 65, 200}, 96, 64, 28);
+  check_schedule(kLayoutMasked, {}, {0, 0, 0, 0}, 32, 64, 16);
+  check_schedule(kLayoutMasked, {}, {-3, 5}, 32, 128, 2);  // a negative count is empty
+}
+
+TEST(GemmScheduler, RandomSegments) {
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 50; ++trial) {
+    const int E = 1 + int(rng() % 40);
+    std::vector<int32_t> off(E + 1, 0), cnt(E);
+    for (int e = 0; e < E; ++e) {
+      cnt[e] = int32_t(rng() % 300) * int32_t(rng() % 3 != 0);
+      off[e + 1] = off[e] + cnt[e];
+    }
+    check_schedule(kLayoutContiguous, off, {}, 0, (trial & 1) ? 64 : 128, 1 + int32_t(rng() % 30));
+    check_schedule(kLayoutMasked, {}, cnt, 256, (trial & 1) ? 128 : 64, 1 + int32_t(rng() % 30));
+  }
+}
+
+TEST(GemmScheduler, NBlocksOfOneRowBlockAreAdjacent) {
+  // tile order: N fastest, so concurrent CTAs share A rows and one expert's weights in L2.
+  std::vector<int32_t> off = {0, 256, 512};
+  std::vector<int32_t> begin(2), rows(2), prefix(3);
+  build_grouped_tables(kLayoutContiguous, 2, off.data(), nullptr, 0, 128, begin.data(), rows.data(), prefix.data());
+  GroupedSchedule s{begin.data(), rows.data(), prefix.data(), 2, 4, 128};
+  for (int t = 0; t < 4; ++t) {
+    EXPECT_EQ(s.tile(t).n_block, t);
+    EXPECT_EQ(s.tile(t).row0, 0);
+  }
+  EXPECT_EQ(s.tile(8).expert, 1);
+}
+
+GemmShapeHint hint(int64_t m, int32_t e, int32_t n, int32_t k, GemmEpilogue epi = GemmEpilogue::kStoreBf16) {
+  GemmShapeHint h;
+  h.m_per_expert = m;
+  h.num_experts = e;
+  h.n = n;
+  h.k = k;
+  h.epilogue = epi;
+  h.num_sms = 132;
+  return h;
+}
+
+TEST(GemmHeuristic, BucketsByTokensPerExpert) {
+  // decode: <= 64 rows per expert -> one math warpgroup
+  EXPECT_EQ(select_gemm_tiles(hint(8, 32, 4096, 7168)).block_m, 64);
+  EXPECT_EQ(select_gemm_tiles(hint(64, 32, 4096, 7168)).block_m, 64);
+  // prefill: two math warpgroups
+  EXPECT_EQ(select_gemm_tiles(hint(65, 32, 4096, 7168)).block_m, 128);
+  EXPECT_EQ(select_gemm_tiles(hint(2048, 128, 7168, 2048)).block_m, 128);
+  EXPECT_EQ(select_gemm_tiles(hint(512, 32, 4096, 7168)).block_n, 256);
+  // SwiGLU always 256 wide (gate + up)
+  EXPECT_EQ(select_gemm_tiles(hint(8, 2, 1536, 2048, GemmEpilogue::kSwigluFp8)).block_n, 256);
+  // N = 128 mod 256 -> 128-wide tiles
+  EXPECT_EQ(select_gemm_tiles(hint(512, 8, 384, 256)).block_n, 128);
+  // too few tiles for the SMs -> narrower tiles
+  EXPECT_EQ(select_gemm_tiles(hint(8, 2, 4096, 768)).block_n, 128);
+  // small N (qwen3-30b-a3b) -> 128-wide tiles; deepseek-v3 FC2 (N 7168) stays 256
+  EXPECT_EQ(select_gemm_tiles(hint(256, 64, 1536, 2048)).block_n, 128);
+  EXPECT_EQ(select_gemm_tiles(hint(256, 64, 2048, 768)).block_n, 128);
+  EXPECT_EQ(select_gemm_tiles(hint(256, 64, 7168, 2048)).block_n, 256);
+  EXPECT_EQ(select_gemm_tiles(hint(1024, 64, 1536, 2048)).block_n, 256);
+  EXPECT_EQ(select_gemm_tiles(hint(256, 64, 1536, 2048, GemmEpilogue::kSwigluFp8)).block_n, 256);
+  EXPECT_EQ(select_gemm_tiles(hint(512, 32, 4096, 7168)).num_sms, 132);
+}
+
+TEST(GemmHeuristic, KnobOverridesFieldByField) {
+  megamoe::Knobs k;
+  k.block_m = 128;
+  GemmTileConfig c = select_gemm_tiles(hint(8, 32, 4096, 7168), &k);
+  EXPECT_EQ(c.block_m, 128);
+  EXPECT_EQ(c.block_n, 256);
+  k = {};
+  k.block_n = 128;
+  k.num_sms = 66;
+  c = select_gemm_tiles(hint(512, 32, 4096, 7168), &k);
+  EXPECT_EQ(c.block_n, 128);
+  EXPECT_EQ(c.num_sms, 66);
+  // an override breaking a rule is ignored: SwiGLU needs 256, N=384 cannot take 256
+  c = select_gemm_tiles(hint(512, 32, 4096, 7168, GemmEpilogue::kSwigluFp8), &k);
+  EXPECT_EQ(c.block_n, 256);
+  k.block_n = 256;
+  EXPECT_EQ(select_gemm_tiles(hint(512, 8, 384, 256), &k).block_n, 128);
+  k = {};
+  k.num_sms = 1000;
+  EXPECT_EQ(select_gemm_tiles(hint(512, 8, 4096, 7168), &k).num_sms, 132);
+}
+
+TEST(GemmTiles, CountMatchesScheduler) {
+  const std::vector<int32_t> rows = {0, 1, 64, 65, 300};
+  GemmTileConfig c;
+  c.block_m = 64;
+  c.block_n = 256;
+  EXPECT_EQ(count_gemm_tiles(rows.data(), 5, 1024, c), (0 + 1 + 1 + 2 + 5) * 4);
+}
+
+TEST(GemmValidate, MessagesNameTheField) {
+  GroupedGemmArgs a;
+  a.num_experts = 4;
+  a.n = 4096;
+  a.k = 7000;
+  int dummy[64];
+  a.a = a.b = a.d = dummy;
+  Status st = validate_grouped_gemm(a);
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("k=7000"), std::string::npos) << st.message();
+  a.k = 7168;
+  a.n = 4000;
+  st = validate_grouped_gemm(a);
+  EXPECT_NE(st.message().find("n=4000"), std::string::npos) << st.message();
+  a.n = 4096 + 128;
+  a.epilogue = GemmEpilogue::kSwigluFp8;
+  st = validate_grouped_gemm(a);
+  EXPECT_NE(st.message().find("multiple of 256"), std::string::npos) << st.message();
+  a.n = 4096;
+  a.epilogue = GemmEpilogue::kStoreBf16;
+  st = validate_grouped_gemm(a);  // no expert_offsets
+  EXPECT_NE(st.message().find("expert_offsets"), std::string::npos) << st.message();
+  a.expert_offsets = reinterpret_cast<const int32_t*>(dummy);
+  a.a_scales = a.b_scales = reinterpret_cast<const float*>(dummy);
+  a.m_rows = 100;
+  a.ld_a_scales = 102;
+  st = validate_grouped_gemm(a);
+  EXPECT_NE(st.message().find("ld_a_scales=102"), std::string::npos) << st.message();
+  a.ld_a_scales = 104;
+  EXPECT_TRUE(validate_grouped_gemm(a).is_ok()) << validate_grouped_gemm(a).message();
+  a.tiles.block_n = 128;
+  a.epilogue = GemmEpilogue::kSwigluFp8;
+  a.d_scales = reinterpret_cast<float*>(dummy);
+  st = validate_grouped_gemm(a);
+  EXPECT_NE(st.message().find("tiles.block_n"), std::string::npos) << st.message();
+}
+
+TEST(GemmWeights, SwigluInterleaveKeepsScaleBlocks) {
+  const int64_t E = 2, I = 256, K = 256, rows = 2 * I;
+  std::vector<uint8_t> src(E * rows * K), dst(src.size());
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t k = 0; k < K; ++k) src[(e * rows + r) * K + k] = uint8_t((r * 7 + e * 3 + k) & 0xFF);
+  prepare_w13_for_swiglu(src.data(), E, I, K, 1, dst.data());
+  // tile j of 256 prepared rows: gate rows 128j.., then up rows I + 128j..
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t j = 0; j < I / 128; ++j)
+      for (int64_t i = 0; i < 128; ++i) {
+        EXPECT_EQ(dst[(e * rows + 256 * j + i) * K], src[(e * rows + 128 * j + i) * K]);
+        EXPECT_EQ(dst[(e * rows + 256 * j + 128 + i) * K + 5], src[(e * rows + I + 128 * j + i) * K + 5]);
+      }
+  std::vector<float> s(E * (rows / 128) * (K / 128)), sd(s.size());
+  std::iota(s.begin(), s.end(), 1.f);
+  prepare_w13_scales_for_swiglu(s.data(), E, I, K, sd.data());
+  // blocks: gate 0, gate 1, up 0, up 1 -> prepared gate 0, up 0, gate 1, up 1
+  const int64_t kb = K / 128;
+  EXPECT_EQ(sd[1 * kb], s[2 * kb]);
+  EXPECT_EQ(sd[2 * kb], s[1 * kb]);
+  EXPECT_EQ(sd[(4 + 3) * kb + 1], s[(4 + 3) * kb + 1]);
+}
+
+}  // namespace

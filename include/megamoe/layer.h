@@ -61,6 +61,15 @@ class MoeLayer {
                          const TensorView& y, void* stream = nullptr,
                          const TensorView& x_scale = TensorView()) = 0;
 
+  // Synchronises `stream` and reports failures of earlier forwards that a GPU backend can only see
+  // on the device (a bounded cross-rank wait that expired, naming stage and peer; expert ids outside
+  // [-1, E), naming the first bad token). forward() itself never synchronises. The cpu backend reports
+  // everything from forward() directly, so this is ok there.
+  virtual Status check_error(void* stream = nullptr) {
+    (void)stream;
+    return Status::ok();
+  }
+
   virtual Backend backend() const = 0;
   // The device the layer's tensors live on (cpu for the cpu backend).
   virtual Device device() const = 0;

@@ -13,3 +13,13 @@ Status create_cpu_layer(const MoeGeometry& geometry, const MoeConfig& config, Ba
                         PreparedWeights weights, std::shared_ptr<Communicator> comm, std::unique_ptr<MoeLayer>* out);
 
 }  // namespace megamoe
+
+namespace megamoe {
+
+// src/kernels/routed/routed_layer.cpp. `comm`: an NCCL communicator (create_nccl_group /
+// create_nccl_rank), or null for ep_size == 1 (the layer then builds a one-rank group on the
+// current device).
+Status create_routed_layer(const MoeGeometry& geometry, const MoeConfig& config, BackendSelection selection,
+                           PreparedWeights weights, std::shared_ptr<Communicator> comm, std::unique_ptr<MoeLayer>* out);
+
+}  // namespace megamoe

@@ -4,6 +4,7 @@
 
 #include "core/device.h"
 #include "core/log.h"
+#include "kernels/routed/routed_backend.h"
 #include "megamoe/knobs.h"
 #include "core/backends.h"
 
@@ -35,9 +36,9 @@ Status mega_capability(const MoeGeometry&, const MoeConfig&) {
   return Status(StatusCode::kUnavailable, "the mega backend is not built yet");
 }
 
-Status routed_capability(const MoeGeometry&, const MoeConfig&) {
+Status routed_capability(const MoeGeometry& g, const MoeConfig& c) {
   MEGAMOE_RETURN_IF_ERROR(hopper_device_gate("the routed backend"));
-  return Status(StatusCode::kUnavailable, "the routed backend is not built yet");
+  return routed_format_gate(g, c);
 }
 
 Status cpu_capability(const MoeGeometry&, const MoeConfig&) { return Status::ok(); }
@@ -122,6 +123,8 @@ Status MoeLayer::create(const MoeGeometry& g, const MoeConfig& c, const MoeWeigh
   switch (selection.backend) {
     case Backend::kCpu:
       return create_cpu_layer(g, c, std::move(selection), std::move(prepared), std::move(comm), out);
+    case Backend::kRouted:
+      return create_routed_layer(g, c, std::move(selection), std::move(prepared), std::move(comm), out);
     default:
       return Status(StatusCode::kUnavailable,
                     std::string("backend ") + to_string(selection.backend) + " is not built yet");

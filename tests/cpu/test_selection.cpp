@@ -4,6 +4,7 @@
 #include <string>
 
 #include "core/device.h"
+#include "kernels/routed/routed_backend.h"
 #include "megamoe/layer.h"
 
 namespace megamoe {
@@ -80,17 +81,35 @@ TEST(Selection, RealGatesAnswerHonestly) {
   MoeConfig c;
   Status mega = mega_capability(g, c), routed = routed_capability(g, c);
   EXPECT_FALSE(mega.is_ok());
-  EXPECT_FALSE(routed.is_ok());
   if (cuda_device_count() == 0) {
+    EXPECT_FALSE(routed.is_ok());
     EXPECT_NE(mega.message().find("no CUDA device"), std::string::npos) << mega.message();
     EXPECT_NE(routed.message().find("no CUDA device"), std::string::npos) << routed.message();
+    EXPECT_EQ(select_backend(g, c).backend, Backend::kCpu);
   } else {
     EXPECT_NE(mega.message().find("not built yet"), std::string::npos) << mega.message();
-    EXPECT_NE(routed.message().find("not built yet"), std::string::npos) << routed.message();
+    EXPECT_TRUE(routed.is_ok()) << routed.message();
+    EXPECT_EQ(select_backend(g, c).backend, Backend::kRouted);  // 128 tokens: mega is not built
   }
-  BackendSelection s = select_backend(g, c);
-  EXPECT_EQ(s.backend, Backend::kCpu) << s.reason;
   EXPECT_TRUE(cpu_capability(g, c).is_ok());
+}
+
+TEST(Selection, RoutedFormatGateNamesTheUnsupportedFormat) {
+  MoeGeometry g = geometry_with_tokens(128);
+  MoeConfig c;
+  EXPECT_TRUE(routed_format_gate(g, c).is_ok());
+  c.weight_format = WeightFormat::kNvfp4;
+  Status st = routed_format_gate(g, c);
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("nvfp4"), std::string::npos) << st.message();
+  c.weight_format = WeightFormat::kBf16;  // bf16 weights need a bf16 dispatch wire
+  st = routed_format_gate(g, c);
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("dispatch_format=fp8-block"), std::string::npos) << st.message();
+  c.dispatch_format = DispatchFormat::kBf16;
+  EXPECT_TRUE(routed_format_gate(g, c).is_ok());
+  c.in_kernel_fc2_reduce = true;
+  EXPECT_FALSE(routed_format_gate(g, c).is_ok());
 }
 
 TEST(Selection, ExplicitUnavailableBackendFailsCreate) {

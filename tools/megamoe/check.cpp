@@ -212,7 +212,7 @@ int run_check(const CheckOptions& o) {
     void* stream = nullptr;
     MEGAMOE_RETURN_IF_ERROR(create_stream(group.layers[r]->device(), &stream));
     Status fst = io[r]->forward(group.layers[r].get(), stream);
-    if (fst) fst = synchronize(group.layers[r]->device(), stream);
+    if (fst) fst = group.layers[r]->check_error(stream);  // synchronises; reports device-side failures
     if (fst) fst = io[r]->read_output(y[r].data());
     destroy_stream(group.layers[r]->device(), stream);
     if (!fst) return Status(fst.code(), "rank " + std::to_string(r) + " forward: " + fst.message());

@@ -85,18 +85,41 @@ Status build_group(const MoeGeometry& g, const MoeConfig& c, const std::function
   out->layers.clear();
   out->comms.clear();
   out->layers.resize(static_cast<size_t>(g.ep_size));
-  if (g.ep_size > 1) MEGAMOE_RETURN_IF_ERROR(create_host_group(static_cast<int>(g.ep_size), &out->comms));
+  // GPU backends exchange through NCCL (rank r on CUDA device r); the cpu backend through host memory.
+  const Backend backend = select_backend(g, c).backend;
+  const bool on_gpu = backend == Backend::kRouted || backend == Backend::kMega;
+  if (g.ep_size > 1) {
+    if (on_gpu) {
+      std::vector<int> devices;
+      for (int64_t r = 0; r < g.ep_size; ++r) devices.push_back(static_cast<int>(r));
+      MEGAMOE_RETURN_IF_ERROR(create_nccl_group(devices, &out->comms));
+    } else {
+      MEGAMOE_RETURN_IF_ERROR(create_host_group(static_cast<int>(g.ep_size), &out->comms));
+    }
+  }
+  auto select_device = [on_gpu](int64_t r) {
+    return on_gpu ? cuda_status(cudaSetDevice(static_cast<int>(r)), "cudaSetDevice") : Status::ok();
+  };
   // Creation is local (no collective): a rank that fails does not strand the others.
   MEGAMOE_RETURN_IF_ERROR(run_on_ranks(g.ep_size, [&](int64_t r) -> Status {
+    MEGAMOE_RETURN_IF_ERROR(select_device(r));
     std::shared_ptr<Communicator> comm = g.ep_size > 1 ? out->comms[r] : nullptr;
     const Status st = MoeLayer::create(g.for_rank(r), c, weights_of(r), comm, &out->layers[r]);
     if (!st) return Status(st.code(), "rank " + std::to_string(r) + ": " + st.message());
     return st;
   }));
   return run_on_ranks(g.ep_size, [&](int64_t r) -> Status {
+    MEGAMOE_RETURN_IF_ERROR(select_device(r));
     const Status st = out->layers[r]->warmup();
     if (!st) return Status(st.code(), "rank " + std::to_string(r) + " warmup: " + st.message());
     return st;
+  });
+}
+
+RankGroup::~RankGroup() {
+  run_on_ranks(static_cast<int64_t>(layers.size()), [this](int64_t r) {
+    layers[r].reset();
+    return Status::ok();
   });
 }
 

@@ -26,6 +26,8 @@ Status run_on_ranks(int64_t n, const std::function<Status(int64_t)>& fn);
 struct RankGroup {
   std::vector<std::shared_ptr<Communicator>> comms;  // empty for ep_size == 1
   std::vector<std::unique_ptr<MoeLayer>> layers;     // [R]
+  // Each rank's layer is released on its own thread: releasing a symmetric window is collective.
+  ~RankGroup();
 };
 
 // Creates every rank's layer (rank r gets weights_of(r) and geometry g.for_rank(r)), each in its own

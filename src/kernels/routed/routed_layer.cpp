@@ -1,0 +1,292 @@
+// RoutedMoeLayer: the split-kernel GPU backend (see routed_backend.h for the stage list).
+//
+// Buffers: the symmetric workspace (EpTransport, shared through WorkspacePool by every layer of the
+// same geometry); the prepared weights (per layer, device); two scratch buffers shared by every
+// layer of the same sizes on a device (DeviceScratch below): the M-major copy of the pool's
+// activation scales that FC1 reads, and FC2's bf16 output rows [pool_rows, H] that combine_send
+// reads. Sharing is safe for the same reason the workspace is: the layers of a model run one after
+// another on a stream.
+#include <cuda_runtime.h>
+
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <vector>
+
+#include "comm/nccl_comm.h"
+#include "core/backends.h"
+#include "core/cuda_check.h"
+#include "core/log.h"
+#include "kernels/gemm/gemm_weights.h"
+#include "kernels/gemm/sm90_fp8_grouped_gemm.h"
+#include "kernels/routed/routed_backend.h"
+#include "kernels/routed/sm90_scale_transpose.h"
+#include "kernels/transport/ep_transport.h"
+
+namespace megamoe {
+namespace {
+
+std::string str(int64_t v) { return std::to_string(v); }
+
+// Restores the caller's current device on scope exit.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    if (cudaGetDevice(&prev_) != cudaSuccess) prev_ = -1;
+    ok_ = cudaSetDevice(device) == cudaSuccess;
+  }
+  ~DeviceGuard() {
+    if (prev_ >= 0) cudaSetDevice(prev_);
+  }
+  bool ok() const { return ok_; }
+
+ private:
+  int prev_ = -1;
+  bool ok_ = false;
+};
+
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  int device = 0;
+  ~DeviceBuffer() {
+    if (ptr) {
+      DeviceGuard g(device);
+      cudaFree(ptr);
+    }
+  }
+};
+
+Status device_alloc(int device, int64_t bytes, std::shared_ptr<DeviceBuffer>* out) {
+  auto buf = std::make_shared<DeviceBuffer>();
+  buf->device = device;
+  if (bytes > 0) {
+    const cudaError_t err = cudaMalloc(&buf->ptr, static_cast<size_t>(bytes));
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      return Status(StatusCode::kCudaError, "cudaMalloc of " + str(bytes) + " bytes on cuda:" + str(device) +
+                                                " failed: " + cudaGetErrorString(err));
+    }
+  }
+  *out = std::move(buf);
+  return Status::ok();
+}
+
+// Scratch shared by layers with equal (device, purpose, bytes); freed with its last user.
+Status shared_scratch(int device, int purpose, int64_t bytes, std::shared_ptr<DeviceBuffer>* out) {
+  static std::mutex mutex;
+  static auto* entries = new std::map<std::tuple<int, int, int64_t>, std::weak_ptr<DeviceBuffer>>();
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& slot = (*entries)[{device, purpose, bytes}];
+  if (auto live = slot.lock()) {
+    *out = std::move(live);
+    return Status::ok();
+  }
+  MEGAMOE_RETURN_IF_ERROR(device_alloc(device, bytes, out));
+  slot = *out;
+  return Status::ok();
+}
+
+Status upload(int device, const void* src, int64_t bytes, std::shared_ptr<DeviceBuffer>* out) {
+  MEGAMOE_RETURN_IF_ERROR(device_alloc(device, bytes, out));
+  if (bytes > 0) MEGAMOE_CUDA_CHECK(cudaMemcpy((*out)->ptr, src, static_cast<size_t>(bytes), cudaMemcpyHostToDevice));
+  return Status::ok();
+}
+
+enum ScratchPurpose { kScratchAScales = 1, kScratchExpertOut = 2 };
+
+class RoutedMoeLayer final : public MoeLayer {
+ public:
+  RoutedMoeLayer(const MoeGeometry& g, const MoeConfig& c, BackendSelection s, PreparedWeights w)
+      : MoeLayer(g, c, std::move(s), std::move(w)) {}
+
+  Status init(std::shared_ptr<Communicator> comm) {
+    if (!comm) {  // EP1 without a communicator: a one-rank NCCL group on the current device
+      int dev = 0;
+      MEGAMOE_CUDA_CHECK(cudaGetDevice(&dev));
+      std::vector<std::shared_ptr<Communicator>> ranks;
+      MEGAMOE_RETURN_IF_ERROR(create_nccl_group({dev}, &ranks));
+      comm = ranks.front();
+    }
+    NcclRankComm* nccl = nccl_rank_of(comm.get());
+    if (!nccl)
+      return invalid_argument("argument", "comm", comm->to_string(),
+                              "the routed backend needs an NCCL communicator (create_nccl_group / create_nccl_rank)");
+    device_ = nccl->device();
+    DeviceGuard guard(device_);
+    if (!guard.ok()) return Status(StatusCode::kCudaError, "cannot select cuda:" + str(device_));
+
+    EpTransportOptions opt;
+    opt.params = workspace_params(geometry_, config_);
+    opt.pow2_scales = config_.pow2_scales;
+    opt.num_sms = config_.knobs.num_sms;
+    MEGAMOE_RETURN_IF_ERROR(EpTransport::create(std::move(comm), opt, &transport_));
+    return upload_weights();
+  }
+
+  Status warmup() override {
+    DeviceGuard guard(device_);
+    MEGAMOE_RETURN_IF_ERROR(transport_->warmup(nullptr));
+    const WorkspaceLayout& l = transport_->layout();
+    const int64_t P = l.pool_rows, H = geometry_.hidden;
+    if (fp8() && !a_scales_)
+      MEGAMOE_RETURN_IF_ERROR(shared_scratch(device_, kScratchAScales, P * (H / 128) * 4, &a_scales_));
+    if (!expert_out_) MEGAMOE_RETURN_IF_ERROR(shared_scratch(device_, kScratchExpertOut, P * H * 2, &expert_out_));
+    MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+    return Status::ok();
+  }
+
+  Status forward(const TensorView& x, const TensorView& topk_ids, const TensorView& topk_weights, const TensorView& y,
+                 void* stream_ptr, const TensorView& x_scale) override {
+    MEGAMOE_RETURN_IF_ERROR(
+        validate_forward_args(geometry_, config_, device(), x, x_scale, topk_ids, topk_weights, y));
+    if (!transport_->warmed_up() || !expert_out_)
+      return Status(StatusCode::kFailedPrecondition,
+                    "forward() before warmup(): call warmup() on every rank first (it allocates the symmetric "
+                    "workspace collectively and must run before any CUDA-graph capture)");
+    DeviceGuard guard(device_);
+    cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+    const WorkspaceLayout& l = transport_->layout();
+    char* base = static_cast<char*>(transport_->base());
+    const int64_t P = l.pool_rows, H = geometry_.hidden, I = geometry_.intermediate;
+    const int32_t El = static_cast<int32_t>(geometry_.experts_per_rank());
+
+    MEGAMOE_RETURN_IF_ERROR(transport_->dispatch(x, x_scale, topk_ids, topk_weights, stream));
+    MEGAMOE_RETURN_IF_ERROR(transport_->build_expert_pool(stream));
+    if (P > 0) {
+      // FC1 + SwiGLU (+ fp8 requant): pool_x -> intermediate.
+      gemm::GroupedGemmArgs fc1;
+      fc1.dtype = fp8() ? gemm::GemmDtype::kFp8Block : gemm::GemmDtype::kBf16;
+      fc1.layout = gemm::GroupedLayout::kContiguous;
+      fc1.epilogue = fp8() ? gemm::GemmEpilogue::kSwigluFp8 : gemm::GemmEpilogue::kSwigluBf16;
+      fc1.num_experts = El;
+      fc1.n = static_cast<int32_t>(2 * I);
+      fc1.k = static_cast<int32_t>(H);
+      fc1.a = base + l.pool_x.offset;
+      fc1.m_rows = P;
+      fc1.expert_offsets = reinterpret_cast<const int32_t*>(base + l.expert_offsets.offset);
+      fc1.b = w13_->ptr;
+      fc1.d = base + l.intermediate.offset;
+      fc1.ldd = I;
+      fc1.pow2_scales = config_.pow2_scales;
+      fc1.tiles = tile_overrides();
+      if (fc1.tiles.block_n != 256) fc1.tiles.block_n = 0;  // SwiGLU tiles are 128 gate + 128 up columns
+      fc1.expected_m_per_expert = expected_rows_per_expert();
+      if (fp8()) {
+        MEGAMOE_CUDA_CHECK(kernels::launch_scale_transpose(reinterpret_cast<const float*>(base + l.pool_x_scales.offset),
+                                                           P, H / 128, static_cast<float*>(a_scales_->ptr), P, stream));
+        fc1.a_scales = static_cast<const float*>(a_scales_->ptr);
+        fc1.ld_a_scales = P;
+        fc1.b_scales = static_cast<const float*>(w13_scales_->ptr);
+        // invariant: the intermediate_scales region holds P * I/128 fp32, here M-major [I/128][P].
+        fc1.d_scales = reinterpret_cast<float*>(base + l.intermediate_scales.offset);
+        fc1.ld_d_scales = P;
+      }
+      MEGAMOE_RETURN_IF_ERROR(gemm::launch_grouped_gemm(fc1, stream));
+
+      // FC2: intermediate -> expert_out (bf16, unweighted; combine_send applies the routing weight).
+      gemm::GroupedGemmArgs fc2;
+      fc2.dtype = fc1.dtype;
+      fc2.layout = gemm::GroupedLayout::kContiguous;
+      fc2.epilogue = gemm::GemmEpilogue::kStoreBf16;
+      fc2.num_experts = El;
+      fc2.n = static_cast<int32_t>(H);
+      fc2.k = static_cast<int32_t>(I);
+      fc2.a = base + l.intermediate.offset;
+      fc2.m_rows = P;
+      fc2.expert_offsets = fc1.expert_offsets;
+      fc2.b = w2_->ptr;
+      fc2.d = expert_out_->ptr;
+      fc2.ldd = H;
+      fc2.tiles = tile_overrides();
+      fc2.expected_m_per_expert = fc1.expected_m_per_expert;
+      if (fp8()) {
+        fc2.a_scales = fc1.d_scales;
+        fc2.ld_a_scales = P;
+        fc2.b_scales = static_cast<const float*>(w2_scales_->ptr);
+      }
+      MEGAMOE_RETURN_IF_ERROR(gemm::launch_grouped_gemm(fc2, stream));
+    }
+    TensorView out(expert_out_->ptr, DType::kBFloat16, {P, H}, device());
+    MEGAMOE_RETURN_IF_ERROR(transport_->combine_send(out, stream));
+    return transport_->combine(topk_ids, y, stream);
+  }
+
+  Status check_error(void* stream) override {
+    DeviceGuard guard(device_);
+    return transport_->check_error(static_cast<cudaStream_t>(stream));
+  }
+
+  Backend backend() const override { return Backend::kRouted; }
+  Device device() const override { return Device::cuda(device_); }
+
+ private:
+  bool fp8() const { return config_.weight_format == WeightFormat::kFp8Block; }
+
+  gemm::GemmTileConfig tile_overrides() const {
+    gemm::GemmTileConfig t;
+    t.block_m = config_.knobs.block_m;
+    t.block_n = config_.knobs.block_n;
+    t.num_sms = config_.knobs.num_sms;
+    return t;
+  }
+
+  // Rows per local expert under uniform routing at the per-rank bound (the GEMM's tile bucket).
+  int64_t expected_rows_per_expert() const {
+    const int64_t pairs = geometry_.ep_size * geometry_.max_tokens_per_rank * geometry_.top_k;
+    return std::max<int64_t>(1, pairs / geometry_.num_experts);
+  }
+
+  // w13 reordered for the SwiGLU epilogue (gemm_weights.h), w2 as prepared; fp32 block scales.
+  Status upload_weights() {
+    const QuantizedTensor& w13 = weights_.w13;
+    const QuantizedTensor& w2 = weights_.w2;
+    const int64_t El = geometry_.experts_per_rank(), H = geometry_.hidden, I = geometry_.intermediate;
+    const int64_t elem = fp8() ? 1 : 2;
+    std::vector<uint8_t> w13_swiglu(w13.data.size());
+    gemm::prepare_w13_for_swiglu(w13.data.data(), El, I, H, elem, w13_swiglu.data());
+    MEGAMOE_RETURN_IF_ERROR(upload(device_, w13_swiglu.data(), static_cast<int64_t>(w13_swiglu.size()), &w13_));
+    MEGAMOE_RETURN_IF_ERROR(upload(device_, w2.data.data(), static_cast<int64_t>(w2.data.size()), &w2_));
+    if (fp8()) {
+      std::vector<float> s13(w13.scales.size() / 4);
+      gemm::prepare_w13_scales_for_swiglu(reinterpret_cast<const float*>(w13.scales.data()), El, I, H, s13.data());
+      MEGAMOE_RETURN_IF_ERROR(upload(device_, s13.data(), static_cast<int64_t>(s13.size() * 4), &w13_scales_));
+      MEGAMOE_RETURN_IF_ERROR(upload(device_, w2.scales.data(), static_cast<int64_t>(w2.scales.size()), &w2_scales_));
+    }
+    return Status::ok();
+  }
+
+  int device_ = 0;
+  std::unique_ptr<EpTransport> transport_;
+  std::shared_ptr<DeviceBuffer> w13_, w13_scales_, w2_, w2_scales_;
+  std::shared_ptr<DeviceBuffer> a_scales_, expert_out_;
+};
+
+}  // namespace
+
+Status routed_format_gate(const MoeGeometry&, const MoeConfig& c) {
+  if (c.weight_format == WeightFormat::kFp8Block && c.dispatch_format != DispatchFormat::kFp8Block)
+    return Status(StatusCode::kUnavailable,
+                  "the routed backend runs fp8-block weights with dispatch_format=fp8-block (got dispatch_format=" +
+                      std::string(to_string(c.dispatch_format)) + ")");
+  if (c.weight_format == WeightFormat::kBf16 && c.dispatch_format != DispatchFormat::kBf16)
+    return Status(StatusCode::kUnavailable,
+                  "the routed backend runs bf16 weights with dispatch_format=bf16 (got dispatch_format=" +
+                      std::string(to_string(c.dispatch_format)) + ")");
+  if (c.weight_format != WeightFormat::kFp8Block && c.weight_format != WeightFormat::kBf16)
+    return Status(StatusCode::kUnavailable, std::string("the routed backend has no ") + to_string(c.weight_format) +
+                                                " grouped GEMM yet (fp8-block or bf16 weights)");
+  if (c.in_kernel_fc2_reduce)
+    return Status(StatusCode::kUnavailable,
+                  "the routed backend has no in-kernel FC2 reduce yet (its FC2 writes local rows that combine sends)");
+  return Status::ok();
+}
+
+Status create_routed_layer(const MoeGeometry& g, const MoeConfig& c, BackendSelection selection,
+                           PreparedWeights weights, std::shared_ptr<Communicator> comm, std::unique_ptr<MoeLayer>* out) {
+  auto layer = std::make_unique<RoutedMoeLayer>(g, c, std::move(selection), std::move(weights));
+  MEGAMOE_RETURN_IF_ERROR(layer->init(std::move(comm)));
+  *out = std::move(layer);
+  return Status::ok();
+}
+
+}  // namespace megamoe

@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "comm/nccl_check.h"
+#include "core/env.h"
 #include "core/log.h"
 
 namespace megamoe {
@@ -57,13 +58,15 @@ bool from_hex(const std::string& s, ncclUniqueId* id) {
   return true;
 }
 
-bool parse_int_env(const char* name, int* out, std::string* err) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return false;
+// Parses a launcher variable's value; false with *err empty when unset, set when malformed.
+bool parse_int_env(const char* name, const std::string& value, int* out, std::string* err) {
+  err->clear();
+  if (value.empty()) return false;
   char* end = nullptr;
-  const long x = std::strtol(v, &end, 10);
+  const long x = std::strtol(value.c_str(), &end, 10);
   if (!end || *end != '\0' || x < 0 || x > (1 << 20)) {
-    *err = std::string(name) + "=" + v + ", must be a non-negative integer";
+    (void)name;
+    *err = value;  // the malformed value, named by the caller
     return false;
   }
   *out = static_cast<int>(x);
@@ -106,12 +109,9 @@ NcclRankComm::NcclRankComm(ncclComm_t comm, int rank, int size, int device, uint
     : comm_(comm), rank_(rank), size_(size), device_(device), group_id_(group_id) {}
 
 NcclRankComm::~NcclRankComm() {
-  int prev = -1;
-  cudaGetDevice(&prev);
-  cudaSetDevice(device_);
+  CudaDeviceGuard guard(device_);
   device_state_.reset();  // the ncclDevComm goes before its communicator
   if (comm_) ncclCommDestroy(comm_);
-  if (prev >= 0) cudaSetDevice(prev);
 }
 
 std::string NcclRankComm::to_string() const {
@@ -162,17 +162,21 @@ Status NcclBootstrap::from_env(NcclBootstrap* out) {
   if (!out) return invalid_argument("argument", "out", "null", "must point to an NcclBootstrap");
   NcclBootstrap b;
   std::string err;
-  if (!parse_int_env("MEGAMOE_RANK", &b.rank, &err))
-    return invalid_argument("NCCL bootstrap", "MEGAMOE_RANK", err.empty() ? "unset" : err,
-                            "set it (megamoe launch does) to this process's rank");
-  if (!parse_int_env("MEGAMOE_WORLD_SIZE", &b.world_size, &err))
-    return invalid_argument("NCCL bootstrap", "MEGAMOE_WORLD_SIZE", err.empty() ? "unset" : err,
-                            "set it (megamoe launch does) to the number of ranks");
+  const EnvKnobs& env = env_knobs();
+  // Unset: say what it is and who sets it; malformed: say what it must be.
+  auto refuse = [&err](const char* name, const char* what) {
+    return invalid_argument("NCCL bootstrap", name, err.empty() ? "unset" : err,
+                            err.empty() ? std::string("set it to ") + what + " (megamoe launch does)"
+                                        : std::string("must be a non-negative integer: ") + what);
+  };
+  if (!parse_int_env("MEGAMOE_RANK", env.rank, &b.rank, &err)) return refuse("MEGAMOE_RANK", "this process's rank");
+  if (!parse_int_env("MEGAMOE_WORLD_SIZE", env.world_size, &b.world_size, &err))
+    return refuse("MEGAMOE_WORLD_SIZE", "the number of ranks");
   int local = -1;
-  if (parse_int_env("MEGAMOE_LOCAL_RANK", &local, &err)) b.device = local;
-  else if (!err.empty()) return invalid_argument("NCCL bootstrap", "MEGAMOE_LOCAL_RANK", err, "a CUDA ordinal");
-  if (const char* v = std::getenv("MEGAMOE_NCCL_ID_FILE"); v && *v) b.id_file = v;
-  if (const char* v = std::getenv("MEGAMOE_NCCL_ID"); v && *v) b.id_hex = v;
+  if (parse_int_env("MEGAMOE_LOCAL_RANK", env.local_rank, &local, &err)) b.device = local;
+  else if (!err.empty()) return refuse("MEGAMOE_LOCAL_RANK", "the CUDA ordinal of this rank");
+  b.id_file = env.nccl_id_file;
+  b.id_hex = env.nccl_id;
   if (b.id_file.empty() && b.id_hex.empty())
     return invalid_argument("NCCL bootstrap", "MEGAMOE_NCCL_ID_FILE", "unset",
                             "set MEGAMOE_NCCL_ID_FILE (a fresh path all ranks see) or MEGAMOE_NCCL_ID");

@@ -73,13 +73,10 @@ Status symmetric_alloc(const std::shared_ptr<NcclRankComm>& comm, int64_t bytes,
       std::lock_guard<std::mutex> lock(g_windows_mutex);
       windows().erase(p);
     }
-    int prev = -1;
-    cudaGetDevice(&prev);
-    cudaSetDevice(keep->device());
+    CudaDeviceGuard guard(keep->device());
     cudaDeviceSynchronize();
     ncclCommWindowDeregister(keep->nccl(), win);
     ncclMemFree(p);
-    if (prev >= 0) cudaSetDevice(prev);
   };
   return Status::ok();
 }

@@ -20,6 +20,26 @@ inline Status cuda_status(cudaError_t err, const char* expr, const char* file, i
                                             ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")");
 }
 
+// Makes `device` current for the scope and restores the caller's device on exit (destructors and
+// per-rank helpers run on threads whose current device is not theirs).
+class CudaDeviceGuard {
+ public:
+  explicit CudaDeviceGuard(int device) {
+    if (cudaGetDevice(&prev_) != cudaSuccess) prev_ = -1;
+    ok_ = cudaSetDevice(device) == cudaSuccess;
+  }
+  ~CudaDeviceGuard() {
+    if (prev_ >= 0) cudaSetDevice(prev_);
+  }
+  CudaDeviceGuard(const CudaDeviceGuard&) = delete;
+  CudaDeviceGuard& operator=(const CudaDeviceGuard&) = delete;
+  bool ok() const { return ok_; }
+
+ private:
+  int prev_ = -1;
+  bool ok_ = false;
+};
+
 }  // namespace megamoe
 
 #define MEGAMOE_CUDA_CHECK(expr)                                                    \

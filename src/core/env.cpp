@@ -33,6 +33,15 @@ EnvKnobs read_env() {
     if (end && *end == '\0' && lvl >= 0 && lvl <= 2) k.log_level = static_cast<int>(lvl);
     else log_warn("ignoring MEGAMOE_LOG=%s: must be 0, 1 or 2", v);
   }
+  auto text = [](const char* name) {
+    const char* v = std::getenv(name);
+    return std::string(v ? v : "");
+  };
+  k.rank = text("MEGAMOE_RANK");
+  k.world_size = text("MEGAMOE_WORLD_SIZE");
+  k.local_rank = text("MEGAMOE_LOCAL_RANK");
+  k.nccl_id_file = text("MEGAMOE_NCCL_ID_FILE");
+  k.nccl_id = text("MEGAMOE_NCCL_ID");
   return k;
 }
 

@@ -15,6 +15,13 @@ struct EnvKnobs {
   int64_t wait_timeout_ms = 10000;
   // MEGAMOE_LOG: 0 quiet, 1 warnings and selection (default), 2 verbose.
   int log_level = 1;
+  // One process per GPU (comm.h NcclBootstrap::from_env, set by `megamoe launch` or an engine's
+  // launcher). Kept as given; empty = unset. NcclBootstrap validates them and names the variable.
+  std::string rank;          // MEGAMOE_RANK
+  std::string world_size;    // MEGAMOE_WORLD_SIZE
+  std::string local_rank;    // MEGAMOE_LOCAL_RANK (CUDA ordinal; default: the rank)
+  std::string nccl_id_file;  // MEGAMOE_NCCL_ID_FILE
+  std::string nccl_id;       // MEGAMOE_NCCL_ID (256 hex digits; wins over the file)
 };
 
 // Read once (first call) from the process environment.

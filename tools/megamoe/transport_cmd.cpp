@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "comm/nccl_comm.h"
+#include "core/env.h"
 #include "kernels/transport/ep_transport.h"
 #include "megamoe/comm.h"
 #include "megamoe/formats.h"
@@ -501,7 +502,7 @@ void print_row(int64_t T, const PointResult& r) {
 }
 
 int run_bench_transport(const BenchOptions& o) {
-  if (std::getenv("MEGAMOE_RANK")) {  // one rank per process, under `megamoe launch`
+  if (!env_knobs().rank.empty()) {  // one rank per process, under `megamoe launch`
     NcclBootstrap b;
     Status st = NcclBootstrap::from_env(&b);
     std::shared_ptr<Communicator> comm;

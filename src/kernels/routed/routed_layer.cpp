@@ -28,29 +28,12 @@ namespace {
 
 std::string str(int64_t v) { return std::to_string(v); }
 
-// Restores the caller's current device on scope exit.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    if (cudaGetDevice(&prev_) != cudaSuccess) prev_ = -1;
-    ok_ = cudaSetDevice(device) == cudaSuccess;
-  }
-  ~DeviceGuard() {
-    if (prev_ >= 0) cudaSetDevice(prev_);
-  }
-  bool ok() const { return ok_; }
-
- private:
-  int prev_ = -1;
-  bool ok_ = false;
-};
-
 struct DeviceBuffer {
   void* ptr = nullptr;
   int device = 0;
   ~DeviceBuffer() {
     if (ptr) {
-      DeviceGuard g(device);
+      CudaDeviceGuard g(device);
       cudaFree(ptr);
     }
   }
@@ -112,7 +95,7 @@ class RoutedMoeLayer final : public MoeLayer {
       return invalid_argument("argument", "comm", comm->to_string(),
                               "the routed backend needs an NCCL communicator (create_nccl_group / create_nccl_rank)");
     device_ = nccl->device();
-    DeviceGuard guard(device_);
+    CudaDeviceGuard guard(device_);
     if (!guard.ok()) return Status(StatusCode::kCudaError, "cannot select cuda:" + str(device_));
 
     EpTransportOptions opt;
@@ -124,7 +107,7 @@ class RoutedMoeLayer final : public MoeLayer {
   }
 
   Status warmup() override {
-    DeviceGuard guard(device_);
+    CudaDeviceGuard guard(device_);
     MEGAMOE_RETURN_IF_ERROR(transport_->warmup(nullptr));
     const WorkspaceLayout& l = transport_->layout();
     const int64_t P = l.pool_rows, H = geometry_.hidden;
@@ -143,7 +126,7 @@ class RoutedMoeLayer final : public MoeLayer {
       return Status(StatusCode::kFailedPrecondition,
                     "forward() before warmup(): call warmup() on every rank first (it allocates the symmetric "
                     "workspace collectively and must run before any CUDA-graph capture)");
-    DeviceGuard guard(device_);
+    CudaDeviceGuard guard(device_);
     cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
     const WorkspaceLayout& l = transport_->layout();
     char* base = static_cast<char*>(transport_->base());
@@ -212,7 +195,7 @@ class RoutedMoeLayer final : public MoeLayer {
   }
 
   Status check_error(void* stream) override {
-    DeviceGuard guard(device_);
+    CudaDeviceGuard guard(device_);
     return transport_->check_error(static_cast<cudaStream_t>(stream));
   }
 

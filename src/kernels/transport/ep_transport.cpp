@@ -130,11 +130,8 @@ Status EpTransport::create(std::shared_ptr<Communicator> comm, const EpTransport
 
 EpTransport::~EpTransport() {
   if (scratch_) {
-    int prev = -1;
-    cudaGetDevice(&prev);
-    cudaSetDevice(device_);
+    CudaDeviceGuard guard(device_);
     cudaFree(scratch_);
-    if (prev >= 0) cudaSetDevice(prev);
   }
   workspace_.reset();  // may deregister the window (collective): destroy every rank's transport
 }

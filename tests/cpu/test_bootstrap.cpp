@@ -1,0 +1,84 @@
+// NcclBootstrap::from_env: what `megamoe launch` (or an engine's launcher) sets, read through the one
+// place that reads MEGAMOE_* variables. Needs no GPU: it parses and validates only.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "core/env.h"
+#include "megamoe/comm.h"
+
+namespace megamoe {
+namespace {
+
+class Bootstrap : public ::testing::Test {
+ protected:
+  void SetUp() override { clear(); }
+  void TearDown() override { clear(); }
+  static void clear() {
+    for (const char* v : {"MEGAMOE_RANK", "MEGAMOE_WORLD_SIZE", "MEGAMOE_LOCAL_RANK", "MEGAMOE_NCCL_ID_FILE",
+                          "MEGAMOE_NCCL_ID"})
+      unsetenv(v);
+    reload_env_knobs();
+  }
+  static Status read(NcclBootstrap* b) {
+    reload_env_knobs();
+    return NcclBootstrap::from_env(b);
+  }
+};
+
+TEST_F(Bootstrap, ReadsWhatLaunchSets) {
+  setenv("MEGAMOE_RANK", "1", 1);
+  setenv("MEGAMOE_WORLD_SIZE", "2", 1);
+  setenv("MEGAMOE_LOCAL_RANK", "3", 1);
+  setenv("MEGAMOE_NCCL_ID_FILE", "/tmp/megamoe-id", 1);
+  NcclBootstrap b;
+  ASSERT_TRUE(read(&b).is_ok());
+  EXPECT_EQ(b.rank, 1);
+  EXPECT_EQ(b.world_size, 2);
+  EXPECT_EQ(b.device, 3);
+  EXPECT_EQ(b.id_file, "/tmp/megamoe-id");
+  EXPECT_TRUE(b.id_hex.empty());
+}
+
+TEST_F(Bootstrap, LocalRankDefaultsToTheRank) {
+  setenv("MEGAMOE_RANK", "0", 1);
+  setenv("MEGAMOE_WORLD_SIZE", "4", 1);
+  setenv("MEGAMOE_NCCL_ID", "ab", 1);
+  NcclBootstrap b;
+  ASSERT_TRUE(read(&b).is_ok());
+  EXPECT_EQ(b.device, -1);  // -1 = use the rank as the CUDA ordinal
+  EXPECT_EQ(b.id_hex, "ab");
+}
+
+TEST_F(Bootstrap, MissingRankIsNamed) {
+  setenv("MEGAMOE_WORLD_SIZE", "2", 1);
+  setenv("MEGAMOE_NCCL_ID_FILE", "/tmp/x", 1);
+  NcclBootstrap b;
+  Status st = read(&b);
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("MEGAMOE_RANK=unset"), std::string::npos) << st.message();
+}
+
+TEST_F(Bootstrap, MalformedValueIsNamed) {
+  setenv("MEGAMOE_RANK", "one", 1);
+  setenv("MEGAMOE_WORLD_SIZE", "2", 1);
+  setenv("MEGAMOE_NCCL_ID_FILE", "/tmp/x", 1);
+  NcclBootstrap b;
+  Status st = read(&b);
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("MEGAMOE_RANK=one"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("non-negative integer"), std::string::npos) << st.message();
+}
+
+TEST_F(Bootstrap, NoIdSourceIsRefused) {
+  setenv("MEGAMOE_RANK", "0", 1);
+  setenv("MEGAMOE_WORLD_SIZE", "2", 1);
+  NcclBootstrap b;
+  Status st = read(&b);
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("MEGAMOE_NCCL_ID_FILE"), std::string::npos) << st.message();
+}
+
+}  // namespace
+}  // namespace megamoe

@@ -22,6 +22,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "megamoe/comm.h"
 #include "megamoe/config.h"
@@ -68,6 +69,23 @@ class MoeLayer {
   virtual Status check_error(void* stream = nullptr) {
     (void)stream;
     return Status::ok();
+  }
+
+  // Per-stage timing, a diagnostic of the GPU backends (`megamoe bench` prints it). While enabled,
+  // forward() records a CUDA event after each of its stages; last_stage_times() synchronises and
+  // returns the last forward's stages in order with their durations in microseconds. Not for use
+  // inside CUDA-graph capture. Backends without stages answer kUnavailable.
+  struct StageTime {
+    std::string stage;
+    double us = 0;
+  };
+  virtual Status set_stage_timing(bool enabled) {
+    (void)enabled;
+    return Status(StatusCode::kUnavailable, "this backend has no per-stage timing");
+  }
+  virtual Status last_stage_times(std::vector<StageTime>* out) {
+    (void)out;
+    return Status(StatusCode::kUnavailable, "this backend has no per-stage timing");
   }
 
   virtual Backend backend() const = 0;

@@ -133,8 +133,11 @@ class RoutedMoeLayer final : public MoeLayer {
     const int64_t P = l.pool_rows, H = geometry_.hidden, I = geometry_.intermediate;
     const int32_t El = static_cast<int32_t>(geometry_.experts_per_rank());
 
+    MEGAMOE_RETURN_IF_ERROR(mark(0, stream));
     MEGAMOE_RETURN_IF_ERROR(transport_->dispatch(x, x_scale, topk_ids, topk_weights, stream));
+    MEGAMOE_RETURN_IF_ERROR(mark(1, stream));
     MEGAMOE_RETURN_IF_ERROR(transport_->build_expert_pool(stream));
+    MEGAMOE_RETURN_IF_ERROR(mark(2, stream));
     if (P > 0) {
       // FC1 + SwiGLU (+ fp8 requant): pool_x -> intermediate.
       gemm::GroupedGemmArgs fc1;
@@ -165,6 +168,7 @@ class RoutedMoeLayer final : public MoeLayer {
         fc1.ld_d_scales = P;
       }
       MEGAMOE_RETURN_IF_ERROR(gemm::launch_grouped_gemm(fc1, stream));
+      MEGAMOE_RETURN_IF_ERROR(mark(3, stream));
 
       // FC2: intermediate -> expert_out (bf16, unweighted; combine_send applies the routing weight).
       gemm::GroupedGemmArgs fc2;
@@ -188,10 +192,47 @@ class RoutedMoeLayer final : public MoeLayer {
         fc2.b_scales = static_cast<const float*>(w2_scales_->ptr);
       }
       MEGAMOE_RETURN_IF_ERROR(gemm::launch_grouped_gemm(fc2, stream));
+    } else {
+      MEGAMOE_RETURN_IF_ERROR(mark(3, stream));
     }
+    MEGAMOE_RETURN_IF_ERROR(mark(4, stream));
     TensorView out(expert_out_->ptr, DType::kBFloat16, {P, H}, device());
     MEGAMOE_RETURN_IF_ERROR(transport_->combine_send(out, stream));
-    return transport_->combine(topk_ids, y, stream);
+    MEGAMOE_RETURN_IF_ERROR(mark(5, stream));
+    MEGAMOE_RETURN_IF_ERROR(transport_->combine(topk_ids, y, stream));
+    return mark(6, stream);
+  }
+
+  Status set_stage_timing(bool enabled) override {
+    CudaDeviceGuard guard(device_);
+    if (enabled && !stage_events_[0]) {
+      for (cudaEvent_t& e : stage_events_) MEGAMOE_CUDA_CHECK(cudaEventCreate(&e));
+    }
+    stage_timing_ = enabled;
+    stage_recorded_ = false;
+    return Status::ok();
+  }
+
+  Status last_stage_times(std::vector<StageTime>* out) override {
+    if (!stage_timing_ || !stage_recorded_)
+      return Status(StatusCode::kFailedPrecondition,
+                    "no timed forward yet: call set_stage_timing(true), then forward(), then this");
+    CudaDeviceGuard guard(device_);
+    MEGAMOE_CUDA_CHECK(cudaEventSynchronize(stage_events_[kNumStages]));
+    out->clear();
+    for (int i = 0; i < kNumStages; ++i) {
+      float ms = 0;
+      MEGAMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, stage_events_[i], stage_events_[i + 1]));
+      out->push_back({kStageNames[i], 1000.0 * ms});
+    }
+    return Status::ok();
+  }
+
+  ~RoutedMoeLayer() override {
+    if (stage_events_[0]) {
+      CudaDeviceGuard guard(device_);
+      for (cudaEvent_t e : stage_events_) cudaEventDestroy(e);
+    }
   }
 
   Status check_error(void* stream) override {
@@ -204,6 +245,14 @@ class RoutedMoeLayer final : public MoeLayer {
 
  private:
   bool fp8() const { return config_.weight_format == WeightFormat::kFp8Block; }
+
+  // Records stage boundary `i` (0 = start) when stage timing is on.
+  Status mark(int i, cudaStream_t stream) {
+    if (!stage_timing_) return Status::ok();
+    MEGAMOE_CUDA_CHECK(cudaEventRecord(stage_events_[i], stream));
+    if (i == kNumStages) stage_recorded_ = true;
+    return Status::ok();
+  }
 
   gemm::GemmTileConfig tile_overrides() const {
     gemm::GemmTileConfig t;
@@ -238,7 +287,12 @@ class RoutedMoeLayer final : public MoeLayer {
     return Status::ok();
   }
 
+  static constexpr int kNumStages = 6;
+  static constexpr const char* kStageNames[kNumStages] = {"dispatch", "expert_pool", "fc1_swiglu",
+                                                          "fc2",      "combine_send", "combine"};
   int device_ = 0;
+  bool stage_timing_ = false, stage_recorded_ = false;
+  cudaEvent_t stage_events_[kNumStages + 1] = {};
   std::unique_ptr<EpTransport> transport_;
   std::shared_ptr<DeviceBuffer> w13_, w13_scales_, w2_, w2_scales_;
   std::shared_ptr<DeviceBuffer> a_scales_, expert_out_;

@@ -1,6 +1,7 @@
 // The `megamoe` command-line tool, run as a subprocess (MEGAMOE_TOOL_PATH): info, flag and value
 // errors, presets (gpt-oss-120b refused without --pad), check against the float64 reference, the
-// --dump files (parsed back and recomputed here), and bench rows with their JSON and CSV.
+// --dump files (parsed back and recomputed here), bench rows with their JSON and CSV, the per-rank
+// weight generation (the same weights for any EP size) and the host-memory limit (--max-host-gb).
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -20,7 +21,9 @@
 #include "core/device.h"
 #include "megamoe/formats.h"
 #include "megamoe/layer.h"
+#include "megamoe/weights.h"
 #include "megamoe/workspace.h"
+#include "reference/problem.h"
 #include "reference/reference_moe.h"
 
 namespace {
@@ -236,7 +239,55 @@ TEST(Tool, Check_HostMemoryRefusal_NamesBytesAndSuggestsExperts) {
   const double physical = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
   // deepseek-v3 on the cpu backend needs ~101 GB; a host where 60% of RAM covers that would run it.
   if (physical * 0.6 > 110e9) GTEST_SKIP() << "this host has enough memory to run deepseek-v3 on the cpu backend";
-  expect_refused(run_tool("check --preset deepseek-v3 --backend cpu"), 2, {"deepseek-v3", "bytes", "--experts"});
+  expect_refused(run_tool("check --preset deepseek-v3 --backend cpu"), 2,
+                 {"deepseek-v3", "needs about 101.", "bytes", "60% of the memory this machine reports", "MemTotal",
+                  "--max-host-gb G (G >= 102)", "--experts N shrinks it", "tiny"});
+}
+
+// ---- host memory: the estimate, the limit, --max-host-gb ----
+
+TEST(Tool, MaxHostGb_Validated) {
+  for (const char* cmd : {"check --preset tiny --backend cpu", "bench --preset tiny --backend cpu --iters 1"})
+    for (const char* bad : {"abc", "0", "-1", "nan", "inf", "2e6", "5GB", "''"})
+      expect_refused(run_tool(std::string(cmd) + " --max-host-gb " + bad), 2,
+                     {"--max-host-gb", "positive number of GB"});
+  // A positive number, fractions included: tiny needs about 57 MB.
+  const ToolRun r = run_tool("check --preset tiny --backend cpu --tokens 4 --max-host-gb 0.5");
+  EXPECT_EQ(r.rc, 0) << r.out;
+}
+
+// Not host dependent: the limit comes from --max-host-gb. deepseek-v3 on the cpu backend at EP1 needs
+// the fp32 source 45.1 GB + fp8-block 11.3 GB + the cpu backend's fp32 copy 45.1 GB (+ inputs).
+TEST(Tool, MaxHostGb_RefusalSaysNeededSeenAndHowToShrink) {
+  for (const char* cmd : {"check --preset deepseek-v3 --backend cpu", "bench --preset deepseek-v3 --backend cpu --tokens 1"}) {
+    const ToolRun r = run_tool(std::string(cmd) + " --max-host-gb 10");
+    expect_refused(r, 2,
+                   {"deepseek-v3 needs about 101.", "of host memory at its peak", "fp32 source slices", "45.10 GB",
+                    "prepared (fp8-block) 11.28 GB", "fp32 working copy", "above the limit of 10.00 GB",
+                    "set by --max-host-gb 10", "MemTotal in /proc/meminfo", "raise it to at least 102",
+                    "--experts N shrinks it (--experts ", "tiny"});
+  }
+  // A GPU backend has no fp32 working copy but a staging copy for the upload (bench refuses before any
+  // case runs, so this needs no GPU).
+  expect_refused(run_tool("bench --preset deepseek-v3 --backend routed --ep 2 --tokens 1 --max-host-gb 10"), 2,
+                 {"needs about 63.", "all 2 rank(s) 45.10 GB", "GPU upload staging", "above the limit of 10.00 GB"});
+}
+
+// The suggested --experts N is the largest multiple of --ep that fits the limit: N runs, N + ep does not.
+TEST(Tool, MaxHostGb_SuggestedExpertsFitAndOneMoreDoesNot) {
+  const std::string base = "check --preset tiny --backend cpu --ep 2 --tokens 4 --max-host-gb 0.04";
+  const ToolRun refused = run_tool(base);
+  ASSERT_EQ(refused.rc, 2) << refused.out;
+  const size_t at = refused.out.find("(--experts ");
+  ASSERT_NE(at, std::string::npos) << refused.out;
+  const int n = std::atoi(refused.out.c_str() + at + 11);
+  ASSERT_GE(n, 4) << refused.out;
+  ASSERT_LT(n, 16) << refused.out;
+  EXPECT_EQ(n % 2, 0) << "a multiple of --ep";
+  const ToolRun fits = run_tool(base + " --experts " + std::to_string(n));
+  EXPECT_EQ(fits.rc, 0) << fits.out;
+  EXPECT_TRUE(contains(fits.out, "PASS")) << fits.out;
+  expect_refused(run_tool(base + " --experts " + std::to_string(n + 2)), 2, {"needs about", "--max-host-gb 0.04"});
 }
 
 TEST(Tool, Check_DumpAbove4GiB_Refused) {
@@ -339,6 +390,122 @@ TEST(Tool, Check_Dump_Tiny_EP2_NpyFilesAndMetaAgreeWithReference) {
   }
 }
 
+// ---- per-rank weight generation ----
+
+// Weights are generated per (seed, global expert, matrix): the dumped weights are the same bytes
+// whatever the EP size, so EP1 and EP2 runs of one seed compute with the same experts.
+TEST(Tool, Check_Dump_EP1_EP2_EP4_IdenticalWeights) {
+  TempDir dir;
+  ASSERT_FALSE(dir.path().empty());
+  const char* files[] = {"w13_f32.npy", "w2_f32.npy", "w13_q.npy", "w13_scale.npy", "w2_q.npy", "w2_scale.npy"};
+  std::vector<std::string> ep1;
+  for (int ep : {1, 2, 4}) {
+    const std::string d = dir.path() + "/ep" + std::to_string(ep);
+    const ToolRun r = run_tool("check --preset tiny --backend cpu --tokens 4 --seed 11 --ep " + std::to_string(ep) +
+                               " --dump " + d);
+    ASSERT_EQ(r.rc, 0) << r.out;
+    for (size_t i = 0; i < std::size(files); ++i) {
+      const std::string bytes = read_file(d + "/" + files[i]);
+      ASSERT_GT(bytes.size(), 128u) << files[i];
+      if (ep == 1)
+        ep1.push_back(bytes);
+      else
+        EXPECT_TRUE(bytes == ep1[i]) << files[i] << " differs between --ep 1 and --ep " << ep;
+    }
+  }
+  // Another seed gives other weights.
+  const std::string d = dir.path() + "/seed12";
+  ASSERT_EQ(run_tool("check --preset tiny --backend cpu --tokens 4 --seed 12 --dump " + d).rc, 0);
+  EXPECT_FALSE(read_file(d + "/w13_f32.npy") == ep1[0]);
+}
+
+// The generator itself: a rank's slice equals the same experts of the whole problem, for any thread
+// count (thread ranges cut pairs of the polar method at odd offsets); distinct (expert, matrix)
+// streams; N(0, 1/K) statistics.
+TEST(Tool, Generator_SliceAndThreadCountDoNotChangeWeights) {
+  const megamoe::MoeGeometry g{512, 256, 16, 4, 4, 0, 8};
+  const int64_t H = 512, I = 256, w13_elems = 2 * I * H, w2_elems = H * I;
+  const megamoe::reference::MoeProblem p = megamoe::reference::make_random_problem(g, 5, {3, 0, 2, 1});
+  ASSERT_EQ(static_cast<int64_t>(p.w13.size()), 16 * w13_elems);
+  for (int threads : {1, 3, 7}) {
+    for (int64_t rank = 0; rank < 4; ++rank) {
+      const megamoe::reference::ExpertWeights w = megamoe::reference::make_rank_weights(g, 5, rank, threads);
+      ASSERT_EQ(w.first_expert, rank * 4);
+      ASSERT_EQ(w.num_experts, 4);
+      ASSERT_EQ(0, std::memcmp(w.w13.data(), p.w13.data() + rank * 4 * w13_elems, w.w13.size() * 4))
+          << "rank " << rank << ", " << threads << " threads";
+      ASSERT_EQ(0, std::memcmp(w.w2.data(), p.w2.data() + rank * 4 * w2_elems, w.w2.size() * 4))
+          << "rank " << rank << ", " << threads << " threads";
+    }
+  }
+  // An odd slice (experts 5..7) on 5 threads.
+  const megamoe::reference::ExpertWeights odd = megamoe::reference::make_expert_weights(g, 5, 5, 3, 5);
+  EXPECT_EQ(0, std::memcmp(odd.w13.data(), p.w13.data() + 5 * w13_elems, odd.w13.size() * 4));
+  EXPECT_EQ(0, std::memcmp(odd.w2.data(), p.w2.data() + 5 * w2_elems, odd.w2.size() * 4));
+  // Streams differ between experts and between w13 and w2; statistics of N(0, 1/K).
+  EXPECT_NE(0, std::memcmp(p.w13.data(), p.w13.data() + w13_elems, 4096));
+  EXPECT_NE(0, std::memcmp(p.w13.data(), p.w2.data(), 4096));
+  auto moments = [](const float* v, int64_t n, double* mean, double* var) {
+    double s = 0, q = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      s += v[i];
+      q += static_cast<double>(v[i]) * v[i];
+    }
+    *mean = s / n;
+    *var = q / n - *mean * *mean;
+  };
+  double mean = 0, var = 0;
+  moments(p.w13.data(), static_cast<int64_t>(p.w13.size()), &mean, &var);
+  std::printf("[ tool ] w13: mean %.3e, var * H %.4f\n", mean, var * H);
+  EXPECT_LT(std::fabs(mean), 3e-4);
+  EXPECT_NEAR(var * H, 1.0, 0.01);
+  moments(p.w2.data(), static_cast<int64_t>(p.w2.size()), &mean, &var);
+  EXPECT_NEAR(var * I, 1.0, 0.01);
+  // Inputs: rank r's first T tokens do not depend on how many follow.
+  const megamoe::reference::RankInputs a = megamoe::reference::make_rank_inputs(g, 5, 2, 2, megamoe::reference::Routing::kUniform, 1);
+  const megamoe::reference::RankInputs b = megamoe::reference::make_rank_inputs(g, 5, 2, 9, megamoe::reference::Routing::kUniform, 4);
+  EXPECT_TRUE(std::equal(a.x_bf16.begin(), a.x_bf16.end(), b.x_bf16.begin()));
+  EXPECT_TRUE(std::equal(a.topk_ids.begin(), a.topk_ids.end(), b.topk_ids.begin()));
+  EXPECT_TRUE(a.x_bf16 == p.ranks[2].x_bf16);
+  EXPECT_TRUE(a.topk_ids == p.ranks[2].topk_ids);
+}
+
+// bench builds its later cases from the first case's prepared weights, handed back to
+// MoeLayer::create as an e4m3 (fp8-block) or bf16 source: the layer must keep them bit for bit.
+TEST(Tool, PreparedWeights_AsSource_PrepareToTheSameBytes) {
+  const megamoe::MoeGeometry g{512, 256, 16, 4, 2, 1, 8};
+  const megamoe::reference::ExpertWeights src = megamoe::reference::make_rank_weights(g, 3, 1);
+  for (megamoe::WeightFormat f : {megamoe::WeightFormat::kFp8Block, megamoe::WeightFormat::kBf16}) {
+    for (bool pow2 : {false, true}) {
+      if (pow2 && f != megamoe::WeightFormat::kFp8Block) continue;
+      megamoe::MoeConfig c;
+      c.weight_format = f;
+      c.dispatch_format = f == megamoe::WeightFormat::kBf16 ? megamoe::DispatchFormat::kBf16 : megamoe::DispatchFormat::kFp8Block;
+      c.pow2_scales = pow2;
+      megamoe::PreparedWeights first, again;
+      ASSERT_TRUE(megamoe::prepare_weights(g, c, src.view(), &first).is_ok());
+      auto data = [](const megamoe::QuantizedTensor& t) {
+        return megamoe::TensorView(const_cast<uint8_t*>(t.data.data()), t.data_dtype(), {t.num_experts, t.rows, t.cols});
+      };
+      auto scales = [](const megamoe::QuantizedTensor& t) {
+        return megamoe::TensorView(const_cast<uint8_t*>(t.scales.data()), megamoe::DType::kFloat32,
+                                   {t.num_experts, t.rows / 128, t.cols / 128});
+      };
+      megamoe::MoeWeights views;
+      views.w13 = data(first.w13);
+      views.w2 = data(first.w2);
+      if (f == megamoe::WeightFormat::kFp8Block) {
+        views.w13_scale = scales(first.w13);
+        views.w2_scale = scales(first.w2);
+      }
+      const megamoe::Status st = megamoe::prepare_weights(g, c, views, &again);
+      ASSERT_TRUE(st.is_ok()) << st.message();
+      EXPECT_TRUE(again.w13.data == first.w13.data && again.w2.data == first.w2.data) << megamoe::to_string(f);
+      EXPECT_TRUE(again.w13.scales == first.w13.scales && again.w2.scales == first.w2.scales) << megamoe::to_string(f);
+    }
+  }
+}
+
 // ---- bench ----
 
 TEST(Tool, Bench_Tiny_Cpu_RowsJsonCsvAndReproducingCommand) {
@@ -372,6 +539,12 @@ TEST(Tool, Bench_Tiny_Cpu_RowsJsonCsvAndReproducingCommand) {
   EXPECT_EQ(std::count(csv_text.begin(), csv_text.end(), '\n'), 3) << csv_text;
   EXPECT_EQ(csv_text.rfind("backend,resolved,tokens,", 0), 0u) << csv_text;
   EXPECT_TRUE(contains(csv_text, "median_us")) << csv_text;
+
+  // The second case builds from the first case's prepared weights; each rank generated its own slice.
+  const ToolRun merged = run_tool("bench --preset tiny --backend cpu --ep 2 --tokens 1,8 --iters 1 --warmup 0");
+  ASSERT_EQ(merged.rc, 0) << merged.out;
+  EXPECT_TRUE(contains(merged.out, "each rank generates its 12.58 MB")) << merged.out;
+  EXPECT_TRUE(contains(merged.out, "weights from the first case's prepared copy")) << merged.out;
 
   // The printed command reproduces the row.
   ASSERT_EQ(command.rfind("megamoe bench ", 0), 0u) << command;

@@ -5,6 +5,11 @@
 // forward); the time of one forward is the wall time from the first rank's start to the last rank's
 // end (the slowest rank). Inputs rotate among a few sets drawn from one generated problem; on a CUDA
 // device the L2 is flushed before each forward (outside the timed region).
+//
+// Weights: each rank generates only its own experts' fp32 slice, on its own thread, and frees it as
+// soon as its layer has prepared its copy (ranks.h, build_group). Where the prepared format can be
+// handed back bit for bit (fp8-block, bf16), the first case keeps a copy of every rank's prepared
+// weights and the later cases build from it instead of generating and quantising again.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -12,6 +17,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -38,6 +44,7 @@ struct BenchOptions {
   std::string iters, warmup, input_sets = "4";
   std::string routing = "uniform", seed = "1";
   std::string json, csv;
+  MaxHostGbOption max_host_gb;
 };
 
 constexpr const char* kCpuDefaultTokens = "1,16,128";
@@ -73,12 +80,57 @@ std::string reproduce_command(const BenchOptions& o, const std::string& preset, 
   return cmd;
 }
 
+// Every rank's prepared weights, kept after the first case for the later ones (empty: none kept).
+using KeptWeights = std::vector<std::shared_ptr<const PreparedWeights>>;
+
+// Whether `p` holds all of a rank's experts in `format` (a backend that released its host copy would
+// leave it empty).
+bool complete(const PreparedWeights& p, const MoeGeometry& g, WeightFormat format) {
+  const int64_t El = g.experts_per_rank(), elem = format == WeightFormat::kBf16 ? 2 : 1;
+  return p.format == format && p.w13.num_experts == El && p.w2.num_experts == El &&
+         static_cast<int64_t>(p.w13.data.size()) == El * 2 * g.intermediate * g.hidden * elem &&
+         static_cast<int64_t>(p.w2.data.size()) == El * g.hidden * g.intermediate * elem;
+}
+
+// Builds one case's layers: from `kept` when it holds the weights, else generating each rank's slice;
+// then fills `kept` when it is empty and the format allows.
+Status build_case(const MoeGeometry& g, const MoeConfig& c, uint64_t seed, KeptWeights* kept, RankGroup* group) {
+  const bool reuse = !kept->empty();
+  RankWeightsFn source = generated_weights(g, seed);
+  if (reuse)
+    source = [kept](int64_t r, RankWeights* out) {
+      out->views = source_views(*(*kept)[r]);
+      out->storage = (*kept)[r];
+      return Status::ok();
+    };
+  std::fprintf(stderr, "[bench]   building %lld layer(s): %s\n", static_cast<long long>(g.ep_size),
+               reuse ? "weights from the first case's prepared copy"
+                     : ("each rank generates its " + format_bytes(fp32_weight_bytes(g) / g.ep_size) +
+                        " fp32 slice, then prepares " + to_string(c.weight_format)).c_str());
+  BuildTimes times;
+  MEGAMOE_RETURN_IF_ERROR(build_group(g, c, source, group, &times));
+  std::fprintf(stderr, "[bench]   layers built: source weights %.2f s, create (prepare + upload) %.2f s, warmup %.2f s\n",
+               times.source_s, times.create_s, times.warmup_s);
+  if (reuse || !reusable_source_format(c.weight_format)) return Status::ok();
+  KeptWeights copies(static_cast<size_t>(g.ep_size));
+  const Status st = run_on_ranks(g.ep_size, [&](int64_t r) -> Status {
+    const PreparedWeights& p = group->layers[r]->prepared_weights();
+    if (complete(p, g, c.weight_format)) copies[r] = std::make_shared<const PreparedWeights>(p);
+    return Status::ok();
+  });
+  if (!st) return Status::ok();  // no copy (out of memory): the later cases generate again
+  for (const auto& p : copies)
+    if (!p) return Status::ok();
+  *kept = std::move(copies);
+  return Status::ok();
+}
+
 // Times one case. Fills row.median_us etc., or row.error.
-void run_case(const MoeGeometry& g, const MoeConfig& c, const reference::MoeProblem& problem, int64_t tokens,
-              int64_t sets, int64_t iters, int64_t warmup, BenchRow* row) {
+void run_case(const MoeGeometry& g, const MoeConfig& c, uint64_t seed, const std::vector<reference::RankInputs>& inputs,
+              int64_t tokens, int64_t sets, int64_t iters, int64_t warmup, KeptWeights* kept, BenchRow* row) {
   const int64_t R = g.ep_size, H = g.hidden, k = g.top_k;
   RankGroup group;
-  Status st = build_group(g, c, [&](int64_t r) { return reference::local_weights(problem, r); }, &group);
+  Status st = build_case(g, c, seed, kept, &group);
   if (!st) {
     row->error = st.message();
     return;
@@ -90,7 +142,7 @@ void run_case(const MoeGeometry& g, const MoeConfig& c, const reference::MoeProb
   std::vector<std::vector<std::unique_ptr<RankIo>>> io(static_cast<size_t>(R));
   std::vector<std::vector<const int32_t*>> ids(static_cast<size_t>(R));
   for (int64_t r = 0; r < R; ++r) {
-    const reference::RankInputs& in = problem.ranks[r];
+    const reference::RankInputs& in = inputs[r];
     for (int64_t s = 0; s < sets; ++s) {
       io[r].push_back(std::make_unique<RankIo>());
       const int64_t t0 = s * tokens;
@@ -187,6 +239,7 @@ int run_bench(BenchOptions o) {
   for (const std::string& b : split_list(o.backends)) backends.push_back(parse_backend_flag("--backend", b));
   const reference::Routing routing = parse_routing(o.routing);
   const uint64_t seed = static_cast<uint64_t>(parse_int_flag("--seed", o.seed, 0, INT64_MAX));
+  const HostMemoryLimit limit = host_memory_limit(o.max_host_gb);
   const int64_t sets_flag = parse_int_flag("--input-sets", o.input_sets, 1, 64);
   // Validates the preset and flags before anything else runs.
   (void)make_geometry(o.layer, 1);
@@ -215,32 +268,39 @@ int run_bench(BenchOptions o) {
   };
   size_cases();
 
-  // Host memory: the fp32 weights for all cases plus one case's layers at a time.
-  auto memory_for = [&](const std::string& preset) {
+  // Host memory: one case's layers at a time, each built from per-rank slices.
+  auto memory_for = [&](const std::string& preset, MoeGeometry* g_out = nullptr) {
     LayerOptions l = o.layer;
     l.preset = preset;
     const MoeGeometry g = make_geometry(l, t_max * sets);
     bool cpu = false;
     for (Backend b : backends)
       for (int64_t t : token_list) cpu = cpu || resolve(make_geometry(l, t), make_config(l, b)) == Backend::kCpu;
-    return estimate_host_memory(g, make_config(l, Backend::kAuto), cpu ? Backend::kCpu : Backend::kMega,
-                                t_max * sets, /*dequantised_copy=*/false);
+    if (g_out) *g_out = g;
+    return [=](const MoeGeometry& gx) {
+      return estimate_host_memory(gx, make_config(l, Backend::kAuto), cpu ? Backend::kCpu : Backend::kMega,
+                                  t_max * sets, /*dequantised_copy=*/false);
+    };
   };
-  HostMemoryEstimate mem = memory_for(o.layer.preset);
-  if (!fits_host_memory(mem) && default_mode && o.layer.preset != "tiny") {
+  MoeGeometry g_mem;
+  std::function<HostMemoryEstimate(const MoeGeometry&)> estimate = memory_for(o.layer.preset, &g_mem);
+  HostMemoryEstimate mem = estimate(g_mem);
+  if (!fits_host_memory(mem, limit) && default_mode && o.layer.preset != "tiny") {
     const BackendSelection sel = select_backend(make_geometry(o.layer, t_max), make_config(o.layer, Backend::kAuto));
-    std::printf("backend auto resolved to %s on %s (%s), which needs %s of host memory, above 60%% of this "
-                "machine's: falling back to the tiny preset\n",
-                to_string(sel.backend), o.layer.preset.c_str(), sel.reason.c_str(), format_bytes(mem.bytes).c_str());
+    std::printf("backend auto resolved to %s on %s (%s), which needs %s of host memory, above the limit of %s: "
+                "falling back to the tiny preset\n",
+                to_string(sel.backend), o.layer.preset.c_str(), sel.reason.c_str(), format_bytes(mem.bytes).c_str(),
+                format_bytes(limit.bytes).c_str());
     o.layer.preset = "tiny";
     if (o.tokens.empty()) {
       tokens_text = kCpuDefaultTokens;
       token_list = parse_int_list_flag("--tokens", tokens_text, 1, 1 << 20);
       size_cases();
     }
-    mem = memory_for(o.layer.preset);
+    estimate = memory_for(o.layer.preset, &g_mem);
+    mem = estimate(g_mem);
   }
-  require_host_memory(mem, o.layer.preset);
+  if (!fits_host_memory(mem, limit)) require_host_memory(mem, limit, o.layer.preset, experts_hint(g_mem, limit, estimate));
 
   std::vector<BenchRow> rows;
   for (Backend b : backends)
@@ -261,13 +321,19 @@ int run_bench(BenchOptions o) {
   header.routing = o.routing;
   header.sets = sets;
 
-  // One problem for every case: each rank gets t_max * sets tokens, sliced into the input sets.
-  std::fprintf(stderr, "[bench] generating %s fp32 weights and %lld input sets of up to %lld tokens per rank\n",
-               format_bytes(fp32_weight_bytes(g0)).c_str(), static_cast<long long>(sets),
-               static_cast<long long>(t_max));
-  const MoeGeometry g_gen = make_geometry(o.layer, t_max * sets);
-  const reference::MoeProblem problem = reference::make_random_problem(
-      g_gen, seed, std::vector<int64_t>(static_cast<size_t>(g_gen.ep_size), t_max * sets), routing);
+  // One set of inputs for every case: each rank gets t_max * sets tokens, sliced into the input sets.
+  // The weights are generated per case and rank (build_case).
+  std::fprintf(stderr, "[bench] generating %lld input sets of up to %lld tokens per rank\n",
+               static_cast<long long>(sets), static_cast<long long>(t_max));
+  const int64_t R = g0.ep_size;
+  std::vector<reference::RankInputs> inputs(static_cast<size_t>(R));
+  const int input_threads = std::max<int>(1, reference::default_generate_threads() / static_cast<int>(R));
+  const Status gen = run_on_ranks(R, [&](int64_t r) {
+    inputs[r] = reference::make_rank_inputs(g0, seed, r, t_max * sets, routing, input_threads);
+    return Status::ok();
+  });
+  if (!gen) throw ToolError(kExitUnavailable, "generating the inputs: " + gen.message());
+  KeptWeights kept;
 
   header.any_cpu = false;
   for (const BenchRow& row : rows) header.any_cpu = header.any_cpu || row.resolved == "cpu";
@@ -294,7 +360,7 @@ int run_bench(BenchOptions o) {
       const Status gate = b == Backend::kMega ? mega_capability(g, c) : routed_capability(g, c);
       if (!gate) row.error = std::string("backend=") + to_string(b) + " is unavailable: " + gate.message();
     }
-    if (row.error.empty()) run_case(g, c, problem, row.tokens, sets, iters, warmup, &row);
+    if (row.error.empty()) run_case(g, c, seed, inputs, row.tokens, sets, iters, warmup, &kept, &row);
     if (!row.error.empty()) exit_code = kExitUnavailable;
     print_bench_row(row);
     std::fflush(stdout);
@@ -329,6 +395,7 @@ CommandRun add_bench_command(CLI::App* app) {
   sub->add_option("--seed", o->seed, "seed of the weights and inputs")->type_name("S")->default_str(o->seed);
   sub->add_option("--json", o->json, "write the rows as JSON to F")->type_name("F");
   sub->add_option("--csv", o->csv, "write the rows as CSV to F")->type_name("F");
+  add_max_host_gb_option(sub, &o->max_host_gb);
   add_layer_options(sub, &o->layer, /*with_pow2_scales=*/true);
   return [o] { return run_bench(*o); };
 }

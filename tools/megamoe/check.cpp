@@ -30,6 +30,7 @@ struct CheckOptions {
   std::string routing = "uniform";
   std::string seed = "1";
   std::string dump;
+  MaxHostGbOption max_host_gb;
 };
 
 // ---- error bounds: one table ----
@@ -151,6 +152,7 @@ int run_check(const CheckOptions& o) {
                                     std::to_string(tokens) + " (the layer refuses a forward with T > max_tokens_per_rank)");
   const uint64_t seed = static_cast<uint64_t>(parse_int_flag("--seed", o.seed, 0, INT64_MAX));
   const reference::Routing routing = parse_routing(o.routing);
+  const HostMemoryLimit limit = host_memory_limit(o.max_host_gb);
   const MoeGeometry g = make_geometry(o.layer, max_tokens);
   const MoeConfig c = make_config(o.layer, backend);
   if (const Status st = c.validate(g); !st) throw ToolError(kExitUsage, st.message());
@@ -179,26 +181,38 @@ int run_check(const CheckOptions& o) {
       throw ToolError(kExitUsage, "--dump would write " + format_bytes(bytes) + ", above the 4 GiB limit (" +
                                       format_bytes(kMaxDumpBytes) + "); use --experts N, fewer --tokens or a smaller preset");
   }
-  require_host_memory(estimate_host_memory(g, c, sel.backend, tokens, /*dequantised_copy=*/true), o.layer.preset);
+  auto estimate = [&](const MoeGeometry& gx) {
+    return estimate_host_memory(gx, c, sel.backend, tokens, /*dequantised_copy=*/true);
+  };
+  const HostMemoryEstimate mem = estimate(g);
+  if (!fits_host_memory(mem, limit))
+    require_host_memory(mem, limit, o.layer.preset, experts_hint(g, limit, estimate));
   const ErrorBound bound = error_bound(c, k);
 
-  // Problem, layers, one forward per rank.
-  std::fprintf(stderr, "[check] generating weights and inputs (%s fp32)\n", format_bytes(fp32_weight_bytes(g)).c_str());
-  reference::MoeProblem problem = reference::make_random_problem(g, seed, tokens_per_rank, routing);
+  // Inputs, layers (each rank generates its own slice of the weights on its own thread and frees it once
+  // its layer has prepared its copy), one forward per rank.
+  std::fprintf(stderr, "[check] generating inputs\n");
+  std::vector<reference::RankInputs> inputs(static_cast<size_t>(R));
+  const int input_threads = std::max<int>(1, reference::default_generate_threads() / static_cast<int>(R));
+  Status st = run_on_ranks(R, [&](int64_t r) {
+    inputs[r] = reference::make_rank_inputs(g, seed, r, tokens, routing, input_threads);
+    return Status::ok();
+  });
+  if (!st) throw ToolError(kExitUnavailable, "generating the inputs: " + st.message());
   RankGroup group;
-  std::fprintf(stderr, "[check] preparing %s weights and building %lld layer(s)\n", to_string(c.weight_format),
-               static_cast<long long>(R));
-  Status st = build_group(g, c, [&](int64_t r) { return reference::local_weights(problem, r); }, &group);
+  std::fprintf(stderr, "[check] building %lld layer(s): each rank generates its %s fp32 slice, then prepares %s\n",
+               static_cast<long long>(R), format_bytes(fp32_weight_bytes(g) / R).c_str(), to_string(c.weight_format));
+  BuildTimes times;
+  st = build_group(g, c, generated_weights(g, seed), &group, &times);
   if (!st) throw ToolError(kExitUnavailable, st.message());
+  std::fprintf(stderr, "[check] layers built: source weights %.2f s, create (prepare + upload) %.2f s, warmup %.2f s\n",
+               times.source_s, times.create_s, times.warmup_s);
   std::printf("  resolved backend: %s (%s)\n", to_string(group.layers[0]->backend()), group.layers[0]->selection().reason.c_str());
-  // The layers hold their prepared copies; the fp32 source weights are no longer needed.
-  std::vector<float>().swap(problem.w13);
-  std::vector<float>().swap(problem.w2);
 
   std::vector<std::vector<uint16_t>> y(static_cast<size_t>(R));
   std::vector<std::unique_ptr<RankIo>> io(static_cast<size_t>(R));
   for (int64_t r = 0; r < R; ++r) {
-    const reference::RankInputs& in = problem.ranks[r];
+    const reference::RankInputs& in = inputs[r];
     io[r] = std::make_unique<RankIo>();
     st = io[r]->stage(group.layers[r]->device(), in.num_tokens, H, k, in.x_bf16.data(), in.topk_ids.data(),
                       in.topk_weights.data());
@@ -224,17 +238,18 @@ int run_check(const CheckOptions& o) {
   std::fprintf(stderr, "[check] float64 reference\n");
   const int64_t El = g.experts_per_rank();
   std::vector<float> w13(static_cast<size_t>(E * 2 * I * H)), w2(static_cast<size_t>(E * H * I));
-  for (int64_t r = 0; r < R; ++r) {
+  run_on_ranks(R, [&](int64_t r) {
     const PreparedWeights& pw = group.layers[r]->prepared_weights();
     for (int64_t e = 0; e < El; ++e) {
       pw.w13.dequantize_expert(e, w13.data() + (r * El + e) * 2 * I * H);
       pw.w2.dequantize_expert(e, w2.data() + (r * El + e) * H * I);
     }
-  }
+    return Status::ok();
+  });
   std::vector<std::vector<float>> x(static_cast<size_t>(R));
   std::vector<RankError> errors(static_cast<size_t>(R));
   st = run_on_ranks(R, [&](int64_t r) -> Status {
-    const reference::RankInputs& in = problem.ranks[r];
+    const reference::RankInputs& in = inputs[r];
     x[r] = consumed_x(c, in.x_bf16, in.num_tokens, H);
     std::vector<double> ref(static_cast<size_t>(in.num_tokens * H));
     reference::reference_moe(g, in.num_tokens, x[r].data(), in.topk_ids.data(), in.topk_weights.data(), w13.data(),
@@ -278,7 +293,7 @@ int run_check(const CheckOptions& o) {
     data.w13_f32 = &w13;
     data.w2_f32 = &w2;
     for (int64_t r = 0; r < R; ++r) {
-      const reference::RankInputs& in = problem.ranks[r];
+      const reference::RankInputs& in = inputs[r];
       data.prepared.push_back(&group.layers[r]->prepared_weights());
       data.x_bf16.push_back(&in.x_bf16);
       data.x_f32.push_back(&x[r]);
@@ -337,6 +352,7 @@ CommandRun add_check_command(CLI::App* app) {
   sub->add_option("--seed", o->seed, "seed of the weights and inputs")->type_name("S")->default_str(o->seed);
   sub->add_option("--dump", o->dump, "write meta.json and .npy files of everything compared into DIR")
       ->type_name("DIR");
+  add_max_host_gb_option(sub, &o->max_host_gb);
   add_layer_options(sub, &o->layer, /*with_pow2_scales=*/true);
   return [o] { return run_check(*o); };
 }

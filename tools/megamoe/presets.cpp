@@ -3,7 +3,10 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cctype>
+#include <cmath>
+#include <fstream>
 #include <cstdio>
 #include <limits>
 
@@ -174,6 +177,13 @@ MoeConfig make_config(const LayerOptions& o, Backend backend) {
 }
 
 int64_t physical_memory_bytes() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key, unit;
+  long long kib = 0;
+  while (meminfo >> key >> kib) {
+    std::getline(meminfo, unit);
+    if (key == "MemTotal:" && kib > 0) return static_cast<int64_t>(kib) * 1024;
+  }
   const long pages = sysconf(_SC_PHYS_PAGES);
   const long page_size = sysconf(_SC_PAGE_SIZE);
   if (pages <= 0 || page_size <= 0) return 0;
@@ -195,43 +205,121 @@ int64_t prepared_bytes_per_expert(WeightFormat format, int64_t hidden, int64_t i
 
 int64_t fp32_weight_bytes(const MoeGeometry& g) { return g.num_experts * 3 * g.hidden * g.intermediate * 4; }
 
+bool reusable_source_format(WeightFormat format) {
+  return format == WeightFormat::kFp8Block || format == WeightFormat::kBf16;
+}
+
 HostMemoryEstimate estimate_host_memory(const MoeGeometry& g, const MoeConfig& c, Backend resolved,
                                         int64_t tokens_per_rank, bool dequantised_copy) {
   HostMemoryEstimate e;
   const int64_t fp32 = fp32_weight_bytes(g);
   const int64_t prepared = g.num_experts * prepared_bytes_per_expert(c.weight_format, g.hidden, g.intermediate);
-  // Per rank: x (bf16 + fp32 copy), y (bf16 + fp32), fp64 reference output, ids and weights.
-  const int64_t io = g.ep_size * tokens_per_rank * (g.hidden * (2 + 4 + 2 + 4 + 8) + g.top_k * 8);
-  // The fp32 source weights live until the layers are built; the check frees them before it makes
-  // the dequantised copy for the reference, so one fp32 copy covers both.
-  e.bytes = fp32 + prepared + io;
-  e.detail = std::string(dequantised_copy ? "fp32 source weights, later their dequantised copy, "
-                                          : "fp32 source weights ") +
-             format_bytes(fp32) + " + prepared (" + to_string(c.weight_format) + ") " + format_bytes(prepared);
-  if (resolved == Backend::kCpu) {
-    // The cpu backend keeps an fp32 dequantised copy of its experts to compute with.
-    e.bytes += fp32;
-    e.detail += " + the cpu backend's fp32 working copy " + format_bytes(fp32);
-  }
-  e.detail += " + inputs/outputs " + format_bytes(io);
+  const bool gpu = resolved == Backend::kRouted || resolved == Backend::kMega;
+  // GPU upload: w13 (2 of the 3 H x I blocks) reordered for the SwiGLU epilogue in a host copy.
+  const int64_t staging = gpu ? prepared / 3 * 2 : 0;
+  // The cpu backend keeps an fp32 dequantised copy of its experts to compute with.
+  const int64_t working = resolved == Backend::kCpu ? fp32 : 0;
+  // After creation: the check's fp32 dequantised copy of all experts, or bench's reused prepared copy.
+  const int64_t after = dequantised_copy ? fp32 : reusable_source_format(c.weight_format) ? prepared : 0;
+  // Per rank and token: check: x (bf16 + fp32 copy), y (bf16 + fp32), fp64 reference output, ids and
+  // weights; bench: the generated x, ids and weights, on the cpu backend also the staged copies of x, y,
+  // ids and weights (GPU backends stage them on the device).
+  const int64_t per_token = dequantised_copy         ? g.hidden * (2 + 4 + 2 + 4 + 8) + g.top_k * 8
+                            : resolved == Backend::kCpu ? g.hidden * (2 + 2 + 2) + g.top_k * 16
+                                                       : g.hidden * 2 + g.top_k * 8;
+  const int64_t io = g.ep_size * tokens_per_rank * per_token;
+  e.bytes = prepared + working + io + std::max(fp32 + staging, after);
+  e.detail = "while the layers are created: the fp32 source slices of all " + std::to_string(g.ep_size) +
+             " rank(s) " + format_bytes(fp32) + " + prepared (" + to_string(c.weight_format) + ") " +
+             format_bytes(prepared);
+  if (staging) e.detail += " + GPU upload staging " + format_bytes(staging);
+  if (working) e.detail += " + the cpu backend's fp32 working copy " + format_bytes(working);
+  e.detail += " + inputs/outputs " + format_bytes(io) + "; then the slices give way to " +
+              (dequantised_copy ? "the fp32 dequantised copy for the reference " + format_bytes(after)
+               : after           ? "the prepared copy reused by later cases " + format_bytes(after)
+                                 : std::string("nothing"));
   return e;
 }
 
-bool fits_host_memory(const HostMemoryEstimate& e, int64_t* limit_bytes) {
-  const int64_t physical = physical_memory_bytes();
-  const int64_t limit = physical > 0 ? physical / 10 * 6 : std::numeric_limits<int64_t>::max();
-  if (limit_bytes) *limit_bytes = limit;
-  return e.bytes <= limit;
+HostMemoryLimit host_memory_limit(const MaxHostGbOption& max_host_gb) {
+  HostMemoryLimit l;
+  l.physical = physical_memory_bytes();
+  l.flag = max_host_gb;
+  if (!max_host_gb.given) {
+    l.bytes = l.physical > 0 ? l.physical / 10 * 6 : std::numeric_limits<int64_t>::max();
+    return l;
+  }
+  const std::string& text = max_host_gb.value;
+  constexpr double kMaxGb = 1e6;
+  double gb = 0;
+  size_t used = 0;
+  try {
+    gb = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || used != text.size() || !(gb > 0) || !(gb <= kMaxGb))
+    throw ToolError(kExitUsage, "invalid value for --max-host-gb: '" + text +
+                                    "', must be a positive number of GB (10^9 bytes), at most 1000000");
+  l.bytes = static_cast<int64_t>(gb * 1e9);
+  return l;
 }
 
-void require_host_memory(const HostMemoryEstimate& e, const std::string& preset) {
-  int64_t limit = 0;
-  if (fits_host_memory(e, &limit)) return;
-  throw ToolError(kExitUsage, "preset " + preset + " needs about " + format_bytes(e.bytes) + " of host memory (" +
-                                  e.detail + "), above 60% of this machine's " +
-                                  format_bytes(physical_memory_bytes()) + " (limit " + format_bytes(limit) +
-                                  "); use --experts N for fewer experts (e.g. --experts 16) or a smaller preset "
-                                  "(tiny, qwen3-30b-a3b)");
+void add_max_host_gb_option(CLI::App* app, MaxHostGbOption* o) {
+  app->add_option_function<std::string>(
+         "--max-host-gb",
+         [o](const std::string& v) {
+           o->given = true;
+           o->value = v;
+         },
+         "host-memory limit in GB (10^9 bytes) instead of 60% of the memory the machine reports (for a machine "
+         "whose memory grows on use)")
+      ->type_name("G");
+}
+
+bool fits_host_memory(const HostMemoryEstimate& e, const HostMemoryLimit& limit) { return e.bytes <= limit.bytes; }
+
+bool fits_host_memory(const HostMemoryEstimate& e, int64_t* limit_bytes) {
+  const HostMemoryLimit limit = host_memory_limit();
+  if (limit_bytes) *limit_bytes = limit.bytes;
+  return fits_host_memory(e, limit);
+}
+
+std::string experts_hint(const MoeGeometry& g, const HostMemoryLimit& limit,
+                         const std::function<HostMemoryEstimate(const MoeGeometry&)>& estimate) {
+  const int64_t R = std::max<int64_t>(1, g.ep_size);
+  const int64_t fewest = (std::max<int64_t>(g.top_k, 1) + R - 1) / R * R;
+  for (int64_t n = (g.num_experts - 1) / R * R; n >= fewest; n -= R) {
+    MoeGeometry smaller = g;
+    smaller.num_experts = n;
+    const HostMemoryEstimate e = estimate(smaller);
+    if (fits_host_memory(e, limit)) return "--experts " + std::to_string(n) + " needs about " + format_bytes(e.bytes);
+  }
+  if (fewest >= g.num_experts) return "";
+  MoeGeometry smallest = g;
+  smallest.num_experts = fewest;
+  return "even --experts " + std::to_string(fewest) + " needs about " + format_bytes(estimate(smallest).bytes);
+}
+
+void require_host_memory(const HostMemoryEstimate& e, const HostMemoryLimit& limit, const std::string& preset,
+                         const std::string& hint) {
+  if (fits_host_memory(e, limit)) return;
+  const std::string seen =
+      "MemTotal in /proc/meminfo: " + (limit.physical > 0 ? format_bytes(limit.physical) : std::string("unknown"));
+  const std::string need_gb = std::to_string(static_cast<long long>(std::ceil(static_cast<double>(e.bytes) / 1e9)));
+  std::string why;
+  if (!limit.flag.given)
+    why = ", 60% of the memory this machine reports (" + seen +
+          "); a machine whose memory grows on use reports less than it has at start: if this one has more, raise "
+          "the limit with --max-host-gb G (G >= " + need_gb + ")";
+  else
+    why = " set by --max-host-gb " + limit.flag.value + " (" + seen + "); raise it to at least " + need_gb +
+          " if the machine has that much";
+  throw ToolError(kExitUsage, "preset " + preset + " needs about " + format_bytes(e.bytes) +
+                                  " of host memory at its peak (" + e.detail + "), above the limit of " +
+                                  format_bytes(limit.bytes) + why + "; otherwise --experts N shrinks it" +
+                                  (hint.empty() ? std::string() : " (" + hint + ")") +
+                                  ", or use a smaller preset (tiny, qwen3-30b-a3b)");
 }
 
 std::string format_bytes(int64_t bytes) {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -76,24 +77,57 @@ MoeConfig make_config(const LayerOptions& o, Backend backend);
 Backend parse_backend_flag(const std::string& flag, const std::string& text);
 
 // ---- memory ----
+// The machine's memory: MemTotal from /proc/meminfo (sysconf where that cannot be read). On a machine
+// whose memory grows on use it reads low at start.
 int64_t physical_memory_bytes();
 // Bytes of one expert's prepared weights (w13 + w2 data and scales) in `format`.
 int64_t prepared_bytes_per_expert(WeightFormat format, int64_t hidden, int64_t intermediate);
 // fp32 bytes of all experts' w13 and w2.
 int64_t fp32_weight_bytes(const MoeGeometry& g);
+// Whether a layer's prepared weights in `format` can be handed back to MoeLayer::create as source
+// weights that it keeps bit for bit (fp8-block: e4m3 with its 128x128 scales; bf16): bench reuses the
+// first case's prepared copy for the later cases instead of generating the weights again.
+bool reusable_source_format(WeightFormat format);
 
 struct HostMemoryEstimate {
   int64_t bytes = 0;
   std::string detail;  // what the bytes are made of
 };
-// Host memory a run needs: the fp32 weights of all experts, the layers' prepared copies, and, when
-// `dequantised_copy`, the fp32 dequantised copy the reference uses; plus inputs and outputs.
+// Host memory a run needs at its peak, while the layers are created: every rank's fp32 source slice
+// (all ranks create at once, each frees its slice as soon as its layer is built), the layers' prepared
+// copies, the GPU upload's staging copy (GPU backends) or the cpu backend's fp32 working copy, and the
+// inputs/outputs. After creation the slices give way to the check's fp32 dequantised copy of all
+// experts (`dequantised_copy`) or to bench's reused prepared copy (reusable_source_format), never more.
 HostMemoryEstimate estimate_host_memory(const MoeGeometry& g, const MoeConfig& c, Backend resolved,
                                         int64_t tokens_per_rank, bool dequantised_copy);
+
+// --max-host-gb G as given (validated by host_memory_limit).
+struct MaxHostGbOption {
+  bool given = false;
+  std::string value;
+};
+void add_max_host_gb_option(CLI::App* app, MaxHostGbOption* o);
+
+// The host-memory limit: 60% of physical_memory_bytes(), or what --max-host-gb says.
+struct HostMemoryLimit {
+  int64_t bytes = 0;     // the limit
+  int64_t physical = 0;  // what the machine reports (0: unknown)
+  MaxHostGbOption flag;  // given: the limit is flag.value GB
+};
+// Throws ToolError (kExitUsage) unless a given --max-host-gb is a positive number of GB (10^9 bytes).
+HostMemoryLimit host_memory_limit(const MaxHostGbOption& max_host_gb = {});
 // Whether the estimate fits in the allowed fraction of physical memory (~60%).
 bool fits_host_memory(const HostMemoryEstimate& e, int64_t* limit_bytes = nullptr);
-// Throws ToolError (kExitUsage) naming the bytes and suggesting --experts or a smaller preset.
-void require_host_memory(const HostMemoryEstimate& e, const std::string& preset);
+bool fits_host_memory(const HostMemoryEstimate& e, const HostMemoryLimit& limit);
+// "--experts 32 needs about 9.10 GB": the largest expert count below g's (a multiple of ep_size, at
+// least top_k) whose estimate fits the limit; empty when none does.
+std::string experts_hint(const MoeGeometry& g, const HostMemoryLimit& limit,
+                         const std::function<HostMemoryEstimate(const MoeGeometry&)>& estimate);
+// Throws ToolError (kExitUsage) when the estimate is above the limit: the bytes needed and seen, what
+// they are made of, --max-host-gb for a machine that has more than it reports, `hint` (experts_hint)
+// or --experts N, and the smaller presets.
+void require_host_memory(const HostMemoryEstimate& e, const HostMemoryLimit& limit, const std::string& preset,
+                         const std::string& hint);
 
 // "45.10 GB (45097156608 bytes)"
 std::string format_bytes(int64_t bytes);

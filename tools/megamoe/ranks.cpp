@@ -3,11 +3,15 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <string>
 #include <thread>
+
+#include "megamoe/formats.h"
+#include "reference/problem.h"
 
 namespace megamoe::tool {
 namespace {
@@ -80,8 +84,10 @@ Status run_on_ranks(int64_t n, const std::function<Status(int64_t)>& fn) {
   return first ? *first : Status::ok();
 }
 
-Status build_group(const MoeGeometry& g, const MoeConfig& c, const std::function<MoeWeights(int64_t)>& weights_of,
-                   RankGroup* out) {
+Status build_group(const MoeGeometry& g, const MoeConfig& c, const RankWeightsFn& weights_of, RankGroup* out,
+                   BuildTimes* times) {
+  using Clock = std::chrono::steady_clock;
+  auto seconds_since = [](Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); };
   out->layers.clear();
   out->comms.clear();
   out->layers.resize(static_cast<size_t>(g.ep_size));
@@ -100,20 +106,70 @@ Status build_group(const MoeGeometry& g, const MoeConfig& c, const std::function
   auto select_device = [on_gpu](int64_t r) {
     return on_gpu ? cuda_status(cudaSetDevice(static_cast<int>(r)), "cudaSetDevice") : Status::ok();
   };
+  std::vector<BuildTimes> rank_times(static_cast<size_t>(g.ep_size));
   // Creation is local (no collective): a rank that fails does not strand the others.
-  MEGAMOE_RETURN_IF_ERROR(run_on_ranks(g.ep_size, [&](int64_t r) -> Status {
+  Status st = run_on_ranks(g.ep_size, [&](int64_t r) -> Status {
     MEGAMOE_RETURN_IF_ERROR(select_device(r));
     std::shared_ptr<Communicator> comm = g.ep_size > 1 ? out->comms[r] : nullptr;
-    const Status st = MoeLayer::create(g.for_rank(r), c, weights_of(r), comm, &out->layers[r]);
-    if (!st) return Status(st.code(), "rank " + std::to_string(r) + ": " + st.message());
-    return st;
-  }));
-  return run_on_ranks(g.ep_size, [&](int64_t r) -> Status {
-    MEGAMOE_RETURN_IF_ERROR(select_device(r));
-    const Status st = out->layers[r]->warmup();
-    if (!st) return Status(st.code(), "rank " + std::to_string(r) + " warmup: " + st.message());
-    return st;
+    Clock::time_point t0 = Clock::now();
+    RankWeights source;
+    Status rst = weights_of(r, &source);
+    rank_times[r].source_s = seconds_since(t0);
+    t0 = Clock::now();
+    if (rst) rst = MoeLayer::create(g.for_rank(r), c, source.views, comm, &out->layers[r]);
+    rank_times[r].create_s = seconds_since(t0);
+    source = RankWeights();  // the layer holds its prepared copy; the source goes now
+    if (!rst) return Status(rst.code(), "rank " + std::to_string(r) + ": " + rst.message());
+    return rst;
   });
+  if (st) {
+    st = run_on_ranks(g.ep_size, [&](int64_t r) -> Status {
+      MEGAMOE_RETURN_IF_ERROR(select_device(r));
+      const Clock::time_point t0 = Clock::now();
+      const Status rst = out->layers[r]->warmup();
+      rank_times[r].warmup_s = seconds_since(t0);
+      if (!rst) return Status(rst.code(), "rank " + std::to_string(r) + " warmup: " + rst.message());
+      return rst;
+    });
+  }
+  if (times) {
+    *times = BuildTimes();
+    for (const BuildTimes& t : rank_times) {
+      times->source_s = std::max(times->source_s, t.source_s);
+      times->create_s = std::max(times->create_s, t.create_s);
+      times->warmup_s = std::max(times->warmup_s, t.warmup_s);
+    }
+  }
+  return st;
+}
+
+RankWeightsFn generated_weights(const MoeGeometry& g, uint64_t seed) {
+  const int threads = std::max<int>(1, reference::default_generate_threads() / static_cast<int>(g.ep_size));
+  return [g, seed, threads](int64_t r, RankWeights* out) {
+    auto slice = std::make_shared<reference::ExpertWeights>(reference::make_rank_weights(g, seed, r, threads));
+    out->views = slice->view();
+    out->storage = std::move(slice);
+    return Status::ok();
+  };
+}
+
+MoeWeights source_views(const PreparedWeights& p) {
+  auto data = [](const QuantizedTensor& t) {
+    return TensorView(const_cast<uint8_t*>(t.data.data()), t.data_dtype(), {t.num_experts, t.rows, t.cols});
+  };
+  auto scales = [](const QuantizedTensor& t) {
+    return TensorView(const_cast<uint8_t*>(t.scales.data()), DType::kFloat32,
+                      {t.num_experts, t.rows / fmt::kFp8BlockSize, t.cols / fmt::kFp8BlockSize});
+  };
+  // TensorView has no const form; prepare_weights only reads the views.
+  MoeWeights w;
+  w.w13 = data(p.w13);
+  w.w2 = data(p.w2);
+  if (p.format == WeightFormat::kFp8Block) {
+    w.w13_scale = scales(p.w13);
+    w.w2_scale = scales(p.w2);
+  }
+  return w;
 }
 
 RankGroup::~RankGroup() {

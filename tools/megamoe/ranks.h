@@ -30,10 +30,35 @@ struct RankGroup {
   ~RankGroup();
 };
 
-// Creates every rank's layer (rank r gets weights_of(r) and geometry g.for_rank(r)), each in its own
-// thread, then warms them all up (collective), each in its own thread.
-Status build_group(const MoeGeometry& g, const MoeConfig& c, const std::function<MoeWeights(int64_t)>& weights_of,
-                   RankGroup* out);
+// A rank's source weights for MoeLayer::create: the views, and the memory behind them when the
+// source made it (null when the views point into memory someone else keeps).
+struct RankWeights {
+  MoeWeights views;
+  std::shared_ptr<const void> storage;
+};
+// Makes rank r's source weights; build_group calls it on rank r's own thread.
+using RankWeightsFn = std::function<Status(int64_t rank, RankWeights* out)>;
+
+// The slowest rank's seconds in each step of build_group.
+struct BuildTimes {
+  double source_s = 0, create_s = 0, warmup_s = 0;
+};
+
+// Creates every rank's layer, each on its own thread: rank r makes its source weights with
+// weights_of(r), creates its layer (geometry g.for_rank(r); the layer prepares its own copy) and
+// releases the source at once, so the source slices of all ranks are alive together only while the
+// layers are created. Then warms the layers up (collective), each on its own thread.
+Status build_group(const MoeGeometry& g, const MoeConfig& c, const RankWeightsFn& weights_of, RankGroup* out,
+                   BuildTimes* times = nullptr);
+
+// Rank r's slice of the random problem (reference::make_rank_weights of `seed`), generated on
+// rank r's thread with its share of the generator threads (hardware threads / ep_size).
+RankWeightsFn generated_weights(const MoeGeometry& g, uint64_t seed);
+
+// Views of a layer's prepared weights as source weights that MoeLayer::create takes back bit for bit
+// (reusable_source_format(prepared.format) must hold, presets.h): fp8-block as an e4m3 source with its
+// 128x128 scales, bf16 as a bf16 source.
+MoeWeights source_views(const PreparedWeights& prepared);
 
 // A sense-reversing barrier for R rank threads (lockstep timing in bench).
 class ThreadBarrier {

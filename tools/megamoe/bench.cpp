@@ -125,6 +125,51 @@ Status build_case(const MoeGeometry& g, const MoeConfig& c, uint64_t seed, KeptW
   return Status::ok();
 }
 
+// A few more lockstep forwards with the layers' stage timing on; fills row->stages_us with, per
+// stage, the slowest rank's median. Leaves it empty for backends without stage timing (cpu).
+void collect_stage_times(RankGroup& group, std::vector<std::vector<std::unique_ptr<RankIo>>>& io, int64_t sets,
+                         int64_t samples, BenchRow* row) {
+  const int64_t R = static_cast<int64_t>(group.layers.size());
+  if (samples <= 0 || !group.layers[0]->set_stage_timing(true)) return;  // same backend on every rank
+  std::vector<std::vector<std::vector<double>>> us(static_cast<size_t>(R));  // [rank][stage][sample]
+  std::vector<std::string> names;
+  ThreadBarrier barrier(R);
+  const Status st = run_on_ranks(R, [&](int64_t r) -> Status {
+    MoeLayer* layer = group.layers[r].get();
+    Status rst = layer->set_stage_timing(true);
+    void* stream = nullptr;
+    if (rst) rst = create_stream(layer->device(), &stream);
+    for (int64_t it = 0; it < samples; ++it) {
+      barrier.wait();  // every rank runs every forward: they are collective
+      if (rst) rst = io[r][it % sets]->forward(layer, stream);
+      if (rst) rst = layer->check_error(stream);
+      std::vector<MoeLayer::StageTime> t;
+      if (rst) rst = layer->last_stage_times(&t);
+      if (!rst) continue;
+      us[r].resize(t.size());
+      for (size_t i = 0; i < t.size(); ++i) us[r][i].push_back(t[i].us);
+      if (r == 0 && names.empty())
+        for (const auto& s : t) names.push_back(s.stage);
+    }
+    layer->set_stage_timing(false);
+    destroy_stream(layer->device(), stream);
+    return rst;
+  });
+  if (!st) {
+    std::fprintf(stderr, "[bench]   no stage breakdown: %s\n", st.message().c_str());
+    return;
+  }
+  for (size_t i = 0; i < names.size(); ++i) {
+    double slowest = 0;
+    for (int64_t r = 0; r < R; ++r) {
+      std::vector<double> v = us[r][i];
+      std::sort(v.begin(), v.end());
+      slowest = std::max(slowest, v[v.size() / 2]);
+    }
+    row->stages_us.emplace_back(names[i], slowest);
+  }
+}
+
 // Times one case. Fills row.median_us etc., or row.error.
 void run_case(const MoeGeometry& g, const MoeConfig& c, uint64_t seed, const std::vector<reference::RankInputs>& inputs,
               int64_t tokens, int64_t sets, int64_t iters, int64_t warmup, KeptWeights* kept, BenchRow* row) {
@@ -215,6 +260,7 @@ void run_case(const MoeGeometry& g, const MoeConfig& c, uint64_t seed, const std
   row->floor_us = model.floor_s * 1e6;
   row->floor_bound = model.bound;
   row->time_over_floor = model.floor_s > 0 ? t / model.floor_s : 0;
+  if (row->on_gpu) collect_stage_times(group, io, sets, std::min<int64_t>(iters, 10), row);
 }
 
 int run_bench(BenchOptions o) {

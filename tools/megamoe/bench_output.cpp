@@ -20,7 +20,7 @@ std::string backend_label(const BenchRow& r) {
 
 const char* kColumns[] = {"backend", "resolved", "tokens", "iters", "warmup", "median_us", "min_us", "max_us",
                           "tflops_per_rank", "hbm_gbps_per_rank", "nvlink_gbps_per_rank", "floor_us",
-                          "floor_bound", "time_over_floor", "time_kind", "command", "error"};
+                          "floor_bound", "time_over_floor", "time_kind", "command", "error", "stages_us"};
 
 std::string time_kind(const BenchRow& r) {
   if (!r.error.empty()) return "";
@@ -62,6 +62,17 @@ void print_bench_header(const BenchHeader& h) {
               "max_us", "TFLOP/s", "HBM_GB/s", "NVL_GB/s", "floor_us", "bound", "time/floor", "command");
 }
 
+// "dispatch=31.2 expert_pool=40.1 ..." (empty without a breakdown).
+static std::string stages_text(const BenchRow& r) {
+  std::string out;
+  char buf[96];
+  for (const auto& st : r.stages_us) {
+    std::snprintf(buf, sizeof(buf), "%s%s=%.1f", out.empty() ? "" : " ", st.first.c_str(), st.second);
+    out += buf;
+  }
+  return out;
+}
+
 void print_bench_row(const BenchRow& r) {
   if (!r.error.empty()) {
     std::printf("%-14s %7lld  not run: %s  [%s]\n", backend_label(r).c_str(), static_cast<long long>(r.tokens),
@@ -72,6 +83,8 @@ void print_bench_row(const BenchRow& r) {
               static_cast<long long>(r.tokens), r.median_us, r.min_us, r.max_us, r.tflops_per_rank,
               r.hbm_gbps_per_rank, r.nvlink_gbps_per_rank, r.floor_us, r.floor_bound.c_str(), r.time_over_floor,
               r.command.c_str());
+  if (!r.stages_us.empty()) std::printf("%-14s %7s   stages, us (median of the slowest rank): %s\n", "", "",
+                                        stages_text(r).c_str());
 }
 
 void write_bench_json(const std::string& path, const BenchHeader& h, const std::vector<BenchRow>& rows) {
@@ -112,6 +125,11 @@ void write_bench_json(const std::string& path, const BenchHeader& h, const std::
       row["floor_us"] = r.floor_us;
       row["floor_bound"] = r.floor_bound;
       row["time_over_floor"] = r.time_over_floor;
+      if (!r.stages_us.empty()) {
+        nlohmann::json stages = nlohmann::json::array();
+        for (const auto& st : r.stages_us) stages.push_back({{"stage", st.first}, {"us", st.second}});
+        row["stages_us"] = stages;
+      }
     } else {
       row["error"] = r.error;
     }
@@ -135,7 +153,7 @@ void write_bench_csv(const std::string& path, const std::vector<BenchRow>& rows)
       << num(r.median_us) << "," << num(r.min_us) << "," << num(r.max_us) << "," << num(r.tflops_per_rank) << ","
       << num(r.hbm_gbps_per_rank) << "," << num(r.nvlink_gbps_per_rank) << "," << num(r.floor_us) << ","
       << (ok ? r.floor_bound : "") << "," << num(r.time_over_floor) << "," << csv_field(time_kind(r)) << ","
-      << csv_field(r.command) << "," << csv_field(r.error) << "\n";
+      << csv_field(r.command) << "," << csv_field(r.error) << "," << csv_field(stages_text(r)) << "\n";
   }
   f.close();
   if (!f) throw ToolError(kExitIo, "cannot write --csv file " + path);

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "megamoe/config.h"
@@ -21,6 +22,9 @@ struct BenchRow {
   std::string floor_bound;  // hbm | gemm | nvlink
   std::string command;      // reproduces the row
   std::string error;        // non-empty: the case did not run, and why
+  // Per-stage breakdown (GPU backends with stage timing): per stage, the median over a few extra
+  // forwards of the slowest rank, in forward order.
+  std::vector<std::pair<std::string, double>> stages_us;
 };
 
 struct BenchHeader {

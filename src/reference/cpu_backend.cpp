@@ -1,8 +1,12 @@
 #include "reference/cpu_backend.h"
 
+#include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <system_error>
+#include <thread>
 
 #include "core/backends.h"
 
@@ -17,7 +21,34 @@ namespace {
 
 std::string str(int64_t v) { return std::to_string(v); }
 
+// QuantizedTensor::dequantize with the experts spread over up to num_workers threads (each expert's
+// values are written by one thread with dequantize_expert: the same bits).
+void dequantize_experts(const QuantizedTensor& w, int num_workers, std::vector<float>* out) {
+  const int64_t per_expert = w.rows * w.cols;
+  out->assign(static_cast<size_t>(w.num_experts * per_expert), 0.0f);
+  std::atomic<int64_t> next_expert{0};
+  auto work = [&] {
+    for (int64_t e = next_expert++; e < w.num_experts; e = next_expert++)
+      w.dequantize_expert(e, out->data() + e * per_expert);
+  };
+  std::vector<std::thread> helpers;
+  for (int64_t i = 1; i < std::min<int64_t>(num_workers, w.num_experts); ++i) {
+    try {
+      helpers.emplace_back(work);
+    } catch (const std::system_error&) {
+      break;  // no more threads: the running ones take every expert
+    }
+  }
+  work();
+  for (std::thread& t : helpers) t.join();
+}
+
 }  // namespace
+
+int default_expert_workers(int64_t ep_size) {
+  const int64_t hw = std::thread::hardware_concurrency();  // 0 when unknown
+  return static_cast<int>(std::clamp<int64_t>(hw / std::max<int64_t>(ep_size, 1), 1, kMaxExpertWorkers));
+}
 
 Status create_cpu_layer(const MoeGeometry& geometry, const MoeConfig& config, BackendSelection selection,
                         PreparedWeights weights, std::shared_ptr<Communicator> comm, std::unique_ptr<MoeLayer>* out) {
@@ -50,8 +81,9 @@ Status create_cpu_layer(const MoeGeometry& geometry, const MoeConfig& config, Ba
   expert_weights.num_experts = El;
   expert_weights.hidden = H;
   expert_weights.intermediate = I;
-  weights.w13.dequantize(&expert_weights.w13);
-  weights.w2.dequantize(&expert_weights.w2);
+  const int num_workers = default_expert_workers(geometry.ep_size);
+  dequantize_experts(weights.w13, num_workers, &expert_weights.w13);
+  dequantize_experts(weights.w2, num_workers, &expert_weights.w2);
   out->reset(new CpuMoeLayer(geometry, config, std::move(selection), std::move(weights), std::move(expert_weights),
                              std::move(comm), group));
   return Status::ok();
@@ -65,7 +97,14 @@ CpuMoeLayer::CpuMoeLayer(const MoeGeometry& geometry, const MoeConfig& config, B
       layout_(WorkspaceLayout::make(workspace_params(geometry, config))),
       expert_weights_(std::move(expert_weights)),
       comm_(std::move(comm)),
-      group_(group) {}
+      group_(group),
+      expert_workers_(default_expert_workers(geometry.ep_size)),
+      expert_min_fmas_per_worker_(reference::kMinFmasPerWorker) {}
+
+void CpuMoeLayer::set_expert_workers_for_testing(int num_workers) {
+  expert_workers_ = num_workers > 0 ? num_workers : default_expert_workers(geometry_.ep_size);
+  expert_min_fmas_per_worker_ = num_workers > 0 ? 0 : reference::kMinFmasPerWorker;
+}
 
 WaitError CpuMoeLayer::last_wait_error() const {
   WaitError e{};
@@ -167,7 +206,8 @@ Status CpuMoeLayer::run_forward(const TensorView& x, const TensorView& x_scale, 
   st = reference::build_expert_pool(layout_, base);
   if (!st.is_ok()) return fail(st);
   std::vector<float> fc2_out;
-  reference::run_experts(layout_, base, expert_weights_, config_.pow2_scales, expert_fn_, &fc2_out);
+  reference::run_experts(layout_, base, expert_weights_, config_.pow2_scales, expert_fn_, &fc2_out, expert_workers_,
+                         expert_min_fmas_per_worker_);
 
   PeerTargets peers;
   peers.bases = peer_bases_;

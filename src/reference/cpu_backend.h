@@ -10,8 +10,11 @@
 // it reads them only after the barrier that closes the writing window.
 // Any failure on one rank (bad arguments, bad ids, a timeout) aborts the group, so peers return
 // promptly with the reason instead of waiting for the full timeout.
+// The expert FFN of each rank runs on up to default_expert_workers(ep_size) threads, started per
+// forward and joined before combine; its bits do not depend on the thread count.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -45,6 +48,11 @@ class CpuMoeLayer final : public MoeLayer {
 
   // Test hook: replaces every expert's FFN (e.g. identity experts). Empty restores the real FFN.
   void set_expert_fn_for_testing(reference::ExpertFn fn) { expert_fn_ = std::move(fn); }
+  // Test hook: the expert FFN runs on exactly `num_workers` threads (at most one per work unit),
+  // however small the forward; num_workers <= 0 restores the default (default_expert_workers, and
+  // fewer for small forwards). The output bits do not depend on it.
+  void set_expert_workers_for_testing(int num_workers);
+  int expert_workers() const { return expert_workers_; }
   const WorkspaceLayout& layout() const { return layout_; }
   // Null before warmup().
   void* workspace_base() const { return workspace_ ? workspace_->base : nullptr; }
@@ -68,6 +76,14 @@ class CpuMoeLayer final : public MoeLayer {
   std::shared_ptr<Workspace> workspace_;
   std::vector<void*> peer_bases_;
   std::mutex own_output_lock_;  // the in-kernel reduce's lock when there is no group
+  int expert_workers_;                  // run_experts' max_workers
+  int64_t expert_min_fmas_per_worker_;  // run_experts' min_fmas_per_worker
 };
+
+// The most threads one rank's expert FFN uses.
+constexpr int kMaxExpertWorkers = 16;
+// Threads for one rank's expert FFN (and for dequantising its weights at creation) when `ep_size`
+// ranks of this process compute at once: hardware_concurrency / ep_size, in [1, kMaxExpertWorkers].
+int default_expert_workers(int64_t ep_size);
 
 }  // namespace megamoe

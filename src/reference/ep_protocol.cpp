@@ -1,9 +1,12 @@
 #include "reference/ep_protocol.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <system_error>
+#include <thread>
 
 #include "megamoe/formats.h"
 
@@ -15,14 +18,162 @@ std::string str(int64_t v) { return std::to_string(v); }
 
 char* at_bytes(void* base, const WorkspaceRegion& r) { return static_cast<char*>(base) + r.offset; }
 
-// fp64 accumulation of fp32 products, rounded once to fp32 (quantisation points 2 and 5).
-float dot_f64(const float* a, const float* b, int64_t n) {
-  double acc = 0.0;
-  for (int64_t i = 0; i < n; ++i) acc += static_cast<double>(a[i]) * static_cast<double>(b[i]);
-  return static_cast<float>(acc);
+float silu(float g) { return g / (1.0f + std::exp(-g)); }
+
+// ---- The expert FFN (run_experts) ----
+//
+// Each output value of FC1 and FC2 is the dot product of one pool row x with one weight row w
+// (quantisation points 2 and 5):
+//   acc = 0.0; for k = 0..K-1: acc += double(x[k]) * double(w[k]);  out = float(acc)
+// invariant: every output is computed with exactly these operations in this order, so its bits do
+// not depend on tiling, vector width or threads. The kernel computes a tile of kTileRows pool rows
+// x kTileCols weight rows at once, one fp64 accumulator per output (the lanes are independent
+// sums, never a split reduction). A product of two floats is exact in fp64, so a fused
+// multiply-add, where the compiler contracts one, rounds exactly as the separate add does.
+constexpr int kTileRows = 8;             // fp64 lanes: pool rows sharing one pass over a weight tile
+constexpr int kTileCols = 4;             // weight rows per tile
+constexpr int64_t kRowsPerTask = 16;     // pool rows of one expert per work unit
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+// The library is built for baseline x86-64 (SSE2); the kernel gets AVX2 and AVX-512 variants too,
+// picked at load time. Every variant computes the same bits (see above).
+#define MEGAMOE_CPU_KERNEL __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define MEGAMOE_CPU_KERNEL
+#endif
+
+// Pool rows [num_rows, K] -> tiles of kTileRows rows, k-major: xt[(tile * K + k) * kTileRows + lane]
+// (fp64, exact). Lanes past num_rows are zero; their sums are computed and dropped.
+void pack_row_tiles(const float* x, int64_t num_rows, int64_t K, double* xt) {
+  const int64_t num_tiles = (num_rows + kTileRows - 1) / kTileRows;
+  for (int64_t t = 0; t < num_tiles; ++t) {
+    double* tile = xt + t * K * kTileRows;
+    for (int64_t lane = 0; lane < kTileRows; ++lane) {
+      const int64_t m = t * kTileRows + lane;
+      if (m < num_rows) {
+        const float* xm = x + m * K;
+        for (int64_t k = 0; k < K; ++k) tile[k * kTileRows + lane] = static_cast<double>(xm[k]);
+      } else {
+        for (int64_t k = 0; k < K; ++k) tile[k * kTileRows + lane] = 0.0;
+      }
+    }
+  }
 }
 
-float silu(float g) { return g / (1.0f + std::exp(-g)); }
+// Weight rows [n0, n0 + kCols) against every row tile. wt: scratch [K, kCols] (the weight tile in
+// fp64, converted once for all row tiles).
+template <int kCols>
+__attribute__((always_inline)) inline void weight_tile_dots(const double* xt, int64_t num_rows, const float* w,
+                                                             int64_t K, int64_t n0, double* wt, float* const* out_rows) {
+  for (int64_t k = 0; k < K; ++k)
+    for (int c = 0; c < kCols; ++c) wt[k * kCols + c] = static_cast<double>(w[(n0 + c) * K + k]);
+  for (int64_t m0 = 0; m0 < num_rows; m0 += kTileRows) {
+    const double* x = xt + m0 * K;
+    double acc[kCols][kTileRows] = {};
+    for (int64_t k = 0; k < K; ++k) {
+      const double* xk = x + k * kTileRows;
+      const double* wk = wt + k * kCols;
+      for (int c = 0; c < kCols; ++c)
+        for (int lane = 0; lane < kTileRows; ++lane) acc[c][lane] += xk[lane] * wk[c];
+    }
+    const int64_t tile_rows = std::min<int64_t>(kTileRows, num_rows - m0);
+    for (int64_t lane = 0; lane < tile_rows; ++lane)
+      for (int c = 0; c < kCols; ++c) out_rows[m0 + lane][n0 + c] = static_cast<float>(acc[c][lane]);
+  }
+}
+
+// out_rows[m][n] = the dot product of x row m and w row n, for m < num_rows, n < N; x packed by
+// pack_row_tiles, w [N, K] row-major, wt scratch [K, kTileCols].
+MEGAMOE_CPU_KERNEL void rows_times_weights(const double* xt, int64_t num_rows, const float* w, int64_t N, int64_t K,
+                                           double* wt, float* const* out_rows) {
+  int64_t n0 = 0;
+  for (; n0 + kTileCols <= N; n0 += kTileCols) weight_tile_dots<kTileCols>(xt, num_rows, w, K, n0, wt, out_rows);
+  for (; n0 < N; ++n0) weight_tile_dots<1>(xt, num_rows, w, K, n0, wt, out_rows);
+}
+
+// The pool regions run_experts reads and writes.
+struct ExpertPoolView {
+  const WorkspaceLayout* layout = nullptr;
+  void* base = nullptr;
+  bool pow2_scales = false;
+  float* fc2_out = nullptr;  // [pool rows, H]
+
+  // Quantisation point 2 (FC1 input): pool row -> fp32 [H].
+  void dequantize_x(int64_t row, float* x) const {
+    const WorkspaceParams& p = layout->params;
+    const int64_t H = p.hidden;
+    const char* xr = at_bytes(base, layout->pool_x) + row * H * ws_elem_bytes(p.dispatch_format);
+    if (p.dispatch_format == kWsFp8Block) {
+      const float* scales = reinterpret_cast<const float*>(at_bytes(base, layout->pool_x_scales)) + row * (H / 128);
+      fmt::dequantize_fp8_1x128(reinterpret_cast<const uint8_t*>(xr), scales, H, x);
+    } else {
+      const uint16_t* xb = reinterpret_cast<const uint16_t*>(xr);
+      for (int64_t c = 0; c < H; ++c) x[c] = fmt::bf16_to_float(xb[c]);
+    }
+  }
+
+  // Quantisation point 4: h [I] -> the intermediate region's row, and its dequantised values hq [I].
+  void store_intermediate(int64_t row, const float* h, float* hq) const {
+    const WorkspaceParams& p = layout->params;
+    const int64_t I = p.intermediate, nb_i = I / 128;
+    char* inter = at_bytes(base, layout->intermediate);
+    if (p.intermediate_format == kWsFp8Block) {
+      uint8_t* q = reinterpret_cast<uint8_t*>(inter) + row * I;
+      float* scales = reinterpret_cast<float*>(at_bytes(base, layout->intermediate_scales)) + row * nb_i;
+      fmt::quantize_fp8_1x128(h, I, q, scales, pow2_scales);
+      fmt::dequantize_fp8_1x128(q, scales, I, hq);
+    } else {
+      uint16_t* q = reinterpret_cast<uint16_t*>(inter) + row * I;
+      for (int64_t i = 0; i < I; ++i) {
+        q[i] = fmt::float_to_bf16(h[i]);
+        hq[i] = fmt::bf16_to_float(q[i]);
+      }
+    }
+  }
+};
+
+// Up to kRowsPerTask real pool rows of one expert: rows[first, first + count).
+struct ExpertTask {
+  int64_t expert, first, count;
+};
+
+// One worker's buffers, sized for a full task.
+struct ExpertScratch {
+  std::vector<float> x, gate_up, h, hq;  // [rows, H], [rows, 2I], [I], [rows, I]
+  std::vector<double> xt, wt;            // packed row tiles [tiles, max(H, I), kTileRows], [max(H, I), kTileCols]
+  std::vector<float*> out_rows;          // [rows]
+  ExpertScratch(int64_t H, int64_t I)
+      : x(kRowsPerTask * H), gate_up(kRowsPerTask * 2 * I), h(I), hq(kRowsPerTask * I),
+        xt((kRowsPerTask + kTileRows - 1) / kTileRows * kTileRows * std::max(H, I)),
+        wt(std::max(H, I) * kTileCols), out_rows(kRowsPerTask) {}
+};
+
+// Quantisation points 2..5 for one task's rows.
+void run_expert_task(const ExpertPoolView& pool, const ExpertWeightsF32& weights, const ExpertTask& task,
+                     const int32_t* rows, ExpertScratch* s) {
+  const int64_t H = pool.layout->params.hidden, I = pool.layout->params.intermediate, m = task.count;
+  const float* w13 = weights.w13.data() + task.expert * 2 * I * H;
+  const float* w2 = weights.w2.data() + task.expert * H * I;
+  const int32_t* task_rows = rows + task.first;
+  // FC1: gate_up[r] = [gate (I) | up (I)] of row r.
+  for (int64_t r = 0; r < m; ++r) {
+    pool.dequantize_x(task_rows[r], s->x.data() + r * H);
+    s->out_rows[r] = s->gate_up.data() + r * 2 * I;
+  }
+  pack_row_tiles(s->x.data(), m, H, s->xt.data());
+  rows_times_weights(s->xt.data(), m, w13, 2 * I, H, s->wt.data(), s->out_rows.data());
+  // SwiGLU (point 3), then the intermediate (point 4).
+  for (int64_t r = 0; r < m; ++r) {
+    const float* gate = s->gate_up.data() + r * 2 * I;
+    const float* up = gate + I;
+    for (int64_t i = 0; i < I; ++i) s->h[i] = silu(gate[i]) * up[i];
+    pool.store_intermediate(task_rows[r], s->h.data(), s->hq.data() + r * I);
+    s->out_rows[r] = pool.fc2_out + static_cast<int64_t>(task_rows[r]) * H;
+  }
+  // FC2 (point 5), straight into the rows' fc2_out.
+  pack_row_tiles(s->hq.data(), m, I, s->xt.data());
+  rows_times_weights(s->xt.data(), m, w2, H, I, s->wt.data(), s->out_rows.data());
+}
 
 }  // namespace
 
@@ -234,57 +385,65 @@ Status build_expert_pool(const WorkspaceLayout& layout, void* own_base) {
 }
 
 void run_experts(const WorkspaceLayout& layout, void* own_base, const ExpertWeightsF32& weights, bool pow2_scales,
-                 const ExpertFn& expert_fn, std::vector<float>* fc2_out) {
+                 const ExpertFn& expert_fn, std::vector<float>* fc2_out, int max_workers, int64_t min_fmas_per_worker) {
   const WorkspaceParams& p = layout.params;
   const int64_t El = p.experts_per_rank, H = p.hidden, I = p.intermediate;
-  const int64_t nb_h = H / 128, nb_i = I / 128;
-  const bool fp8_x = p.dispatch_format == kWsFp8Block, fp8_h = p.intermediate_format == kWsFp8Block;
-  const int64_t x_row_bytes = H * ws_elem_bytes(p.dispatch_format);
   const int32_t* offsets = reinterpret_cast<const int32_t*>(at_bytes(own_base, layout.expert_offsets));
   const int32_t* pool_src = reinterpret_cast<const int32_t*>(at_bytes(own_base, layout.pool_src));
-  const char* pool_x = at_bytes(own_base, layout.pool_x);
-  const float* pool_scales = reinterpret_cast<const float*>(at_bytes(own_base, layout.pool_x_scales));
-  char* inter = at_bytes(own_base, layout.intermediate);
-  float* inter_scales = reinterpret_cast<float*>(at_bytes(own_base, layout.intermediate_scales));
 
   fc2_out->assign(static_cast<size_t>(offsets[El]) * H, 0.0f);
-  std::vector<float> x(H), h(I), hq(I);
+  ExpertPoolView pool;
+  pool.layout = &layout;
+  pool.base = own_base;
+  pool.pow2_scales = pow2_scales;
+  pool.fc2_out = fc2_out->data();
+  if (expert_fn) {  // test hook: serial, the function need not be thread-safe
+    std::vector<float> x(H);
+    for (int64_t e = 0; e < El; ++e) {
+      for (int64_t row = offsets[e]; row < offsets[e + 1]; ++row) {
+        if (pool_src[row] < 0) continue;  // padding
+        pool.dequantize_x(row, x.data());
+        expert_fn(e, x.data(), pool.fc2_out + row * H);
+      }
+    }
+    return;
+  }
+
+  // Work units: up to kRowsPerTask real rows of one expert. invariant: every pool row belongs to
+  // exactly one unit, so its outputs are computed by one thread in the order stated above whatever
+  // the worker count (the result is bitwise independent of threading).
+  std::vector<int32_t> rows;
+  std::vector<ExpertTask> tasks;
   for (int64_t e = 0; e < El; ++e) {
-    const float* w13 = expert_fn ? nullptr : weights.w13.data() + e * 2 * I * H;
-    const float* w2 = expert_fn ? nullptr : weights.w2.data() + e * H * I;
-    for (int64_t row = offsets[e]; row < offsets[e + 1]; ++row) {
-      if (pool_src[row] < 0) continue;  // padding
-      const char* xr = pool_x + row * x_row_bytes;
-      if (fp8_x) {
-        fmt::dequantize_fp8_1x128(reinterpret_cast<const uint8_t*>(xr), pool_scales + row * nb_h, H, x.data());
-      } else {
-        const uint16_t* xb = reinterpret_cast<const uint16_t*>(xr);
-        for (int64_t c = 0; c < H; ++c) x[c] = fmt::bf16_to_float(xb[c]);
-      }
-      float* out = fc2_out->data() + row * H;
-      if (expert_fn) {
-        expert_fn(e, x.data(), out);
-        continue;
-      }
-      for (int64_t i = 0; i < I; ++i) {
-        const float gate = dot_f64(x.data(), w13 + i * H, H);
-        const float up = dot_f64(x.data(), w13 + (I + i) * H, H);
-        h[i] = silu(gate) * up;
-      }
-      if (fp8_h) {
-        uint8_t* q = reinterpret_cast<uint8_t*>(inter) + row * I;
-        fmt::quantize_fp8_1x128(h.data(), I, q, inter_scales + row * nb_i, pow2_scales);
-        fmt::dequantize_fp8_1x128(q, inter_scales + row * nb_i, I, hq.data());
-      } else {
-        uint16_t* q = reinterpret_cast<uint16_t*>(inter) + row * I;
-        for (int64_t i = 0; i < I; ++i) {
-          q[i] = fmt::float_to_bf16(h[i]);
-          hq[i] = fmt::bf16_to_float(q[i]);
-        }
-      }
-      for (int64_t c = 0; c < H; ++c) out[c] = dot_f64(hq.data(), w2 + c * I, I);
+    const int64_t first = static_cast<int64_t>(rows.size());
+    for (int64_t row = offsets[e]; row < offsets[e + 1]; ++row)
+      if (pool_src[row] >= 0) rows.push_back(static_cast<int32_t>(row));
+    const int64_t count = static_cast<int64_t>(rows.size()) - first;
+    for (int64_t i = 0; i < count; i += kRowsPerTask)
+      tasks.push_back(ExpertTask{e, first + i, std::min(kRowsPerTask, count - i)});
+  }
+  if (tasks.empty()) return;
+
+  const int64_t fmas = static_cast<int64_t>(rows.size()) * 3 * H * I;  // FC1 (2I x H) + FC2 (H x I) per row
+  int64_t num_workers = std::min<int64_t>(std::max(max_workers, 1), static_cast<int64_t>(tasks.size()));
+  if (min_fmas_per_worker > 0) num_workers = std::min(num_workers, std::max<int64_t>(1, fmas / min_fmas_per_worker));
+
+  std::atomic<size_t> next_task{0};
+  auto work = [&] {
+    ExpertScratch scratch(H, I);
+    for (size_t t = next_task++; t < tasks.size(); t = next_task++)
+      run_expert_task(pool, weights, tasks[t], rows.data(), &scratch);
+  };
+  std::vector<std::thread> helpers;
+  for (int64_t w = 1; w < num_workers; ++w) {
+    try {
+      helpers.emplace_back(work);
+    } catch (const std::system_error&) {
+      break;  // no more threads: the running ones drain the queue
     }
   }
+  work();
+  for (std::thread& t : helpers) t.join();
 }
 
 void encode_combine_row(int32_t combine_format, const float* partial, int64_t hidden, uint8_t* wire) {

@@ -130,11 +130,20 @@ struct ExpertWeightsF32 {
 // receives FC2's output (before the routing weight).
 using ExpertFn = std::function<void(int64_t local_expert, const float* x, float* out)>;
 
+// run_experts starts one worker per this many multiply-adds of FFN work (3*H*I per real pool row):
+// 1 to 2 ms of work, against 10 to 100 us to start and join a thread; a small forward stays on one.
+constexpr int64_t kMinFmasPerWorker = int64_t{1} << 24;
+
 // Stage 4 (owner): FC1 -> SwiGLU -> intermediate -> FC2 for every real pool row (quantisation
 // points 2..5). fc2_out is resized to [expert_offsets[E_l], H]; padding rows stay 0. With a
-// non-empty `expert_fn` it replaces the FFN and the intermediate region is not written.
+// non-empty `expert_fn` it replaces the FFN (called serially, from this thread) and the
+// intermediate region is not written.
+// Threads: up to max_workers (this thread included), at most one per min_fmas_per_worker
+// multiply-adds (0: no such limit) and one per work unit (up to 16 rows of one expert). Each pool
+// row is computed by one thread in a fixed operation order: the bits do not depend on the count.
 void run_experts(const WorkspaceLayout& layout, void* own_base, const ExpertWeightsF32& weights, bool pow2_scales,
-                 const ExpertFn& expert_fn, std::vector<float>* fc2_out);
+                 const ExpertFn& expert_fn, std::vector<float>* fc2_out, int max_workers = 1,
+                 int64_t min_fmas_per_worker = kMinFmasPerWorker);
 
 // Where combine_send writes: every rank's workspace and, for the in-kernel reduce, every rank's y.
 struct PeerTargets {

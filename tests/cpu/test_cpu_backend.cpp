@@ -20,6 +20,7 @@
 // Bound = 1.25 x the model (the epsilons are already upper estimates; measured/model ~ 0.7 expected).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -250,6 +251,77 @@ TEST(CpuBackend, RepeatedForwardsBitwiseEqual_ForwardBeforeWarmup_EP2) {
   st = runner->forward_all(&again);
   ASSERT_TRUE(st.is_ok()) << st.to_string();
   EXPECT_TRUE(flatten(first) == flatten(again));
+}
+
+// The expert FFN on 1, 2, 3 and 8 threads per rank: the same bits in y and in every rank's
+// intermediate region (each pool row is computed by one thread in a fixed operation order). 64 and
+// 50 tokens, top-4 with dropped slots, 8 local experts: ~19 rows per expert, so most experts span
+// two work units (16 rows) and several row tiles (8 rows), with partial tiles.
+class ExpertThreads : public testing::TestWithParam<FormatCase> {};
+
+TEST_P(ExpertThreads, OneAndManyWorkersBitwiseEqual_EP2) {
+  const MoeConfig cfg = GetParam().config;
+  const MoeProblem p = reference::make_random_problem(geometry(2, 64), 404, {64, 50}, Routing::kWithDropped);
+  std::unique_ptr<reference::GroupRunner> runner;
+  ASSERT_TRUE(reference::GroupRunner::create(p, cfg, &runner).is_ok());
+  std::vector<uint16_t> y_one_worker;
+  std::vector<std::vector<uint8_t>> inter_one_worker(2);
+  for (int workers : {1, 2, 3, 8}) {
+    for (int r = 0; r < 2; ++r) dynamic_cast<CpuMoeLayer*>(runner->layer(r))->set_expert_workers_for_testing(workers);
+    std::vector<std::vector<uint16_t>> y;
+    Status st = runner->forward_all(&y);
+    ASSERT_TRUE(st.is_ok()) << "workers=" << workers << ": " << st.to_string();
+    ASSERT_FALSE(has_nan(flatten(y))) << "workers=" << workers;
+    for (int r = 0; r < 2; ++r) {
+      const auto* cpu = dynamic_cast<CpuMoeLayer*>(runner->layer(r));
+      const WorkspaceLayout& l = cpu->layout();
+      const uint8_t* inter = l.at<uint8_t>(cpu->workspace_base(), l.intermediate);
+      std::vector<uint8_t> bytes(inter, inter + l.intermediate.bytes);
+      if (workers == 1) {
+        inter_one_worker[r] = std::move(bytes);
+      } else {
+        EXPECT_TRUE(bytes == inter_one_worker[r]) << "rank " << r << " intermediate, workers=" << workers << " vs 1";
+      }
+    }
+    if (workers == 1) {
+      y_one_worker = flatten(y);
+    } else {
+      EXPECT_TRUE(flatten(y) == y_one_worker) << "y, workers=" << workers << " vs 1";
+    }
+  }
+  // The default again (fewer workers for a forward this small): still the same bits.
+  for (int r = 0; r < 2; ++r) dynamic_cast<CpuMoeLayer*>(runner->layer(r))->set_expert_workers_for_testing(0);
+  std::vector<std::vector<uint16_t>> y;
+  ASSERT_TRUE(runner->forward_all(&y).is_ok());
+  EXPECT_TRUE(flatten(y) == y_one_worker) << "y, default workers vs 1";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Formats, ExpertThreads,
+    testing::Values(
+        FormatCase{"W_fp8_D_fp8_C_bf16", config(WeightFormat::kFp8Block, DispatchFormat::kFp8Block, CombineDtype::kBf16)},
+        FormatCase{"W_fp8_D_fp8_C_bf16_Pow2",
+                   config(WeightFormat::kFp8Block, DispatchFormat::kFp8Block, CombineDtype::kBf16, true)},
+        FormatCase{"W_bf16_D_bf16_C_bf16", config(WeightFormat::kBf16, DispatchFormat::kBf16, CombineDtype::kBf16)}),
+    [](const testing::TestParamInfo<FormatCase>& info) { return std::string(info.param.name); });
+
+TEST(CpuBackend, DefaultExpertWorkersSplitTheCoresAmongRanks) {
+  const int64_t hw = std::thread::hardware_concurrency();
+  for (int64_t ep : {1, 2, 8, 64}) {
+    const int want = static_cast<int>(std::clamp<int64_t>(hw / ep, 1, kMaxExpertWorkers));
+    EXPECT_EQ(default_expert_workers(ep), want) << "ep_size=" << ep << ", hardware_concurrency=" << hw;
+  }
+  EXPECT_EQ(default_expert_workers(int64_t{1} << 20), 1) << "at least one worker";
+  const MoeProblem p = reference::make_random_problem(geometry(2, 8), 3, {8, 8});
+  std::unique_ptr<reference::GroupRunner> runner;
+  ASSERT_TRUE(reference::GroupRunner::create(p, config(WeightFormat::kBf16, DispatchFormat::kBf16, CombineDtype::kBf16),
+                                             &runner).is_ok());
+  auto* cpu = dynamic_cast<CpuMoeLayer*>(runner->layer(1));
+  EXPECT_EQ(cpu->expert_workers(), default_expert_workers(2));
+  cpu->set_expert_workers_for_testing(5);
+  EXPECT_EQ(cpu->expert_workers(), 5);
+  cpu->set_expert_workers_for_testing(0);
+  EXPECT_EQ(cpu->expert_workers(), default_expert_workers(2));
 }
 
 TEST(CpuBackend, OutOfRangeIdNamesTokenSlotValue_PeersFailFast_EP2) {

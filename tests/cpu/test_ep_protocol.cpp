@@ -2,7 +2,9 @@
 // stage checked against the truth computed here (counts, rows, ordering, padding, combine).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <set>
@@ -433,6 +435,147 @@ INSTANTIATE_TEST_SUITE_P(Sweep, LayerIdentity,
                            return "EP" + std::to_string(std::get<0>(info.param)) + "_" +
                                   reference::to_string(std::get<1>(info.param));
                          });
+
+// ------------------------------------------------------------------------------------------------
+// run_experts against quantisation points 2..5 written out plainly: one pool row and one dot product
+// at a time, each an fp64 sum in k order rounded once to fp32. Every fc2 value and every byte of the
+// intermediate region (and its scales) must match bit for bit, on 1 and on several threads.
+
+float plain_dot(const float* a, const float* b, int64_t n) {
+  double acc = 0.0;
+  for (int64_t i = 0; i < n; ++i) acc += static_cast<double>(a[i]) * static_cast<double>(b[i]);
+  return static_cast<float>(acc);
+}
+
+struct ExpertFfnCase {
+  WeightFormat weight_format;
+  DispatchFormat dispatch_format;
+  bool pow2_scales;
+  Routing routing;
+};
+
+class RunExpertsBits : public testing::TestWithParam<ExpertFfnCase> {};
+
+TEST_P(RunExpertsBits, EqualsPlainDotProducts_AnyWorkerCount) {
+  const ExpertFfnCase c = GetParam();
+  // 4 experts, 61 tokens, top-2 (some slots dropped): 15..37 rows per expert, so several work
+  // units per expert, full and partial row tiles, and padding rows.
+  MoeGeometry g;
+  g.hidden = 384, g.intermediate = 256, g.num_experts = 4, g.top_k = 2, g.ep_size = 1, g.max_tokens_per_rank = 64;
+  const int64_t H = g.hidden, I = g.intermediate, E = g.num_experts, k = g.top_k, T = 61;
+  reference::MoeProblem problem = reference::make_random_problem(g, 21, {T}, c.routing);
+  MoeConfig cfg;
+  cfg.backend = Backend::kCpu;
+  cfg.weight_format = c.weight_format;
+  cfg.dispatch_format = c.dispatch_format;
+  cfg.combine_dtype = CombineDtype::kBf16;
+  cfg.pow2_scales = c.pow2_scales;
+  std::unique_ptr<MoeLayer> layer;
+  ASSERT_TRUE(MoeLayer::create(g, cfg, reference::local_weights(problem, 0), nullptr, &layer).is_ok());
+  auto& in = problem.ranks[0];
+  std::vector<uint16_t> y(T * H);
+  // A forward fills the expert pool; run_experts then runs again on it below.
+  ASSERT_TRUE(layer->forward(TensorView(in.x_bf16.data(), DType::kBFloat16, {T, H}),
+                             TensorView(in.topk_ids.data(), DType::kInt32, {T, k}),
+                             TensorView(in.topk_weights.data(), DType::kFloat32, {T, k}),
+                             TensorView(y.data(), DType::kBFloat16, {T, H}))
+                  .is_ok());
+  auto* cpu = dynamic_cast<CpuMoeLayer*>(layer.get());
+  ASSERT_NE(cpu, nullptr);
+  const WorkspaceLayout& l = cpu->layout();
+  void* base = cpu->workspace_base();
+  reference::ExpertWeightsF32 weights;
+  weights.num_experts = E, weights.hidden = H, weights.intermediate = I;
+  layer->prepared_weights().w13.dequantize(&weights.w13);
+  layer->prepared_weights().w2.dequantize(&weights.w2);
+
+  const bool fp8_x = l.params.dispatch_format == kWsFp8Block, fp8_h = l.params.intermediate_format == kWsFp8Block;
+  const int64_t x_bytes = H * ws_elem_bytes(l.params.dispatch_format);
+  const int64_t h_bytes = I * ws_elem_bytes(l.params.intermediate_format);
+  const int32_t* offsets = l.at<int32_t>(base, l.expert_offsets);
+  const int32_t* pool_src = l.at<int32_t>(base, l.pool_src);
+  const int64_t pool_rows = offsets[E];
+  // The truth, row by row.
+  std::vector<float> want_fc2(pool_rows * H, 0.0f);
+  std::vector<uint8_t> want_h(pool_rows * h_bytes, 0xAB);
+  std::vector<float> want_h_scales(pool_rows * (I / 128), 0.0f);
+  std::vector<float> x(H), h(I), hq(I);
+  int64_t real_rows = 0, min_rows = pool_rows, max_rows = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    int64_t rows_here = 0;
+    for (int64_t row = offsets[e]; row < offsets[e + 1]; ++row) {
+      if (pool_src[row] < 0) continue;
+      ++rows_here;
+      const uint8_t* xr = l.at<uint8_t>(base, l.pool_x) + row * x_bytes;
+      if (fp8_x) {
+        fmt::dequantize_fp8_1x128(xr, l.at<float>(base, l.pool_x_scales) + row * (H / 128), H, x.data());
+      } else {
+        for (int64_t c2 = 0; c2 < H; ++c2) x[c2] = fmt::bf16_to_float(reinterpret_cast<const uint16_t*>(xr)[c2]);
+      }
+      const float* w13 = weights.w13.data() + e * 2 * I * H;
+      for (int64_t i = 0; i < I; ++i) {
+        const float gate = plain_dot(x.data(), w13 + i * H, H), up = plain_dot(x.data(), w13 + (I + i) * H, H);
+        h[i] = gate / (1.0f + std::exp(-gate)) * up;
+      }
+      uint8_t* q = want_h.data() + row * h_bytes;
+      if (fp8_h) {
+        fmt::quantize_fp8_1x128(h.data(), I, q, want_h_scales.data() + row * (I / 128), c.pow2_scales);
+        fmt::dequantize_fp8_1x128(q, want_h_scales.data() + row * (I / 128), I, hq.data());
+      } else {
+        for (int64_t i = 0; i < I; ++i) {
+          reinterpret_cast<uint16_t*>(q)[i] = fmt::float_to_bf16(h[i]);
+          hq[i] = fmt::bf16_to_float(reinterpret_cast<uint16_t*>(q)[i]);
+        }
+      }
+      const float* w2 = weights.w2.data() + e * H * I;
+      for (int64_t c2 = 0; c2 < H; ++c2) want_fc2[row * H + c2] = plain_dot(hq.data(), w2 + c2 * I, I);
+    }
+    real_rows += rows_here;
+    min_rows = std::min(min_rows, rows_here);
+    max_rows = std::max(max_rows, rows_here);
+  }
+  ASSERT_GT(max_rows, 16) << "the case must span several work units of one expert";
+
+  for (int workers : {1, 3, 8}) {
+    uint8_t* inter = l.at<uint8_t>(base, l.intermediate);
+    float* inter_scales = l.at<float>(base, l.intermediate_scales);
+    for (int64_t row = 0; row < pool_rows; ++row) {  // padding rows must stay untouched
+      std::memset(inter + row * h_bytes, 0xAB, h_bytes);
+      if (fp8_h) std::memset(inter_scales + row * (I / 128), 0, (I / 128) * sizeof(float));
+    }
+    std::vector<float> fc2;
+    reference::run_experts(l, base, weights, c.pow2_scales, reference::ExpertFn(), &fc2, workers, 0);
+    ASSERT_EQ(fc2.size(), want_fc2.size());
+    int64_t bad = 0, first_bad = -1;
+    for (size_t i = 0; i < fc2.size(); ++i) {
+      if (std::memcmp(&fc2[i], &want_fc2[i], sizeof(float)) != 0 && bad++ == 0) first_bad = static_cast<int64_t>(i);
+    }
+    EXPECT_EQ(bad, 0) << "workers=" << workers << ": fc2 values differing from the plain sums, first at row "
+                      << first_bad / H << " column " << first_bad % H;
+    EXPECT_EQ(std::memcmp(inter, want_h.data(), want_h.size()), 0) << "workers=" << workers << ": intermediate";
+    if (fp8_h) {
+      EXPECT_EQ(std::memcmp(inter_scales, want_h_scales.data(), want_h_scales.size() * sizeof(float)), 0)
+          << "workers=" << workers << ": intermediate scales";
+    }
+  }
+  std::printf("%lld real rows of %lld pool rows, %lld..%lld per expert\n", static_cast<long long>(real_rows),
+              static_cast<long long>(pool_rows), static_cast<long long>(min_rows), static_cast<long long>(max_rows));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Formats, RunExpertsBits,
+    testing::Values(ExpertFfnCase{WeightFormat::kFp8Block, DispatchFormat::kFp8Block, false, Routing::kUniform},
+                    ExpertFfnCase{WeightFormat::kFp8Block, DispatchFormat::kFp8Block, true, Routing::kWithDropped},
+                    ExpertFfnCase{WeightFormat::kBf16, DispatchFormat::kBf16, false, Routing::kWithDropped},
+                    ExpertFfnCase{WeightFormat::kNvfp4, DispatchFormat::kBf16, false, Routing::kUniform}),
+    [](const testing::TestParamInfo<ExpertFfnCase>& info) {
+      const ExpertFfnCase& c = info.param;
+      const char* w = c.weight_format == WeightFormat::kFp8Block ? "Wfp8"
+                      : c.weight_format == WeightFormat::kBf16   ? "Wbf16"
+                                                                 : "Wnvfp4";
+      return std::string(w) + (c.dispatch_format == DispatchFormat::kFp8Block ? "_Dfp8" : "_Dbf16") +
+             (c.pow2_scales ? "_Pow2_" : "_") + reference::to_string(c.routing);
+    });
 
 TEST(LayerTimeout, RankThatSkipsAForwardMakesPeersReportStageAndPeer) {
   MoeGeometry g;

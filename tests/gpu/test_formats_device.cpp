@@ -5,6 +5,8 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include "gpu/gpu_skip.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -26,18 +28,7 @@ namespace {
     ASSERT_EQ(_err, cudaSuccess) << #expr << ": " << cudaGetErrorString(_err); \
   } while (0)
 
-// Skips the test unless an sm_90 device is present (the kernels are built for sm_90a only).
-#define REQUIRE_SM90()                                                                                                \
-  do {                                                                                                                \
-    int _count = 0;                                                                                                   \
-    const cudaError_t _count_err = cudaGetDeviceCount(&_count);                                                       \
-    if (_count_err != cudaSuccess || _count == 0)                                                                     \
-      GTEST_SKIP() << "no CUDA device: " << (_count_err != cudaSuccess ? cudaGetErrorString(_count_err) : "count 0"); \
-    cudaDeviceProp _prop{};                                                                                           \
-    CUDA_OK(cudaGetDeviceProperties(&_prop, 0));                                                                      \
-    if (_prop.major != 9)                                                                                             \
-      GTEST_SKIP() << "formats kernels are built for sm_90a; device 0 is sm_" << _prop.major << _prop.minor;          \
-  } while (0)
+#define REQUIRE_SM90() MEGAMOE_REQUIRE_SM90_GPUS(1)
 
 // A device copy of a host vector (or an uninitialised one of n elements), freed on scope exit.
 template <typename T>

@@ -4,6 +4,8 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include "gpu/gpu_skip.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -27,26 +29,7 @@ namespace fmt = megamoe::fmt;
 
 #define CUDA_OK(x) ASSERT_EQ((x), cudaSuccess) << #x << ": " << cudaGetErrorString(x)
 
-bool have_sm90(std::string* why) {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
-    *why = "no CUDA device";
-    return false;
-  }
-  cudaDeviceProp p;
-  cudaGetDeviceProperties(&p, 0);
-  if (p.major != 9) {
-    *why = "needs an sm_90 GPU, found " + std::string(p.name);
-    return false;
-  }
-  return true;
-}
-
-#define REQUIRE_SM90()                      \
-  do {                                      \
-    std::string why;                        \
-    if (!have_sm90(&why)) GTEST_SKIP() << why; \
-  } while (0)
+#define REQUIRE_SM90() MEGAMOE_REQUIRE_SM90_GPUS(1)
 
 template <typename T>
 struct DevBuf {

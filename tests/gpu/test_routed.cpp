@@ -3,6 +3,8 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include "gpu/gpu_skip.h"
+
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -22,19 +24,7 @@ using reference::MoeProblem;
 using reference::RankInputs;
 using reference::Routing;
 
-int gpu_count() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  return n;
-}
-
-#define SKIP_UNLESS_GPUS(n)                                                            \
-  do {                                                                                 \
-    if (gpu_count() < (n)) GTEST_SKIP() << "needs " << (n) << " CUDA device(s), found " << gpu_count(); \
-  } while (0)
+using gpu_test::cuda_device_count_or_zero;
 
 #define CUDA_OK(x) ASSERT_EQ((x), cudaSuccess) << #x
 
@@ -216,7 +206,7 @@ class Sm90Routed : public ::testing::TestWithParam<RoutedCase> {};
 
 TEST_P(Sm90Routed, MatchesCpuBackendAndIsDeterministic) {
   const RoutedCase& p = GetParam();
-  SKIP_UNLESS_GPUS(p.R);
+  MEGAMOE_REQUIRE_SM90_GPUS(p.R);
   std::vector<int64_t> tokens(p.R, p.T);
   if (p.R > 1) tokens[0] = 0;  // a rank with no tokens still takes part
   if (p.R > 1) tokens[1] = p.T;  // T = max_tokens_per_rank
@@ -273,8 +263,8 @@ INSTANTIATE_TEST_SUITE_P(
 // 1000 forwards with a random T per rank (0..max) and random routing, each output checked against
 // the cpu backend; no hang (every wait is bounded).
 TEST(Sm90RoutedSoak, Fp8_EP2_Tiny_1000RandomForwards) {
-  const int R = gpu_count() >= 2 ? 2 : 1;
-  SKIP_UNLESS_GPUS(1);
+  const int R = cuda_device_count_or_zero() >= 2 ? 2 : 1;
+  MEGAMOE_REQUIRE_SM90_GPUS(1);
   const int64_t T_max = 48, H = 512, k = 4, E = 16;
   MoeProblem problem = reference::make_random_problem(geometry(H, 256, E, k, R, T_max), 99,
                                                       std::vector<int64_t>(R, T_max));

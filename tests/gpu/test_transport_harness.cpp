@@ -14,12 +14,9 @@ std::vector<std::shared_ptr<Communicator>>* nccl_group(int n, std::string* reaso
   std::lock_guard<std::mutex> lock(mutex);
   if (!tried) {
     tried = true;
-    int count = 0;
-    const cudaError_t err = cudaGetDeviceCount(&count);
-    if (err != cudaSuccess || count == 0) {
-      failure = std::string("no CUDA device (") + cudaGetErrorString(err) + ")";
-    } else if (count < 2) {
-      failure = "the EP transport tests need 2 GPUs; this machine has " + std::to_string(count);
+    failure = gpu_test::gpu_skip_reason(2);
+    if (!failure.empty()) {
+      failure = "the EP transport tests: " + failure;
     } else {
       auto* g = new std::vector<std::shared_ptr<Communicator>>();
       const Status st = create_nccl_group({0, 1}, g);

@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "gpu/gpu_skip.h"
 #include "kernels/transport/ep_transport.h"
 #include "megamoe/comm.h"
 #include "megamoe/formats.h"

@@ -24,12 +24,13 @@ if [[ $what == bench || $what == all ]]; then
   timeout 300 $BIN/megamoe bench --preset qwen3-30b-a3b --backend routed --ep 2 --tokens 8,128,1024 --iters 30 \
     --json "$OUT/bench_qwen3_ep2.json" 2>&1 | tee "$OUT/bench.log" | tail -8
 fi
-# The table (deepseek-v3 and qwen3-30b-a3b, EP1 and EP2, 1..8192 tokens/rank): one call each.
+# The table (deepseek-v3 and qwen3-30b-a3b, EP1 and EP2, 1..8192 tokens/rank); PRESETS and
+# EPS pick a part of it so each device call stays under its 10-minute limit.
 # The 2-GPU machine's MemTotal reads ~31 GiB at start and grows on use, hence --max-host-gb.
 if [[ $what == table ]]; then
   TOK=${TOKENS:-1,8,64,128,512,1024,2048,4096,8192}
-  for preset in deepseek-v3 qwen3-30b-a3b; do
-    for ep in 1 2; do
+  for preset in ${PRESETS:-deepseek-v3 qwen3-30b-a3b}; do
+    for ep in ${EPS:-1 2}; do
       echo "== $preset EP$ep"
       timeout 540 $BIN/megamoe bench --preset $preset --backend routed --ep $ep --tokens $TOK --iters 20 --warmup 5 \
         --max-host-gb 120 --json "$OUT/bench_${preset}_ep${ep}.json" 2>&1 | tee "$OUT/bench_${preset}_ep${ep}.log" | \

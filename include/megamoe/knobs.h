@@ -124,4 +124,10 @@ const KnobCache& process_knob_cache();
 // readers of the returned reference.
 void reset_process_knob_cache();
 
+// The config with tuned knobs filled in: each Knobs field left at 0 (heuristic) takes the value of
+// the cache entry for (device_name, geometry, config) under the bucket rule; a field the caller set
+// stays. Returns `config` unchanged when there is no entry. *note (optional) says what was applied.
+MoeConfig apply_tuned_knobs(const MoeConfig& config, const MoeGeometry& geometry, const std::string& device_name,
+                            const KnobCache& cache, std::string* note = nullptr);
+
 }  // namespace megamoe

@@ -92,19 +92,12 @@ BackendSelection select_backend(const MoeGeometry& g, const MoeConfig& c) {
   return s;
 }
 
-Status MoeLayer::create(const MoeGeometry& g, const MoeConfig& c, const MoeWeights& weights,
-                        std::shared_ptr<Communicator> comm, std::unique_ptr<MoeLayer>* out) {
-  if (!out) return invalid_argument("argument", "out", "null", "must point to a std::unique_ptr<MoeLayer>");
-  MEGAMOE_RETURN_IF_ERROR(c.validate(g));
-  if (g.ep_size > 1 && !comm)
-    return invalid_argument("argument", "comm", "null", "ep_size=" + str(g.ep_size) + " needs a communicator");
-  if (comm) {
-    if (comm->size() != g.ep_size)
-      return invalid_argument("argument", "comm.size()", str(comm->size()), "must equal ep_size=" + str(g.ep_size));
-    if (comm->rank() != g.ep_rank)
-      return invalid_argument("argument", "comm.rank()", str(comm->rank()), "must equal ep_rank=" + str(g.ep_rank));
-  }
+namespace {
 
+// MoeLayer::create() once the arguments are checked and the tuned knobs applied: selection, gates,
+// weight preparation, the backend's factory.
+Status create_layer(const MoeGeometry& g, const MoeConfig& c, const MoeWeights& weights,
+                    std::shared_ptr<Communicator> comm, std::unique_ptr<MoeLayer>* out) {
   BackendSelection selection = select_backend(g, c);
   if (c.backend == Backend::kAuto) {
     if (selection.backend != Backend::kMega) log_info("backend selection: %s", selection.reason.c_str());
@@ -130,6 +123,32 @@ Status MoeLayer::create(const MoeGeometry& g, const MoeConfig& c, const MoeWeigh
                     std::string("backend ") + to_string(selection.backend) + " is not built yet");
   }
 }
+
+}  // namespace
+
+Status MoeLayer::create(const MoeGeometry& g, const MoeConfig& c, const MoeWeights& weights,
+                        std::shared_ptr<Communicator> comm, std::unique_ptr<MoeLayer>* out) {
+  if (!out) return invalid_argument("argument", "out", "null", "must point to a std::unique_ptr<MoeLayer>");
+  MEGAMOE_RETURN_IF_ERROR(c.validate(g));
+  if (g.ep_size > 1 && !comm)
+    return invalid_argument("argument", "comm", "null", "ep_size=" + str(g.ep_size) + " needs a communicator");
+  if (comm) {
+    if (comm->size() != g.ep_size)
+      return invalid_argument("argument", "comm.size()", str(comm->size()), "must equal ep_size=" + str(g.ep_size));
+    if (comm->rank() != g.ep_rank)
+      return invalid_argument("argument", "comm.rank()", str(comm->rank()), "must equal ep_rank=" + str(g.ep_rank));
+  }
+
+  // Tuned knobs from the knob cache fill the fields the caller left to the heuristic.
+  MoeConfig tuned = c;
+  if (auto devices = cuda_devices(); !devices.empty()) {
+    std::string note;
+    tuned = apply_tuned_knobs(c, g, devices.front().name, process_knob_cache(), &note);
+    if (!note.empty()) log_info("%s", note.c_str());
+  }
+  return create_layer(g, tuned, weights, std::move(comm), out);
+}
+
 
 namespace {
 

@@ -426,4 +426,23 @@ void reset_process_knob_cache() {
   g_process_loaded = false;
 }
 
+MoeConfig apply_tuned_knobs(const MoeConfig& config, const MoeGeometry& geometry, const std::string& device_name,
+                            const KnobCache& cache, std::string* note) {
+  MoeConfig out = config;
+  if (note) note->clear();
+  const std::optional<KnobEntry> entry = cache.lookup(make_knob_key(device_name, geometry, config));
+  if (!entry) return out;
+  std::string applied;
+  auto take = [&applied](int32_t* field, int32_t tuned, const char* name) {
+    if (*field != 0 || tuned == 0) return;
+    *field = tuned;
+    applied += std::string(applied.empty() ? "" : ", ") + name + "=" + std::to_string(tuned);
+  };
+  take(&out.knobs.block_m, entry->knobs.block_m, "block_m");
+  take(&out.knobs.block_n, entry->knobs.block_n, "block_n");
+  take(&out.knobs.num_sms, entry->knobs.num_sms, "num_sms");
+  if (note) *note = applied.empty() ? "" : "tuned knobs from the knob cache: " + applied;
+  return out;
+}
+
 }  // namespace megamoe

@@ -592,5 +592,57 @@ TEST_F(ProcessKnobCacheTest, MissingOrCorruptFile_GivesEmptyCache) {
   EXPECT_EQ(process_knob_cache().size(), 0u);
 }
 
+// ---- apply_tuned_knobs: the cache fills what the caller left to the heuristic ----
+
+MoeGeometry tuned_geometry(int64_t max_tokens) {
+  MoeGeometry g;
+  g.hidden = 7168;
+  g.intermediate = 2048;
+  g.num_experts = 256;
+  g.top_k = 8;
+  g.ep_size = 2;
+  g.max_tokens_per_rank = max_tokens;
+  return g;
+}
+
+KnobCache cache_with_tuned_entry() {
+  KnobCache cache;
+  KnobEntry e;
+  e.knobs.block_m = 64;
+  e.knobs.block_n = 256;
+  e.knobs.num_sms = 120;
+  cache.put(make_knob_key("NVIDIA H200", tuned_geometry(128), MoeConfig{}), e);
+  return cache;
+}
+
+TEST(ApplyTunedKnobs, FillsHeuristicFieldsFromTheBucket) {
+  std::string note;
+  const MoeConfig out =
+      apply_tuned_knobs(MoeConfig{}, tuned_geometry(100), "NVIDIA H200", cache_with_tuned_entry(), &note);
+  EXPECT_EQ(out.knobs.block_m, 64);  // bucket 128 is the smallest >= 100
+  EXPECT_EQ(out.knobs.block_n, 256);
+  EXPECT_EQ(out.knobs.num_sms, 120);
+  EXPECT_NE(note.find("block_m=64"), std::string::npos) << note;
+}
+
+TEST(ApplyTunedKnobs, CallerSetFieldsWin) {
+  MoeConfig c;
+  c.knobs.block_m = 128;
+  const MoeConfig out = apply_tuned_knobs(c, tuned_geometry(128), "NVIDIA H200", cache_with_tuned_entry());
+  EXPECT_EQ(out.knobs.block_m, 128);
+  EXPECT_EQ(out.knobs.block_n, 256);
+}
+
+TEST(ApplyTunedKnobs, NoEntryLeavesTheConfigAlone) {
+  std::string note = "stale";
+  MoeConfig c;
+  c.combine_dtype = CombineDtype::kMxfp8;  // another key: no entry
+  const MoeConfig out = apply_tuned_knobs(c, tuned_geometry(128), "NVIDIA H200", cache_with_tuned_entry(), &note);
+  EXPECT_TRUE(out.knobs == c.knobs);
+  EXPECT_TRUE(note.empty()) << note;
+  const MoeConfig other_device = apply_tuned_knobs(MoeConfig{}, tuned_geometry(128), "NVIDIA H100", cache_with_tuned_entry());
+  EXPECT_EQ(other_device.knobs.block_m, 0);
+}
+
 }  // namespace
 }  // namespace megamoe

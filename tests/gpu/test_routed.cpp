@@ -14,6 +14,7 @@
 #include "megamoe/comm.h"
 #include "megamoe/formats.h"
 #include "megamoe/layer.h"
+#include "megamoe/workspace.h"
 #include "reference/problem.h"
 #include "reference/reference_moe.h"
 
@@ -259,6 +260,23 @@ INSTANTIATE_TEST_SUITE_P(
                       RoutedCase{"Fp8_EP2_SingleExpert_T64", 512, 256, 16, 4, 2, 64, Routing::kSingleExpert, false,
                                  CombineDtype::kBf16}),
     [](const ::testing::TestParamInfo<RoutedCase>& info) { return std::string(info.param.name); });
+
+// Layers of one geometry share one symmetric workspace (EP1 layers built without a communicator
+// share their device's one-rank group, so their pool keys match).
+TEST(Sm90RoutedWorkspace, Ep1LayersOfOneGeometryShareOneWorkspace) {
+  MEGAMOE_REQUIRE_SM90_GPUS(1);
+  cudaSetDevice(0);
+  MoeProblem problem = reference::make_random_problem(geometry(512, 256, 16, 4, 1, 32), 5, {32});
+  MoeConfig c;
+  c.backend = Backend::kRouted;
+  const int64_t before = WorkspacePool::global().num_live();
+  std::unique_ptr<MoeLayer> a, b;
+  ASSERT_TRUE(MoeLayer::create(problem.geometry, c, reference::local_weights(problem, 0), nullptr, &a).is_ok());
+  ASSERT_TRUE(MoeLayer::create(problem.geometry, c, reference::local_weights(problem, 0), nullptr, &b).is_ok());
+  ASSERT_TRUE(a->warmup().is_ok());
+  ASSERT_TRUE(b->warmup().is_ok());
+  EXPECT_EQ(WorkspacePool::global().num_live(), before + 1);
+}
 
 // 1000 forwards with a random T per rank (0..max) and random routing, each output checked against
 // the cpu backend; no hang (every wait is bounded).

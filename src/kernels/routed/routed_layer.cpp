@@ -77,18 +77,33 @@ Status upload(int device, const void* src, int64_t bytes, std::shared_ptr<Device
 
 enum ScratchPurpose { kScratchAScales = 1, kScratchExpertOut = 2 };
 
+// EP1 layers built without a communicator share one single-rank NCCL group per device, so they share
+// one workspace too (WorkspacePool keys include the group).
+Status single_rank_group(int device, std::shared_ptr<Communicator>* out) {
+  static std::mutex mutex;
+  static auto* groups = new std::map<int, std::weak_ptr<Communicator>>();
+  std::lock_guard<std::mutex> lock(mutex);
+  if (auto live = (*groups)[device].lock()) {
+    *out = std::move(live);
+    return Status::ok();
+  }
+  std::vector<std::shared_ptr<Communicator>> ranks;
+  MEGAMOE_RETURN_IF_ERROR(create_nccl_group({device}, &ranks));
+  (*groups)[device] = ranks.front();
+  *out = ranks.front();
+  return Status::ok();
+}
+
 class RoutedMoeLayer final : public MoeLayer {
  public:
   RoutedMoeLayer(const MoeGeometry& g, const MoeConfig& c, BackendSelection s, PreparedWeights w)
       : MoeLayer(g, c, std::move(s), std::move(w)) {}
 
   Status init(std::shared_ptr<Communicator> comm) {
-    if (!comm) {  // EP1 without a communicator: a one-rank NCCL group on the current device
+    if (!comm) {  // EP1 without a communicator: the current device's one-rank NCCL group
       int dev = 0;
       MEGAMOE_CUDA_CHECK(cudaGetDevice(&dev));
-      std::vector<std::shared_ptr<Communicator>> ranks;
-      MEGAMOE_RETURN_IF_ERROR(create_nccl_group({dev}, &ranks));
-      comm = ranks.front();
+      MEGAMOE_RETURN_IF_ERROR(single_rank_group(dev, &comm));
     }
     NcclRankComm* nccl = nccl_rank_of(comm.get());
     if (!nccl)

@@ -375,15 +375,3 @@ void register_gemm_commands(CLI::App& app) {
 }
 
 }  // namespace megamoe::tool
-
-#ifdef MEGAMOE_GEMM_STANDALONE
-// Standalone driver (scripts/device_gemm.sh builds it before the lead wires the subcommand into the
-// megamoe tool): `megamoe_gemm bench-gemm ...`.
-int main(int argc, char** argv) {
-  CLI::App app{"megamoe grouped GEMM benchmark", "megamoe"};
-  app.require_subcommand(1);
-  megamoe::tool::register_gemm_commands(app);
-  CLI11_PARSE(app, argc, argv);
-  return 0;
-}
-#endif

@@ -27,16 +27,7 @@
 namespace megamoe {
 namespace kernels {
 
-enum SignalSlot : int {
-  kSlotDispatch = 0,
-  kSlotCombine = 1,
-  kSlotAbort = 2,
-  // Local cells (row = own rank).
-  kLocalEpoch = 8,           // launch epoch, bumped by the layout kernel
-  kLocalDispatchTicket = 9,  // blocks of the dispatch kernel that finished (last one resets it)
-  kLocalCombineTicket = 10,  // reserved for a fused combine
-  kLocalPoolTicket = 11,     // blocks of pool_offsets_kernel that finished (last one resets it)
-};
+// Signal slots (SignalSlot) are in sm90_launch.h, so host code can read the cells too.
 
 __device__ __forceinline__ uint64_t globaltimer_ns() {
   uint64_t t;
@@ -129,16 +120,30 @@ __device__ __forceinline__ void raise_abort(const SignalCtx& ctx, int32_t stage)
   for (int p = 0; p < ctx.num_ranks; ++p) st_release_sys(ctx.peer_cell(p, ctx.rank, kSlotAbort), 1u + stage);
 }
 
-// Waits until *cell >= expected. Returns true when it got there; false on timeout (recorded and
-// abort raised) or when a peer aborted (recorded as kWaitPeerAbort). One thread calls it.
+// Waits until *cell == expected. Returns true when it got there; false when a rank has aborted the
+// group (recorded as kWaitPeerAbort; checked first, so a dead group stays dead even when a stale
+// signal would let the wait pass), on timeout (recorded, abort raised), or when the cell is already
+// past `expected` (kWaitDesync, abort raised).
+// invariant: in a healthy group a cell never runs ahead of the waiter's epoch: a peer's next dispatch
+// signal needs this rank's combine signal of this epoch, and its next combine signal needs this
+// rank's next dispatch signal; so seen > expected means the ranks ran different numbers of launches.
+// One thread calls it.
 static __device__ __noinline__ bool wait_for_epoch(const SignalCtx& ctx, const uint64_t* cell, uint64_t expected,
                                             int32_t stage, int32_t peer) {
   uint64_t seen = ld_acquire_sys(cell);
-  if (seen >= expected) return true;
+  const int dead = first_aborter(ctx);
+  if (dead >= 0) {
+    record_wait_error(ctx, kWaitPeerAbort, stage, dead, expected, seen);
+    return false;
+  }
   const uint64_t start = globaltimer_ns();
   for (uint32_t iter = 1;; ++iter) {
-    seen = ld_acquire_sys(cell);
-    if (seen >= expected) return true;
+    if (seen == expected) return true;
+    if (seen > expected) {
+      record_wait_error(ctx, kWaitDesync, stage, peer, expected, seen);
+      raise_abort(ctx, stage);
+      return false;
+    }
     if ((iter & 63u) == 0) {
       const int aborter = first_aborter(ctx);
       if (aborter >= 0) {
@@ -152,6 +157,7 @@ static __device__ __noinline__ bool wait_for_epoch(const SignalCtx& ctx, const u
       }
       if (iter > 4096) __nanosleep(256);
     }
+    seen = ld_acquire_sys(cell);
   }
 }
 

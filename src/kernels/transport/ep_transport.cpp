@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <sstream>
+#include <vector>
 
 #include "comm/nccl_check.h"
 #include "comm/nccl_comm.h"
@@ -302,11 +303,16 @@ Status EpTransport::combine(const TensorView& topk_ids, const TensorView& y, cud
 
 Status EpTransport::check_error(cudaStream_t stream) {
   if (!base_) return Status::ok();
-  MEGAMOE_CUDA_CHECK(cudaSetDevice(device_));
-  MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  CudaDeviceGuard guard(device_);
+  // Copies on the caller's stream (not the legacy default stream, which would order against, or
+  // break the capture of, other threads' work in a one-process multi-rank driver).
   WaitError err{};
-  MEGAMOE_CUDA_CHECK(cudaMemcpy(&err, static_cast<char*>(base_) + layout_.error_cell.offset, sizeof(err),
-                                cudaMemcpyDeviceToHost));
+  const char* base = static_cast<const char*>(base_);
+  MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(&err, base + layout_.error_cell.offset, sizeof(err), cudaMemcpyDeviceToHost, stream));
+  std::vector<uint64_t> signals(static_cast<size_t>(layout_.signals.bytes / 8));
+  MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(signals.data(), base + layout_.signals.offset, signals.size() * 8,
+                                     cudaMemcpyDeviceToHost, stream));
+  MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   if (err.flag != 0) {
     const int64_t ms = options_.wait_timeout_ms > 0 ? options_.wait_timeout_ms : env_knobs().wait_timeout_ms;
     std::ostringstream os;
@@ -315,19 +321,35 @@ Status EpTransport::check_error(cudaStream_t stream) {
          << transport_stage_name(err.stage) << " for peer rank " << err.peer << " to publish epoch " << err.expected
          << ", saw " << err.seen << " after " << ms << " ms (MEGAMOE_WAIT_TIMEOUT_MS); did rank " << err.peer
          << " skip a launch or fail? The group is aborted: rebuild it";
+    } else if (err.flag == kernels::kWaitDesync) {
+      os << "EP transport out of step: rank " << err.rank << " (SM " << err.sm << ") at stage "
+         << transport_stage_name(err.stage) << " expected epoch " << err.expected << " but rank " << err.peer
+         << " had already published " << err.seen
+         << ": the ranks ran different numbers of forwards (a rank skipped or failed one). The group is aborted: "
+            "rebuild it";
     } else {
       os << "EP transport aborted: rank " << err.rank << " (SM " << err.sm << ") stopped waiting at stage "
          << transport_stage_name(err.stage) << " (expected epoch " << err.expected << ", saw " << err.seen
-         << ") because rank " << err.peer << " timed out and aborted the group; rebuild it";
+         << ") because rank " << err.peer << " aborted the group earlier; rebuild it";
     }
     return Status(StatusCode::kTimeout, os.str());
+  }
+  // A peer may have aborted while none of this rank's waits noticed (they passed before it).
+  for (int s = 0; s < size_; ++s) {
+    const uint64_t abort = signals[static_cast<size_t>(s) * WorkspaceLayout::kSignalSlots + kernels::kSlotAbort];
+    if (abort != 0)
+      return Status(StatusCode::kTimeout, "EP transport aborted: rank " + std::to_string(s) +
+                                              " gave up waiting at stage " +
+                                              transport_stage_name(static_cast<int32_t>(abort - 1)) +
+                                              " and aborted the group; rebuild it");
   }
   const ScratchLayout sl = ScratchLayout::make(options_.params);
   InputStatus in{};
   char* status_ptr = static_cast<char*>(scratch_) + sl.input_status;
-  MEGAMOE_CUDA_CHECK(cudaMemcpy(&in, status_ptr, sizeof(in), cudaMemcpyDeviceToHost));
+  MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(&in, status_ptr, sizeof(in), cudaMemcpyDeviceToHost, stream));
+  MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   if (in.bad_count != 0 || in.pool_overflow != 0) {
-    MEGAMOE_CUDA_CHECK(cudaMemset(status_ptr, 0, sizeof(in)));
+    MEGAMOE_CUDA_CHECK(cudaMemsetAsync(status_ptr, 0, sizeof(in), stream));
     std::ostringstream os;
     if (in.bad_count != 0) {
       os << "invalid topk_ids: topk_ids[" << in.first_token << ", " << in.first_slot << "]=" << in.first_value

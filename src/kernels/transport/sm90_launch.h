@@ -23,8 +23,25 @@ enum DispatchMode : int { kBf16ToFp8 = 0, kFp8Copy = 1, kBf16Copy = 2, kFp8ToBf1
 // Stage ids shared with the CPU reference (reference::ProtocolStage).
 enum TransportStage : int32_t { kStageDispatchDone = 3, kStageCombineDone = 4 };
 
+// Cells of the signals region (uint64 [R][WorkspaceLayout::kSignalSlots]); see sm90_signals.cuh.
+enum SignalSlot : int {
+  kSlotDispatch = 0,
+  kSlotCombine = 1,
+  kSlotAbort = 2,
+  // Local cells (row = own rank).
+  kLocalEpoch = 8,           // launch epoch, bumped by the dispatch kernel's last CTA
+  kLocalDispatchTicket = 9,  // blocks of the dispatch kernel that finished (last one resets it)
+  kLocalCombineTicket = 10,  // reserved for a fused combine
+  kLocalPoolTicket = 11,     // blocks of pool_offsets_kernel that finished (last one resets it)
+};
+
 // WaitError::flag values.
-enum WaitErrorKind : int32_t { kWaitOk = 0, kWaitTimeout = 1, kWaitPeerAbort = 2 };
+enum WaitErrorKind : int32_t {
+  kWaitOk = 0,
+  kWaitTimeout = 1,    // this rank gave up waiting for a peer
+  kWaitPeerAbort = 2,  // a peer (or this rank, earlier) aborted the group
+  kWaitDesync = 3,     // a peer's signal is ahead of this rank's epoch: the ranks ran different launch counts
+};
 
 // Bad routing input seen on the device (sticky until the host reads and clears it in check_error()).
 struct InputStatus {

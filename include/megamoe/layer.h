@@ -15,6 +15,10 @@
 //   T may be 0 (the rank still takes part). T > max_tokens_per_rank, wrong shapes, dtypes or devices,
 //   and expert ids outside [-1, E) are refused with a message naming the argument and the rule.
 //   Every rank of the group calls forward() the same number of times.
+// - Layers of one geometry and group share one workspace (and GPU scratch): run their forwards one
+//   after another on one stream, as a model's layers run; two of them must not run concurrently (on
+//   two streams). A forward that fails on a GPU backend after its dispatch started leaves the group out
+//   of step: that layer refuses later forwards, and the group (communicator and layers) must be rebuilt.
 // - Selection rule for `auto` (TensorRT-LLM's MEGAMOE_AUTO semantics): mega if
 //   0 < max_tokens_per_rank <= mega_max_tokens_per_rank and mega's capability gate passes; else
 //   routed if its gate passes; else cpu. Each fallback is logged (stderr, and selection_log()).

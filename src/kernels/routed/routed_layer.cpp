@@ -54,12 +54,13 @@ Status device_alloc(int device, int64_t bytes, std::shared_ptr<DeviceBuffer>* ou
   return Status::ok();
 }
 
-// Scratch shared by layers with equal (device, purpose, bytes); freed with its last user.
-Status shared_scratch(int device, int purpose, int64_t bytes, std::shared_ptr<DeviceBuffer>* out) {
+// Scratch shared by the layers of one EP group with equal (device, purpose, bytes), like their
+// workspace; freed with its last user.
+Status shared_scratch(int device, uint64_t group_id, int purpose, int64_t bytes, std::shared_ptr<DeviceBuffer>* out) {
   static std::mutex mutex;
-  static auto* entries = new std::map<std::tuple<int, int, int64_t>, std::weak_ptr<DeviceBuffer>>();
+  static auto* entries = new std::map<std::tuple<int, uint64_t, int, int64_t>, std::weak_ptr<DeviceBuffer>>();
   std::lock_guard<std::mutex> lock(mutex);
-  auto& slot = (*entries)[{device, purpose, bytes}];
+  auto& slot = (*entries)[{device, group_id, purpose, bytes}];
   if (auto live = slot.lock()) {
     *out = std::move(live);
     return Status::ok();
@@ -110,6 +111,7 @@ class RoutedMoeLayer final : public MoeLayer {
       return invalid_argument("argument", "comm", comm->to_string(),
                               "the routed backend needs an NCCL communicator (create_nccl_group / create_nccl_rank)");
     device_ = nccl->device();
+    group_id_ = comm->group_id();
     CudaDeviceGuard guard(device_);
     if (!guard.ok()) return Status(StatusCode::kCudaError, "cannot select cuda:" + str(device_));
 
@@ -127,8 +129,9 @@ class RoutedMoeLayer final : public MoeLayer {
     const WorkspaceLayout& l = transport_->layout();
     const int64_t P = l.pool_rows, H = geometry_.hidden;
     if (fp8() && !a_scales_)
-      MEGAMOE_RETURN_IF_ERROR(shared_scratch(device_, kScratchAScales, P * (H / 128) * 4, &a_scales_));
-    if (!expert_out_) MEGAMOE_RETURN_IF_ERROR(shared_scratch(device_, kScratchExpertOut, P * H * 2, &expert_out_));
+      MEGAMOE_RETURN_IF_ERROR(shared_scratch(device_, group_id_, kScratchAScales, P * (H / 128) * 4, &a_scales_));
+    if (!expert_out_) MEGAMOE_RETURN_IF_ERROR(shared_scratch(device_, group_id_, kScratchExpertOut, P * H * 2, &expert_out_));
+    MEGAMOE_RETURN_IF_ERROR(build_gemm_args());
     MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
     return Status::ok();
   }
@@ -137,85 +140,27 @@ class RoutedMoeLayer final : public MoeLayer {
                  void* stream_ptr, const TensorView& x_scale) override {
     MEGAMOE_RETURN_IF_ERROR(
         validate_forward_args(geometry_, config_, device(), x, x_scale, topk_ids, topk_weights, y));
+    if (!broken_.is_ok())
+      return Status(broken_.code(), "the layer's EP group failed in an earlier forward and cannot run again (" +
+                                        broken_.message() + "); rebuild the communicator and the layers");
     if (!transport_->warmed_up() || !expert_out_)
       return Status(StatusCode::kFailedPrecondition,
                     "forward() before warmup(): call warmup() on every rank first (it allocates the symmetric "
                     "workspace collectively and must run before any CUDA-graph capture)");
     CudaDeviceGuard guard(device_);
     cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
-    const WorkspaceLayout& l = transport_->layout();
-    char* base = static_cast<char*>(transport_->base());
-    const int64_t P = l.pool_rows, H = geometry_.hidden, I = geometry_.intermediate;
-    const int32_t El = static_cast<int32_t>(geometry_.experts_per_rank());
+    // invariant: once dispatch is launched every later stage must launch too, or this rank falls an
+    // epoch behind its peers; a failure from here on latches the layer as broken.
+    const Status st = run_stages(x, x_scale, topk_ids, topk_weights, y, stream);
+    if (!st.is_ok()) broken_ = st;
+    return st;
+  }
 
-    MEGAMOE_RETURN_IF_ERROR(mark(0, stream));
-    MEGAMOE_RETURN_IF_ERROR(transport_->dispatch(x, x_scale, topk_ids, topk_weights, stream));
-    MEGAMOE_RETURN_IF_ERROR(mark(1, stream));
-    MEGAMOE_RETURN_IF_ERROR(transport_->build_expert_pool(stream));
-    MEGAMOE_RETURN_IF_ERROR(mark(2, stream));
-    if (P > 0) {
-      // FC1 + SwiGLU (+ fp8 requant): pool_x -> intermediate.
-      gemm::GroupedGemmArgs fc1;
-      fc1.dtype = fp8() ? gemm::GemmDtype::kFp8Block : gemm::GemmDtype::kBf16;
-      fc1.layout = gemm::GroupedLayout::kContiguous;
-      fc1.epilogue = fp8() ? gemm::GemmEpilogue::kSwigluFp8 : gemm::GemmEpilogue::kSwigluBf16;
-      fc1.num_experts = El;
-      fc1.n = static_cast<int32_t>(2 * I);
-      fc1.k = static_cast<int32_t>(H);
-      fc1.a = base + l.pool_x.offset;
-      fc1.m_rows = P;
-      fc1.expert_offsets = reinterpret_cast<const int32_t*>(base + l.expert_offsets.offset);
-      fc1.b = w13_->ptr;
-      fc1.d = base + l.intermediate.offset;
-      fc1.ldd = I;
-      fc1.pow2_scales = config_.pow2_scales;
-      fc1.tiles = tile_overrides();
-      if (fc1.tiles.block_n != 256) fc1.tiles.block_n = 0;  // SwiGLU tiles are 128 gate + 128 up columns
-      fc1.expected_m_per_expert = expected_rows_per_expert();
-      if (fp8()) {
-        MEGAMOE_CUDA_CHECK(kernels::launch_scale_transpose(reinterpret_cast<const float*>(base + l.pool_x_scales.offset),
-                                                           P, H / 128, static_cast<float*>(a_scales_->ptr), P, stream));
-        fc1.a_scales = static_cast<const float*>(a_scales_->ptr);
-        fc1.ld_a_scales = P;
-        fc1.b_scales = static_cast<const float*>(w13_scales_->ptr);
-        // invariant: the intermediate_scales region holds P * I/128 fp32, here M-major [I/128][P].
-        fc1.d_scales = reinterpret_cast<float*>(base + l.intermediate_scales.offset);
-        fc1.ld_d_scales = P;
-      }
-      MEGAMOE_RETURN_IF_ERROR(gemm::launch_grouped_gemm(fc1, stream));
-      MEGAMOE_RETURN_IF_ERROR(mark(3, stream));
-
-      // FC2: intermediate -> expert_out (bf16, unweighted; combine_send applies the routing weight).
-      gemm::GroupedGemmArgs fc2;
-      fc2.dtype = fc1.dtype;
-      fc2.layout = gemm::GroupedLayout::kContiguous;
-      fc2.epilogue = gemm::GemmEpilogue::kStoreBf16;
-      fc2.num_experts = El;
-      fc2.n = static_cast<int32_t>(H);
-      fc2.k = static_cast<int32_t>(I);
-      fc2.a = base + l.intermediate.offset;
-      fc2.m_rows = P;
-      fc2.expert_offsets = fc1.expert_offsets;
-      fc2.b = w2_->ptr;
-      fc2.d = expert_out_->ptr;
-      fc2.ldd = H;
-      fc2.tiles = tile_overrides();
-      fc2.expected_m_per_expert = fc1.expected_m_per_expert;
-      if (fp8()) {
-        fc2.a_scales = fc1.d_scales;
-        fc2.ld_a_scales = P;
-        fc2.b_scales = static_cast<const float*>(w2_scales_->ptr);
-      }
-      MEGAMOE_RETURN_IF_ERROR(gemm::launch_grouped_gemm(fc2, stream));
-    } else {
-      MEGAMOE_RETURN_IF_ERROR(mark(3, stream));
-    }
-    MEGAMOE_RETURN_IF_ERROR(mark(4, stream));
-    TensorView out(expert_out_->ptr, DType::kBFloat16, {P, H}, device());
-    MEGAMOE_RETURN_IF_ERROR(transport_->combine_send(out, stream));
-    MEGAMOE_RETURN_IF_ERROR(mark(5, stream));
-    MEGAMOE_RETURN_IF_ERROR(transport_->combine(topk_ids, y, stream));
-    return mark(6, stream);
+  Status check_error(void* stream) override {
+    CudaDeviceGuard guard(device_);
+    const Status st = transport_->check_error(static_cast<cudaStream_t>(stream));
+    if (st.code() == StatusCode::kTimeout) broken_ = st;  // the group is aborted for good
+    return st;
   }
 
   Status set_stage_timing(bool enabled) override {
@@ -250,29 +195,121 @@ class RoutedMoeLayer final : public MoeLayer {
     }
   }
 
-  Status check_error(void* stream) override {
-    CudaDeviceGuard guard(device_);
-    return transport_->check_error(static_cast<cudaStream_t>(stream));
-  }
-
   Backend backend() const override { return Backend::kRouted; }
   Device device() const override { return Device::cuda(device_); }
 
  private:
   bool fp8() const { return config_.weight_format == WeightFormat::kFp8Block; }
 
+  // dispatch -> pool -> FC1 -> FC2 -> combine_send -> combine, with stage marks.
+  Status run_stages(const TensorView& x, const TensorView& x_scale, const TensorView& topk_ids,
+                    const TensorView& topk_weights, const TensorView& y, cudaStream_t stream) {
+    const WorkspaceLayout& l = transport_->layout();
+    const int64_t P = l.pool_rows, H = geometry_.hidden;
+    MEGAMOE_RETURN_IF_ERROR(mark(0, stream));
+    MEGAMOE_RETURN_IF_ERROR(transport_->dispatch(x, x_scale, topk_ids, topk_weights, stream));
+    MEGAMOE_RETURN_IF_ERROR(mark(1, stream));
+    MEGAMOE_RETURN_IF_ERROR(transport_->build_expert_pool(stream));
+    MEGAMOE_RETURN_IF_ERROR(mark(2, stream));
+    if (P > 0) {
+      if (fp8()) {
+        const char* base = static_cast<const char*>(transport_->base());
+        MEGAMOE_CUDA_CHECK(kernels::launch_scale_transpose(reinterpret_cast<const float*>(base + l.pool_x_scales.offset),
+                                                           P, H / 128, static_cast<float*>(a_scales_->ptr), P, stream));
+      }
+      MEGAMOE_RETURN_IF_ERROR(gemm::launch_grouped_gemm(fc1_, stream));
+      MEGAMOE_RETURN_IF_ERROR(mark(3, stream));
+      MEGAMOE_RETURN_IF_ERROR(gemm::launch_grouped_gemm(fc2_, stream));
+    } else {
+      MEGAMOE_RETURN_IF_ERROR(mark(3, stream));
+    }
+    MEGAMOE_RETURN_IF_ERROR(mark(4, stream));
+    TensorView out(expert_out_->ptr, DType::kBFloat16, {P, H}, device());
+    MEGAMOE_RETURN_IF_ERROR(transport_->combine_send(out, stream));
+    MEGAMOE_RETURN_IF_ERROR(mark(5, stream));
+    MEGAMOE_RETURN_IF_ERROR(transport_->combine(topk_ids, y, stream));
+    return mark(6, stream);
+  }
+
+  // Both GEMMs' arguments depend only on the geometry, the workspace and the weights: built and
+  // validated once in warmup(), so a bad knob fails there and never between dispatch and combine.
+  Status build_gemm_args() {
+    const WorkspaceLayout& l = transport_->layout();
+    char* base = static_cast<char*>(transport_->base());
+    const int64_t P = l.pool_rows, H = geometry_.hidden, I = geometry_.intermediate;
+    const int32_t El = static_cast<int32_t>(geometry_.experts_per_rank());
+    gemm::GroupedGemmArgs fc1;  // FC1 + SwiGLU (+ fp8 requant): pool_x -> intermediate
+    fc1.dtype = fp8() ? gemm::GemmDtype::kFp8Block : gemm::GemmDtype::kBf16;
+    fc1.layout = gemm::GroupedLayout::kContiguous;
+    fc1.epilogue = fp8() ? gemm::GemmEpilogue::kSwigluFp8 : gemm::GemmEpilogue::kSwigluBf16;
+    fc1.num_experts = El;
+    fc1.n = static_cast<int32_t>(2 * I);
+    fc1.k = static_cast<int32_t>(H);
+    fc1.a = base + l.pool_x.offset;
+    fc1.m_rows = P;
+    fc1.expert_offsets = reinterpret_cast<const int32_t*>(base + l.expert_offsets.offset);
+    fc1.b = w13_->ptr;
+    fc1.d = base + l.intermediate.offset;
+    fc1.ldd = I;
+    fc1.pow2_scales = config_.pow2_scales;
+    fc1.tiles = tiles_for(fc1.n, /*swiglu=*/true);
+    fc1.expected_m_per_expert = expected_rows_per_expert();
+    if (fp8()) {
+      fc1.a_scales = static_cast<const float*>(a_scales_->ptr);
+      fc1.ld_a_scales = P;
+      fc1.b_scales = static_cast<const float*>(w13_scales_->ptr);
+      // invariant: the intermediate_scales region holds P * I/128 fp32, here M-major [I/128][P].
+      fc1.d_scales = reinterpret_cast<float*>(base + l.intermediate_scales.offset);
+      fc1.ld_d_scales = P;
+    }
+    gemm::GroupedGemmArgs fc2;  // FC2: intermediate -> expert_out (bf16, unweighted)
+    fc2.dtype = fc1.dtype;
+    fc2.layout = gemm::GroupedLayout::kContiguous;
+    fc2.epilogue = gemm::GemmEpilogue::kStoreBf16;
+    fc2.num_experts = El;
+    fc2.n = static_cast<int32_t>(H);
+    fc2.k = static_cast<int32_t>(I);
+    fc2.a = base + l.intermediate.offset;
+    fc2.m_rows = P;
+    fc2.expert_offsets = fc1.expert_offsets;
+    fc2.b = w2_->ptr;
+    fc2.d = expert_out_->ptr;
+    fc2.ldd = H;
+    fc2.tiles = tiles_for(fc2.n, /*swiglu=*/false);
+    fc2.expected_m_per_expert = fc1.expected_m_per_expert;
+    if (fp8()) {
+      fc2.a_scales = fc1.d_scales;
+      fc2.ld_a_scales = P;
+      fc2.b_scales = static_cast<const float*>(w2_scales_->ptr);
+    }
+    if (P > 0) {
+      MEGAMOE_RETURN_IF_ERROR(gemm::validate_grouped_gemm(fc1));
+      MEGAMOE_RETURN_IF_ERROR(gemm::validate_grouped_gemm(fc2));
+    }
+    fc1_ = fc1;
+    fc2_ = fc2;
+    return Status::ok();
+  }
+
   // Records stage boundary `i` (0 = start) when stage timing is on.
   Status mark(int i, cudaStream_t stream) {
     if (!stage_timing_) return Status::ok();
+    if (i == 0) stage_recorded_ = false;  // until this forward's last mark
     MEGAMOE_CUDA_CHECK(cudaEventRecord(stage_events_[i], stream));
     if (i == kNumStages) stage_recorded_ = true;
     return Status::ok();
   }
 
-  gemm::GemmTileConfig tile_overrides() const {
+  // Knobs as GEMM tiles. BLOCK_M follows the pool's padding (the knob, else kDefaultBlockM), so a
+  // padded segment is one m-tile rather than a real tile plus a tile of padding; a BLOCK_N the GEMM
+  // cannot run for this N (not 128/256, not dividing N, or not 256 for SwiGLU) is left to its
+  // heuristic.
+  gemm::GemmTileConfig tiles_for(int32_t n, bool swiglu) const {
     gemm::GemmTileConfig t;
-    t.block_m = config_.knobs.block_m;
-    t.block_n = config_.knobs.block_n;
+    t.block_m = config_.block_m();
+    const int32_t bn = config_.knobs.block_n;
+    const bool bn_ok = swiglu ? bn == 256 : ((bn == 128 || bn == 256) && n % bn == 0);
+    t.block_n = bn_ok ? bn : 0;
     t.num_sms = config_.knobs.num_sms;
     return t;
   }
@@ -306,6 +343,9 @@ class RoutedMoeLayer final : public MoeLayer {
   static constexpr const char* kStageNames[kNumStages] = {"dispatch", "expert_pool", "fc1_swiglu",
                                                           "fc2",      "combine_send", "combine"};
   int device_ = 0;
+  uint64_t group_id_ = 0;
+  Status broken_;  // the first failure that left this rank out of step with its group
+  gemm::GroupedGemmArgs fc1_, fc2_;
   bool stage_timing_ = false, stage_recorded_ = false;
   cudaEvent_t stage_events_[kNumStages + 1] = {};
   std::unique_ptr<EpTransport> transport_;
@@ -315,7 +355,7 @@ class RoutedMoeLayer final : public MoeLayer {
 
 }  // namespace
 
-Status routed_format_gate(const MoeGeometry&, const MoeConfig& c) {
+Status routed_format_gate(const MoeGeometry& g, const MoeConfig& c) {
   if (c.weight_format == WeightFormat::kFp8Block && c.dispatch_format != DispatchFormat::kFp8Block)
     return Status(StatusCode::kUnavailable,
                   "the routed backend runs fp8-block weights with dispatch_format=fp8-block (got dispatch_format=" +
@@ -327,6 +367,9 @@ Status routed_format_gate(const MoeGeometry&, const MoeConfig& c) {
   if (c.weight_format != WeightFormat::kFp8Block && c.weight_format != WeightFormat::kBf16)
     return Status(StatusCode::kUnavailable, std::string("the routed backend has no ") + to_string(c.weight_format) +
                                                 " grouped GEMM yet (fp8-block or bf16 weights)");
+  if (g.experts_per_rank() > 512)
+    return Status(StatusCode::kUnavailable, "the routed backend's grouped GEMM takes at most 512 local experts (got " +
+                                                std::to_string(g.experts_per_rank()) + " = num_experts / ep_size)");
   if (c.in_kernel_fc2_reduce)
     return Status(StatusCode::kUnavailable,
                   "the routed backend has no in-kernel FC2 reduce yet (its FC2 writes local rows that combine sends)");

@@ -134,18 +134,28 @@ void collect_stage_times(RankGroup& group, std::vector<std::vector<std::unique_p
   std::vector<std::vector<std::vector<double>>> us(static_cast<size_t>(R));  // [rank][stage][sample]
   std::vector<std::string> names;
   ThreadBarrier barrier(R);
+  std::atomic<bool> failed{false};
   const Status st = run_on_ranks(R, [&](int64_t r) -> Status {
     MoeLayer* layer = group.layers[r].get();
     Status rst = layer->set_stage_timing(true);
     void* stream = nullptr;
     if (rst) rst = create_stream(layer->device(), &stream);
     for (int64_t it = 0; it < samples; ++it) {
-      barrier.wait();  // every rank runs every forward: they are collective
+      // Cold L2 like the timed forwards; every rank runs every forward (they are collective), and
+      // all stop together after a failure (the flag is read after the same barrier).
+      if (rst) rst = flush_l2(layer->device(), stream);
+      if (rst) rst = synchronize(layer->device(), stream);
+      if (!rst) failed.store(true);
+      barrier.wait();
+      if (failed.load()) break;
       if (rst) rst = io[r][it % sets]->forward(layer, stream);
       if (rst) rst = layer->check_error(stream);
       std::vector<MoeLayer::StageTime> t;
       if (rst) rst = layer->last_stage_times(&t);
-      if (!rst) continue;
+      if (!rst) {
+        failed.store(true);
+        continue;
+      }
       us[r].resize(t.size());
       for (size_t i = 0; i < t.size(); ++i) us[r][i].push_back(t[i].us);
       if (r == 0 && names.empty())
@@ -205,6 +215,9 @@ void run_case(const MoeGeometry& g, const MoeConfig& c, uint64_t seed, const std
   const int64_t total = warmup + iters;
   std::vector<std::vector<Clock::time_point>> start(R, std::vector<Clock::time_point>(total)),
       end(R, std::vector<Clock::time_point>(total));
+  // GPU backends: each rank's forward timed by CUDA events on its stream (the host-side sync and
+  // error check after it stay out of the number); the cpu backend: the host clock.
+  std::vector<std::vector<double>> device_us(R, std::vector<double>(total, 0.0));
   ThreadBarrier barrier(R);
   std::atomic<bool> failed{false};
   const Clock::time_point began = Clock::now();
@@ -212,6 +225,8 @@ void run_case(const MoeGeometry& g, const MoeConfig& c, uint64_t seed, const std
     const Device dev = group.layers[r]->device();
     void* stream = nullptr;
     Status rst = create_stream(dev, &stream);
+    StreamTimer timer;
+    if (rst) rst = timer.init(dev);
     Clock::time_point last_progress = Clock::now();
     for (int64_t it = 0; it < total; ++it) {
       barrier.wait();
@@ -220,9 +235,12 @@ void run_case(const MoeGeometry& g, const MoeConfig& c, uint64_t seed, const std
       if (rst) rst = synchronize(dev, stream);
       barrier.wait();
       start[r][it] = Clock::now();
+      if (rst) rst = timer.start(stream);
       if (rst) rst = io[r][it % sets]->forward(group.layers[r].get(), stream);
+      if (rst) rst = timer.stop(stream);
       if (rst) rst = group.layers[r]->check_error(stream);  // synchronises; reports device-side failures
       end[r][it] = Clock::now();
+      if (rst) rst = timer.elapsed_us(&device_us[r][it]);
       if (!rst) failed.store(true);
       if (r == 0 && std::chrono::duration<double>(end[r][it] - last_progress).count() > 2.0) {
         last_progress = end[r][it];
@@ -241,6 +259,12 @@ void run_case(const MoeGeometry& g, const MoeConfig& c, uint64_t seed, const std
   }
   std::vector<double> us;
   for (int64_t it = warmup; it < total; ++it) {
+    if (row->on_gpu) {  // the slowest rank's device time (its kernels include the waits for peers)
+      double slowest = 0;
+      for (int64_t r = 0; r < R; ++r) slowest = std::max(slowest, device_us[r][it]);
+      us.push_back(slowest);
+      continue;
+    }
     Clock::time_point first = start[0][it], last = end[0][it];
     for (int64_t r = 1; r < R; ++r) {
       first = std::min(first, start[r][it]);

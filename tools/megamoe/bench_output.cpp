@@ -46,8 +46,8 @@ void print_bench_header(const BenchHeader& h) {
               to_string(c.weight_format), to_string(c.dispatch_format), to_string(c.intermediate_format()),
               to_string(c.combine_dtype), c.in_kernel_fc2_reduce ? ", in-kernel fc2 reduce" : "",
               c.pow2_scales ? ", pow2 scales" : "", h.routing.c_str(), static_cast<long long>(h.sets));
-  std::printf("time: us per forward = wall time of the slowest rank (ranks in lockstep), median/min/max of the "
-              "timed forwards after warm-up\n");
+  std::printf("time: us per forward (ranks in lockstep) = the slowest rank's CUDA-event time on GPU backends, the "
+              "wall time of the slowest rank on the cpu backend; median/min/max of the timed forwards after warm-up\n");
   std::printf("per rank: TFLOP/s = 2*3*H*I * routed (token, expert) pairs of all ranks / R / median; HBM GB/s = "
               "weight bytes of the experts hit on all ranks / R / median; NVL GB/s = bytes sent between ranks / R "
               "/ median\n");

@@ -213,7 +213,9 @@ Status RankIo::stage(Device device, int64_t tokens, int64_t hidden, int64_t top_
   MEGAMOE_RETURN_IF_ERROR(alloc(device, tokens * hidden * 2, &y_));
   MEGAMOE_RETURN_IF_ERROR(copy_in(device, x_, x, tokens * hidden * 2));
   MEGAMOE_RETURN_IF_ERROR(copy_in(device, ids_, ids, tokens * top_k * 4));
-  return copy_in(device, weights_, weights, tokens * top_k * 4);
+  MEGAMOE_RETURN_IF_ERROR(copy_in(device, weights_, weights, tokens * top_k * 4));
+  // The layer runs on a non-blocking stream, which does not order against the legacy-stream copies.
+  return is_cuda(device) ? cuda_status(cudaDeviceSynchronize(), "cudaDeviceSynchronize") : Status::ok();
 }
 
 Status RankIo::poison_output() {
@@ -224,7 +226,8 @@ Status RankIo::poison_output() {
     return Status::ok();
   }
   // 0x7F7F... as bf16 is 3.39e38: not a NaN, but far outside any output the layer computes.
-  return cuda_status(cudaMemset(y_, 0x7F, static_cast<size_t>(n * 2)), "cudaMemset");
+  MEGAMOE_RETURN_IF_ERROR(cuda_status(cudaMemset(y_, 0x7F, static_cast<size_t>(n * 2)), "cudaMemset"));
+  return cuda_status(cudaDeviceSynchronize(), "cudaDeviceSynchronize");  // see stage()
 }
 
 Status RankIo::forward(MoeLayer* layer, void* stream) {
@@ -280,6 +283,46 @@ Status flush_l2(Device device, void* stream) {
     buf = scratch[device.index];
   }
   return cuda_status(cudaMemsetAsync(buf, 0, kL2FlushBytes, static_cast<cudaStream_t>(stream)), "cudaMemsetAsync");
+}
+
+
+StreamTimer::~StreamTimer() {
+  if (start_) cudaEventDestroy(static_cast<cudaEvent_t>(start_));
+  if (stop_) cudaEventDestroy(static_cast<cudaEvent_t>(stop_));
+}
+
+Status StreamTimer::init(Device device) {
+  if (!is_cuda(device)) return Status::ok();
+  MEGAMOE_RETURN_IF_ERROR(cuda_status(cudaSetDevice(device.index), "cudaSetDevice"));
+  cudaEvent_t a = nullptr, b = nullptr;
+  MEGAMOE_RETURN_IF_ERROR(cuda_status(cudaEventCreate(&a), "cudaEventCreate"));
+  start_ = a;
+  MEGAMOE_RETURN_IF_ERROR(cuda_status(cudaEventCreate(&b), "cudaEventCreate"));
+  stop_ = b;
+  return Status::ok();
+}
+
+Status StreamTimer::start(void* stream) {
+  if (!start_) return Status::ok();
+  return cuda_status(cudaEventRecord(static_cast<cudaEvent_t>(start_), static_cast<cudaStream_t>(stream)),
+                     "cudaEventRecord");
+}
+
+Status StreamTimer::stop(void* stream) {
+  if (!stop_) return Status::ok();
+  return cuda_status(cudaEventRecord(static_cast<cudaEvent_t>(stop_), static_cast<cudaStream_t>(stream)),
+                     "cudaEventRecord");
+}
+
+Status StreamTimer::elapsed_us(double* us) const {
+  *us = 0;
+  if (!start_) return Status::ok();
+  float ms = 0;
+  MEGAMOE_RETURN_IF_ERROR(cuda_status(cudaEventSynchronize(static_cast<cudaEvent_t>(stop_)), "cudaEventSynchronize"));
+  MEGAMOE_RETURN_IF_ERROR(cuda_status(
+      cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(start_), static_cast<cudaEvent_t>(stop_)), "cudaEventElapsedTime"));
+  *us = 1000.0 * ms;
+  return Status::ok();
 }
 
 }  // namespace megamoe::tool

@@ -404,7 +404,9 @@ TEST(Sm90Transport, SkippedLaunchTimesOut_EP2) {
   EXPECT_EQ(results[0].code(), StatusCode::kTimeout) << results[0].to_string();
   EXPECT_NE(results[0].message().find("dispatch-done"), std::string::npos);
   EXPECT_NE(results[0].message().find("peer rank 1"), std::string::npos);
-  EXPECT_TRUE(results[1].is_ok()) << results[1].to_string();
+  // Rank 1 launched nothing: it reports ok, or (when it checks after rank 0 gave up) rank 0's abort.
+  EXPECT_TRUE(results[1].is_ok() || results[1].message().find("rank 0") != std::string::npos)
+      << results[1].to_string();
   EXPECT_LT(secs, 30.0);
 }
 

@@ -10,6 +10,8 @@
 #include <string>
 #include <thread>
 
+#include "core/cuda_check.h"
+
 #include "megamoe/formats.h"
 #include "reference/problem.h"
 
@@ -18,12 +20,6 @@ namespace {
 
 constexpr uint16_t kBf16Poison = 0x7FC1;  // a quiet bf16 NaN no rounding produces
 constexpr size_t kL2FlushBytes = size_t{256} << 20;
-
-Status cuda_status(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return Status::ok();
-  cudaGetLastError();
-  return Status(StatusCode::kCudaError, std::string(what) + ": " + cudaGetErrorString(err));
-}
 
 bool is_cuda(Device d) { return d.kind == DeviceKind::kCuda; }
 
@@ -34,8 +30,9 @@ Status alloc(Device d, int64_t bytes, void** out) {
     *out = std::malloc(static_cast<size_t>(bytes));
     return *out ? Status::ok() : Status(StatusCode::kInternal, "out of host memory for " + std::to_string(bytes) + " bytes");
   }
-  MEGAMOE_RETURN_IF_ERROR(cuda_status(cudaSetDevice(d.index), "cudaSetDevice"));
-  return cuda_status(cudaMalloc(out, static_cast<size_t>(bytes)), "cudaMalloc");
+  MEGAMOE_CUDA_CHECK(cudaSetDevice(d.index));
+  MEGAMOE_CUDA_CHECK(cudaMalloc(out, static_cast<size_t>(bytes)));
+  return Status::ok();
 }
 
 void release_ptr(Device d, void* p) {
@@ -50,7 +47,8 @@ Status copy_in(Device d, void* dst, const void* src, int64_t bytes) {
     std::memcpy(dst, src, static_cast<size_t>(bytes));
     return Status::ok();
   }
-  return cuda_status(cudaMemcpy(dst, src, static_cast<size_t>(bytes), cudaMemcpyHostToDevice), "cudaMemcpy H2D");
+  MEGAMOE_CUDA_CHECK(cudaMemcpy(dst, src, static_cast<size_t>(bytes), cudaMemcpyHostToDevice));
+  return Status::ok();
 }
 
 }  // namespace
@@ -104,7 +102,8 @@ Status build_group(const MoeGeometry& g, const MoeConfig& c, const RankWeightsFn
     }
   }
   auto select_device = [on_gpu](int64_t r) {
-    return on_gpu ? cuda_status(cudaSetDevice(static_cast<int>(r)), "cudaSetDevice") : Status::ok();
+    if (on_gpu) MEGAMOE_CUDA_CHECK(cudaSetDevice(static_cast<int>(r)));
+    return Status::ok();
   };
   std::vector<BuildTimes> rank_times(static_cast<size_t>(g.ep_size));
   // Creation is local (no collective): a rank that fails does not strand the others.
@@ -215,7 +214,8 @@ Status RankIo::stage(Device device, int64_t tokens, int64_t hidden, int64_t top_
   MEGAMOE_RETURN_IF_ERROR(copy_in(device, ids_, ids, tokens * top_k * 4));
   MEGAMOE_RETURN_IF_ERROR(copy_in(device, weights_, weights, tokens * top_k * 4));
   // The layer runs on a non-blocking stream, which does not order against the legacy-stream copies.
-  return is_cuda(device) ? cuda_status(cudaDeviceSynchronize(), "cudaDeviceSynchronize") : Status::ok();
+  if (is_cuda(device)) MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+  return Status::ok();
 }
 
 Status RankIo::poison_output() {
@@ -226,8 +226,9 @@ Status RankIo::poison_output() {
     return Status::ok();
   }
   // 0x7F7F... as bf16 is 3.39e38: not a NaN, but far outside any output the layer computes.
-  MEGAMOE_RETURN_IF_ERROR(cuda_status(cudaMemset(y_, 0x7F, static_cast<size_t>(n * 2)), "cudaMemset"));
-  return cuda_status(cudaDeviceSynchronize(), "cudaDeviceSynchronize");  // see stage()
+  MEGAMOE_CUDA_CHECK(cudaMemset(y_, 0x7F, static_cast<size_t>(n * 2)));
+  MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());  // see stage()
+  return Status::ok();
 }
 
 Status RankIo::forward(MoeLayer* layer, void* stream) {
@@ -245,15 +246,16 @@ Status RankIo::read_output(uint16_t* y) const {
     std::memcpy(y, y_, static_cast<size_t>(bytes));
     return Status::ok();
   }
-  return cuda_status(cudaMemcpy(y, y_, static_cast<size_t>(bytes), cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
+  MEGAMOE_CUDA_CHECK(cudaMemcpy(y, y_, static_cast<size_t>(bytes), cudaMemcpyDeviceToHost));
+  return Status::ok();
 }
 
 Status create_stream(Device device, void** stream) {
   *stream = nullptr;
   if (!is_cuda(device)) return Status::ok();
-  MEGAMOE_RETURN_IF_ERROR(cuda_status(cudaSetDevice(device.index), "cudaSetDevice"));
+  MEGAMOE_CUDA_CHECK(cudaSetDevice(device.index));
   cudaStream_t s = nullptr;
-  MEGAMOE_RETURN_IF_ERROR(cuda_status(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate"));
+  MEGAMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   *stream = s;
   return Status::ok();
 }
@@ -264,7 +266,8 @@ void destroy_stream(Device device, void* stream) {
 
 Status synchronize(Device device, void* stream) {
   if (!is_cuda(device)) return Status::ok();
-  return cuda_status(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)), "cudaStreamSynchronize");
+  MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
+  return Status::ok();
 }
 
 Status flush_l2(Device device, void* stream) {
@@ -277,12 +280,13 @@ Status flush_l2(Device device, void* stream) {
     std::lock_guard<std::mutex> lock(mutex);
     if (device.index < 0 || device.index >= 64) return Status::ok();
     if (!scratch[device.index]) {
-      MEGAMOE_RETURN_IF_ERROR(cuda_status(cudaSetDevice(device.index), "cudaSetDevice"));
-      MEGAMOE_RETURN_IF_ERROR(cuda_status(cudaMalloc(&scratch[device.index], kL2FlushBytes), "cudaMalloc (L2 flush)"));
+      MEGAMOE_CUDA_CHECK(cudaSetDevice(device.index));
+      MEGAMOE_CUDA_CHECK(cudaMalloc(&scratch[device.index], kL2FlushBytes));
     }
     buf = scratch[device.index];
   }
-  return cuda_status(cudaMemsetAsync(buf, 0, kL2FlushBytes, static_cast<cudaStream_t>(stream)), "cudaMemsetAsync");
+  MEGAMOE_CUDA_CHECK(cudaMemsetAsync(buf, 0, kL2FlushBytes, static_cast<cudaStream_t>(stream)));
+  return Status::ok();
 }
 
 
@@ -293,34 +297,33 @@ StreamTimer::~StreamTimer() {
 
 Status StreamTimer::init(Device device) {
   if (!is_cuda(device)) return Status::ok();
-  MEGAMOE_RETURN_IF_ERROR(cuda_status(cudaSetDevice(device.index), "cudaSetDevice"));
+  MEGAMOE_CUDA_CHECK(cudaSetDevice(device.index));
   cudaEvent_t a = nullptr, b = nullptr;
-  MEGAMOE_RETURN_IF_ERROR(cuda_status(cudaEventCreate(&a), "cudaEventCreate"));
+  MEGAMOE_CUDA_CHECK(cudaEventCreate(&a));
   start_ = a;
-  MEGAMOE_RETURN_IF_ERROR(cuda_status(cudaEventCreate(&b), "cudaEventCreate"));
+  MEGAMOE_CUDA_CHECK(cudaEventCreate(&b));
   stop_ = b;
   return Status::ok();
 }
 
 Status StreamTimer::start(void* stream) {
   if (!start_) return Status::ok();
-  return cuda_status(cudaEventRecord(static_cast<cudaEvent_t>(start_), static_cast<cudaStream_t>(stream)),
-                     "cudaEventRecord");
+  MEGAMOE_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(start_), static_cast<cudaStream_t>(stream)));
+  return Status::ok();
 }
 
 Status StreamTimer::stop(void* stream) {
   if (!stop_) return Status::ok();
-  return cuda_status(cudaEventRecord(static_cast<cudaEvent_t>(stop_), static_cast<cudaStream_t>(stream)),
-                     "cudaEventRecord");
+  MEGAMOE_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(stop_), static_cast<cudaStream_t>(stream)));
+  return Status::ok();
 }
 
 Status StreamTimer::elapsed_us(double* us) const {
   *us = 0;
   if (!start_) return Status::ok();
   float ms = 0;
-  MEGAMOE_RETURN_IF_ERROR(cuda_status(cudaEventSynchronize(static_cast<cudaEvent_t>(stop_)), "cudaEventSynchronize"));
-  MEGAMOE_RETURN_IF_ERROR(cuda_status(
-      cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(start_), static_cast<cudaEvent_t>(stop_)), "cudaEventElapsedTime"));
+  MEGAMOE_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(stop_)));
+  MEGAMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(start_), static_cast<cudaEvent_t>(stop_)));
   *us = 1000.0 * ms;
   return Status::ok();
 }

@@ -17,6 +17,7 @@
 #include "megamoe/layer.h"
 #include "presets.h"
 #include "ranks.h"
+#include "reference/error_model.h"
 #include "reference/problem.h"
 #include "reference/reference_moe.h"
 
@@ -32,68 +33,6 @@ struct CheckOptions {
   std::string dump;
   MaxHostGbOption max_host_gb;
 };
-
-// ---- error bounds: one table ----
-// The reference runs in float64 on the weights exactly as the layer computes with them (the
-// dequantised prepared weights) and on x exactly as the layer consumed it (after the dispatch
-// format), so weight and dispatch quantisation cancel. What remains are the roundings the layer does
-// after FC1 (ep_protocol.h, quantisation points 4-8):
-//   - the SwiGLU output h is requantised to fp8 e4m3 1x128 (fp8-family weights) or rounded to bf16;
-//   - each partial goes over the combine wire as bf16, mxfp8 or nvfp4;
-//   - y is rounded to bf16.
-// Per rounding to a format with m mantissa bits (round to nearest even), a value M * 2^e (M in [1, 2))
-// gets an absolute error uniform in +-2^(e-m-1), a relative error U(+-2^-(m+1)) / M; with M spread
-// log-uniformly over a binade, E[1/M^2] = 0.541, so the relative RMS is 2^-(m+1) / sqrt(3) *
-// sqrt(0.541) = 0.425 * 2^-(m+1). A dot product of many values with independent rounding errors keeps
-// that relative RMS, and independent roundings add in quadrature, so the rel-L2 of y is about the
-// root-sum-square of one term per rounding. Each bound is 2x that estimate: a correct layer passes for
-// every seed and shape (measured on tiny, EP1/EP2, 3 seeds: 0.0029 all-bf16, 0.023 fp8 intermediate,
-// 0.038 + mxfp8 combine, 0.098 + nvfp4 combine, about half of the bound each), while a wrong scale, a
-// dropped slot or a misrouted token (rel-L2 ~ 1) fails.
-struct ErrorBound {
-  double rel_l2 = 0;
-  std::string derivation;  // which roundings the bound covers
-};
-
-// Relative RMS of one rounding, 0.425 * 2^-(m+1).
-constexpr double kBf16Rms = 0.00166;  // bf16, m = 7
-constexpr double kFp8Rms = 0.0265;    // e4m3, m = 3 (fp8 1x128: the scale puts each block's max at 448)
-// mxfp8: e4m3 under a power-of-two scale (the same element rounding), plus the OCP rule clamping
-// elements with |x| / X in (448, 512) to 448 (up to 1/8 off for a block's largest values).
-constexpr double kMxfp8Rms = 0.032;
-constexpr double kNvfp4Rms = 0.106;   // e2m1, m = 1, under e4m3 block scales per 16 values
-
-ErrorBound error_bound(const MoeConfig& c, int64_t top_k) {
-  double sum_sq = kBf16Rms * kBf16Rms;  // y rounded to bf16
-  std::string what = "bf16 output";
-  if (c.intermediate_format() == DispatchFormat::kFp8Block) {
-    sum_sq += kFp8Rms * kFp8Rms;
-    what += " + fp8 e4m3 1x128 intermediate";
-  } else {
-    sum_sq += kBf16Rms * kBf16Rms;
-    what += " + bf16 intermediate";
-  }
-  switch (c.combine_dtype) {
-    case CombineDtype::kBf16:
-      sum_sq += kBf16Rms * kBf16Rms;
-      what += c.in_kernel_fc2_reduce ? " + bf16 in-kernel reduce (one rounding per add)" : " + bf16 combine wire";
-      // In-kernel reduce: y = bf16(y + partial) per slot, k roundings of which the last is y's own.
-      if (c.in_kernel_fc2_reduce) sum_sq += static_cast<double>(top_k - 1) * kBf16Rms * kBf16Rms;
-      break;
-    case CombineDtype::kMxfp8:
-      sum_sq += kMxfp8Rms * kMxfp8Rms;
-      what += " + mxfp8 combine wire";
-      break;
-    case CombineDtype::kNvfp4:
-      sum_sq += kNvfp4Rms * kNvfp4Rms;
-      what += " + nvfp4 combine wire";
-      break;
-  }
-  ErrorBound b;
-  b.rel_l2 = 2.0 * std::sqrt(sum_sq);
-  b.derivation = what + ", 2x the root-sum-square of the per-rounding relative RMS";
-  return b;
-}
 
 reference::Routing parse_routing(const std::string& s) {
   if (s == "uniform") return reference::Routing::kUniform;
@@ -187,7 +126,7 @@ int run_check(const CheckOptions& o) {
   const HostMemoryEstimate mem = estimate(g);
   if (!fits_host_memory(mem, limit))
     require_host_memory(mem, limit, o.layer.preset, experts_hint(g, limit, estimate));
-  const ErrorBound bound = error_bound(c, k);
+  const reference::ErrorBound bound = reference::error_bound(c, k);
 
   // Inputs, layers (each rank generates its own slice of the weights on its own thread and frees it once
   // its layer has prepared its copy), one forward per rank.

@@ -1,0 +1,49 @@
+// The error model of a forward against the float64 reference: which roundings a configuration does
+// after FC1 and how large the rel-L2 they cause may be. Shared by `megamoe check` and the tests.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "megamoe/config.h"
+
+namespace megamoe {
+namespace reference {
+
+// The reference runs in float64 on the weights exactly as the layer computes with them (the
+// dequantised prepared weights) and on x exactly as the layer consumed it (after the dispatch
+// format), so weight and dispatch quantisation cancel. What remains are the roundings the layer does
+// after FC1 (ep_protocol.h, quantisation points 4-8):
+//   - the SwiGLU output h is requantised to fp8 e4m3 1x128 (fp8-family weights) or rounded to bf16;
+//   - each partial goes over the combine wire as bf16, mxfp8 or nvfp4;
+//   - y is rounded to bf16.
+// Per rounding to a format with m mantissa bits (round to nearest even), a value M * 2^e (M in [1, 2))
+// gets an absolute error uniform in +-2^(e-m-1), a relative error U(+-2^-(m+1)) / M; with M spread
+// log-uniformly over a binade, E[1/M^2] = 0.541, so the relative RMS is 2^-(m+1) / sqrt(3) *
+// sqrt(0.541) = 0.425 * 2^-(m+1). A dot product of many values with independent rounding errors keeps
+// that relative RMS, and independent roundings add in quadrature, so the rel-L2 of y is about the
+// root-sum-square of one term per rounding. Each bound is 2x that estimate: a correct layer passes for
+// every seed and shape (measured on tiny, EP1/EP2, 3 seeds: 0.0029 all-bf16, 0.023 fp8 intermediate,
+// 0.038 + mxfp8 combine, 0.098 + nvfp4 combine, about half of the bound each), while a wrong scale, a
+// dropped slot or a misrouted token (rel-L2 ~ 1) fails.
+struct ErrorBound {
+  double rel_l2 = 0;
+  std::string derivation;  // which roundings the bound covers
+};
+
+ErrorBound error_bound(const MoeConfig& c, int64_t top_k);
+
+// Two implementations with the same quantisation points (a GPU backend against the cpu backend) differ
+// only where their fp32 accumulations differ; the fp8 tensor core keeps fewer bits than the cpu
+// backend's float64 sums, so about 0.7% of the requantised e4m3 intermediate codes land one step
+// apart. kSamePointsRelL2 bounds the rel-L2 between the two outputs up to the combine wire (and
+// through a bf16 wire, whose rounding is finer than that difference).
+// A quantised wire amplifies it: inputs that differ by e round to codes a spacing s apart with
+// probability ~|e|/s, so E[delta^2] = E[|e| s] <= max(s/|v|) E[|e||v|] <= max(s/|v|) rel_l2(e) E[v^2]
+// (Cauchy-Schwarz), i.e. rel_l2(out) <= sqrt(max(s/|v|) * rel_l2(in)), with s/|v| <= 2^-3 for e4m3
+// (mxfp8) and 2^-1 for e2m1 (nvfp4) on normal values.
+constexpr double kSamePointsRelL2 = 5e-3;
+ErrorBound same_points_bound(CombineDtype combine);
+
+}  // namespace reference
+}  // namespace megamoe

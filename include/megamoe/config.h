@@ -53,7 +53,7 @@ struct MoeGeometry {
 // Tuning knobs. 0 means "let the heuristic / knob cache decide". Tuned values belong in the knob
 // cache (megamoe/knobs.h), not in code.
 struct Knobs {
-  int32_t block_m = 0;  // expert-segment padding and GEMM M tile: 0, 64 or 128
+  int32_t block_m = 0;  // GEMM M tile: 0, 64 or 128
   int32_t block_n = 0;  // GEMM N tile: 0, 64, 128, 256 (GPU backends)
   int32_t num_sms = 0;  // SMs a persistent kernel may use: 0 = all (GPU backends)
 
@@ -63,8 +63,6 @@ struct Knobs {
     return block_m == o.block_m && block_n == o.block_n && num_sms == o.num_sms;
   }
 };
-
-constexpr int32_t kDefaultBlockM = 128;
 
 struct MoeConfig {
   Backend backend = Backend::kAuto;
@@ -89,8 +87,6 @@ struct MoeConfig {
   // Format of the SwiGLU output that FC2 consumes: fp8-block for the fp8-family weight formats
   // (requantised in the FC1 epilogue), bf16 for bf16 weights.
   DispatchFormat intermediate_format() const;
-  // Block size used to pad each expert's rows (knob, else kDefaultBlockM).
-  int32_t block_m() const { return knobs.block_m > 0 ? knobs.block_m : kDefaultBlockM; }
 };
 
 }  // namespace megamoe

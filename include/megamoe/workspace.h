@@ -10,7 +10,7 @@
 // - Usable from CUDA device code (MEGAMOE_HD); includes no CUDA header.
 //
 // Regions, in order (R ranks, E_l = experts per rank, k = top_k, H = hidden, I = intermediate,
-// BM = block_m; every region starts on a 256-byte boundary):
+// SA = segment_align; every region starts on a 256-byte boundary):
 //   signals             R * kSignalSlots * 8          epoch-tagged counters peers bump (uint64)
 //   error_cell          64                            first bounded-wait failure (WaitError)
 //   recv_token_counts   R * 4                         tokens rank s sent here (int32, written by s)
@@ -20,7 +20,7 @@
 //   recv_scales         R * T_max * H/128 * 4         fp32 1x128 scales (fp8 dispatch only)
 //   recv_meta           R * T_max * meta_bytes        TokenMeta: source token, per-slot local expert
 //                                                     (-1: not here) and weight
-//   expert_offsets      (E_l + 1) * 4                 prefix of per-expert rows padded to BM
+//   expert_offsets      (E_l + 1) * 4                 prefix of per-expert rows padded to SA
 //   pool_src            P * 4                         expert-major row -> recv_row*k + slot (-1 pad)
 //   pool_x              P * H * e_d                   expert-major FC1 input (A operand)
 //   pool_x_scales       P * H/128 * 4                 (fp8 dispatch only)
@@ -28,8 +28,10 @@
 //   intermediate_scales P * I/128 * 4                 (fp8 intermediate only)
 //   combine             T_max * k * wire_row_bytes    FC2 partials for this rank's tokens, row t*k+j
 //                                                     (absent with the in-kernel FC2 reduce)
-// where P = pool_rows = round_up(R*T_max*min(k, E_l) + E_l*(BM-1), BM) (0 when T_max = 0): every
-// (token, local expert) pair once, plus each expert's padding to a multiple of BM.
+// where P = pool_rows = round_up(R*T_max*min(k, E_l) + E_l*(SA-1), SA) (0 when T_max = 0): every
+// (token, local expert) pair once, plus each expert's padding to a multiple of SA. Layers use
+// SA = kPoolSegmentAlign = 1: the grouped GEMM runs any segment start and length (rows past a segment
+// are loaded but never stored), so padding would only cost zero-fill bytes and pool rows.
 #pragma once
 
 #include <cstdint>
@@ -45,6 +47,9 @@ namespace megamoe {
 // Wire/storage codes for the workspace (plain ints so device code needs no enum header).
 enum WsFormat : int32_t { kWsBf16 = 0, kWsFp8Block = 1, kWsMxfp8 = 2, kWsNvfp4 = 3 };
 
+// The expert pool's segment alignment in rows that layers build (see above).
+constexpr int64_t kPoolSegmentAlign = 1;
+
 struct WorkspaceParams {
   int64_t ep_size = 1;
   int64_t experts_per_rank = 0;
@@ -52,7 +57,7 @@ struct WorkspaceParams {
   int64_t hidden = 0;
   int64_t intermediate = 0;
   int64_t max_tokens_per_rank = 0;
-  int64_t block_m = 128;
+  int64_t segment_align = 1;  // rows; every expert segment of the pool starts on a multiple
   int32_t dispatch_format = kWsFp8Block;      // kWsBf16 | kWsFp8Block
   int32_t intermediate_format = kWsFp8Block;  // kWsBf16 | kWsFp8Block
   int32_t combine_format = kWsBf16;           // kWsBf16 | kWsMxfp8 | kWsNvfp4
@@ -117,7 +122,7 @@ struct WorkspaceLayout {
     if (p.max_tokens_per_rank <= 0 || p.experts_per_rank <= 0) return 0;
     const int64_t k_here = p.top_k < p.experts_per_rank ? p.top_k : p.experts_per_rank;
     const int64_t pairs = p.ep_size * p.max_tokens_per_rank * k_here;
-    return align_up(pairs + p.experts_per_rank * (p.block_m - 1), p.block_m);
+    return align_up(pairs + p.experts_per_rank * (p.segment_align - 1), p.segment_align);
   }
 
   MEGAMOE_HD static WorkspaceLayout make(const WorkspaceParams& p) {

@@ -52,7 +52,7 @@ WorkspaceParams workspace_params(const MoeGeometry& g, const MoeConfig& c) {
   p.hidden = g.hidden;
   p.intermediate = g.intermediate;
   p.max_tokens_per_rank = g.max_tokens_per_rank;
-  p.block_m = c.block_m();
+  p.segment_align = kPoolSegmentAlign;
   p.dispatch_format = ws_format(c.dispatch_format);
   p.intermediate_format = ws_format(c.intermediate_format());
   p.combine_format = ws_format(c.combine_dtype);
@@ -64,7 +64,7 @@ namespace {
 auto key_tuple(const WorkspaceKey& k) {
   const WorkspaceParams& p = k.params;
   return std::make_tuple(p.ep_size, p.experts_per_rank, p.top_k, p.hidden, p.intermediate, p.max_tokens_per_rank,
-                         p.block_m, p.dispatch_format, p.intermediate_format, p.combine_format,
+                         p.segment_align, p.dispatch_format, p.intermediate_format, p.combine_format,
                          p.in_kernel_fc2_reduce, k.ep_rank, k.group_id, static_cast<int>(k.device.kind),
                          k.device.index);
 }
@@ -76,7 +76,7 @@ std::string WorkspaceKey::to_string() const {
   std::ostringstream os;
   os << "WorkspaceKey(R=" << params.ep_size << ", E_l=" << params.experts_per_rank << ", k=" << params.top_k
      << ", H=" << params.hidden << ", I=" << params.intermediate << ", T_max=" << params.max_tokens_per_rank
-     << ", BM=" << params.block_m << ", dispatch=" << params.dispatch_format
+     << ", SA=" << params.segment_align << ", dispatch=" << params.dispatch_format
      << ", intermediate=" << params.intermediate_format << ", combine=" << params.combine_format
      << ", in_kernel_reduce=" << params.in_kernel_fc2_reduce << ", rank=" << ep_rank << ", group=" << group_id
      << ", device=" << device.to_string() << ")";

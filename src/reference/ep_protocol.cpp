@@ -306,7 +306,7 @@ void dispatch(const WorkspaceLayout& layout, int src_rank, const std::vector<voi
 Status build_expert_pool(const WorkspaceLayout& layout, void* own_base) {
   const WorkspaceParams& p = layout.params;
   const int64_t R = p.ep_size, El = p.experts_per_rank, k = p.top_k, H = p.hidden, T_max = p.max_tokens_per_rank;
-  const int64_t BM = p.block_m, nb = H / 128;
+  const int64_t BM = p.segment_align, nb = H / 128;
   const bool fp8_wire = p.dispatch_format == kWsFp8Block;
   const int64_t row_bytes = H * ws_elem_bytes(p.dispatch_format);
   const int32_t* token_counts = reinterpret_cast<const int32_t*>(at_bytes(own_base, layout.recv_token_counts));

@@ -47,7 +47,7 @@
 //   - recv_token_counts[src] and recv_expert_counts[src][e] are written by every source to every
 //     destination each forward, zeros included (a rank with 0 tokens still signals).
 //   - Expert pool: rows expert-major, ordered by (local expert, source rank, arrival row); each
-//     expert's segment starts at expert_offsets[e] (a multiple of block_m) and is padded with rows
+//     expert's segment starts at expert_offsets[e] (a multiple of segment_align) and is padded with rows
 //     whose pool_src = -1 and whose pool_x bytes (and scales) are zero. pool_src = recv_row*k + slot.
 //   - The expert ids of one token must be distinct (a router's top-k is); repeats are refused, since
 //     they would overflow the pool bound R*T_max*min(k, E_l).

@@ -189,7 +189,7 @@ TEST_P(EpProtocol, StagesMatchTheTruth) {
 
   WorkspaceParams params;
   params.ep_size = R, params.experts_per_rank = kE / R, params.top_k = kK, params.hidden = kH, params.intermediate = kI;
-  params.max_tokens_per_rank = kTMax, params.block_m = c.block_m, params.dispatch_format = c.dispatch_format;
+  params.max_tokens_per_rank = kTMax, params.segment_align = c.block_m, params.dispatch_format = c.dispatch_format;
   params.intermediate_format = kWsFp8Block, params.combine_format = c.combine_format;
   const WorkspaceLayout layout = WorkspaceLayout::make(params);
   const int64_t El = params.experts_per_rank, BM = c.block_m;

@@ -53,7 +53,7 @@ WorkspaceParams Case::params() const {
   p.hidden = hidden;
   p.intermediate = 128;
   p.max_tokens_per_rank = max_tokens;
-  p.block_m = block_m;
+  p.segment_align = block_m;
   p.dispatch_format = dispatch_format;
   p.intermediate_format = kWsBf16;
   p.combine_format = combine_format;

@@ -122,12 +122,12 @@ int run_info(const InfoOptions& o) {
   }
 
   const WorkspaceLayout layout = WorkspaceLayout::make(workspace_params(g, c));
-  std::printf("\nsymmetric workspace per rank (R=%lld, E_l=%lld, k=%lld, H=%lld, I=%lld, T_max=%lld, BM=%lld, "
+  std::printf("\nsymmetric workspace per rank (R=%lld, E_l=%lld, k=%lld, H=%lld, I=%lld, T_max=%lld, SA=%lld, "
               "P=pool_rows=%lld):\n",
               static_cast<long long>(g.ep_size), static_cast<long long>(g.experts_per_rank()),
               static_cast<long long>(g.top_k), static_cast<long long>(g.hidden),
               static_cast<long long>(g.intermediate), static_cast<long long>(g.max_tokens_per_rank),
-              static_cast<long long>(layout.params.block_m), static_cast<long long>(layout.pool_rows));
+              static_cast<long long>(layout.params.segment_align), static_cast<long long>(layout.pool_rows));
   std::printf("  %-20s %14s %14s  %s\n", "region", "offset", "bytes", "formula");
   for (int i = 0; i < WorkspaceLayout::kNumRegions; ++i) {
     const WorkspaceRegion& r = layout.region(i);

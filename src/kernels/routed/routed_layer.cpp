@@ -217,9 +217,12 @@ class RoutedMoeLayer final : public MoeLayer {
         MEGAMOE_CUDA_CHECK(kernels::launch_scale_transpose(reinterpret_cast<const float*>(base + l.pool_x_scales.offset),
                                                            P, H / 128, static_cast<float*>(a_scales_->ptr), P, stream));
       }
-      MEGAMOE_RETURN_IF_ERROR(gemm::launch_grouped_gemm(fc1_, stream));
+      // The tile bucket follows this forward's tokens (host-known, no sync): decode runs 64-row tiles.
+      gemm::GroupedGemmArgs fc1 = fc1_, fc2 = fc2_;
+      fc1.expected_m_per_expert = fc2.expected_m_per_expert = expected_rows_per_expert(x.ndim == 2 ? x.shape[0] : 0);
+      MEGAMOE_RETURN_IF_ERROR(gemm::launch_grouped_gemm(fc1, stream));
       MEGAMOE_RETURN_IF_ERROR(mark(3, stream));
-      MEGAMOE_RETURN_IF_ERROR(gemm::launch_grouped_gemm(fc2_, stream));
+      MEGAMOE_RETURN_IF_ERROR(gemm::launch_grouped_gemm(fc2, stream));
     } else {
       MEGAMOE_RETURN_IF_ERROR(mark(3, stream));
     }
@@ -253,7 +256,7 @@ class RoutedMoeLayer final : public MoeLayer {
     fc1.ldd = I;
     fc1.pow2_scales = config_.pow2_scales;
     fc1.tiles = tiles_for(fc1.n, /*swiglu=*/true);
-    fc1.expected_m_per_expert = expected_rows_per_expert();
+    fc1.expected_m_per_expert = expected_rows_per_expert(geometry_.max_tokens_per_rank);
     if (fp8()) {
       fc1.a_scales = static_cast<const float*>(a_scales_->ptr);
       fc1.ld_a_scales = P;
@@ -300,13 +303,12 @@ class RoutedMoeLayer final : public MoeLayer {
     return Status::ok();
   }
 
-  // Knobs as GEMM tiles. BLOCK_M follows the pool's padding (the knob, else kDefaultBlockM), so a
-  // padded segment is one m-tile rather than a real tile plus a tile of padding; a BLOCK_N the GEMM
-  // cannot run for this N (not 128/256, not dividing N, or not 256 for SwiGLU) is left to its
-  // heuristic.
+  // Knobs as GEMM tiles; 0 leaves the field to the GEMM's heuristic for the forward's bucket. A
+  // BLOCK_N the GEMM cannot run for this N (not 128/256, not dividing N, or not 256 for SwiGLU) is
+  // left to the heuristic too. (The pool is not padded, so any BLOCK_M runs any segment.)
   gemm::GemmTileConfig tiles_for(int32_t n, bool swiglu) const {
     gemm::GemmTileConfig t;
-    t.block_m = config_.block_m();
+    t.block_m = config_.knobs.block_m;
     const int32_t bn = config_.knobs.block_n;
     const bool bn_ok = swiglu ? bn == 256 : ((bn == 128 || bn == 256) && n % bn == 0);
     t.block_n = bn_ok ? bn : 0;
@@ -314,9 +316,9 @@ class RoutedMoeLayer final : public MoeLayer {
     return t;
   }
 
-  // Rows per local expert under uniform routing at the per-rank bound (the GEMM's tile bucket).
-  int64_t expected_rows_per_expert() const {
-    const int64_t pairs = geometry_.ep_size * geometry_.max_tokens_per_rank * geometry_.top_k;
+  // Rows per local expert under uniform routing when every rank has `tokens` (the GEMM's tile bucket).
+  int64_t expected_rows_per_expert(int64_t tokens) const {
+    const int64_t pairs = geometry_.ep_size * tokens * geometry_.top_k;
     return std::max<int64_t>(1, pairs / geometry_.num_experts);
   }
 

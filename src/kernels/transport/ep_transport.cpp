@@ -90,7 +90,8 @@ Status EpTransportOptions::validate() const {
   if (p.max_tokens_per_rank < 0 || p.max_tokens_per_rank > 65535)
     return invalid_argument("EP transport", "max_tokens_per_rank", std::to_string(p.max_tokens_per_rank),
                             "must be in [0, 65535]");
-  if (p.block_m < 1) return invalid_argument("EP transport", "block_m", std::to_string(p.block_m), "must be >= 1");
+  if (p.segment_align < 1)
+    return invalid_argument("EP transport", "segment_align", std::to_string(p.segment_align), "must be >= 1");
   if (p.dispatch_format != kWsBf16 && p.dispatch_format != kWsFp8Block)
     return invalid_argument("EP transport", "dispatch_format", std::to_string(p.dispatch_format), "bf16 or fp8-block");
   if (p.combine_format != kWsBf16 && p.combine_format != kWsMxfp8 && p.combine_format != kWsNvfp4)

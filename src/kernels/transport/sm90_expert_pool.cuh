@@ -1,7 +1,7 @@
 // Expert-pool build (owner side, local memory only), after dispatch_kernel has seen every source's
 // epoch. Produces expert_offsets, pool_src and pool_x(_scales) exactly as the CPU reference does:
 // rows expert-major, ordered by (local expert, source rank, recv row), each expert's segment padded to
-// a multiple of block_m with rows whose pool_src = -1 and whose pool_x bytes (and scales) are zero.
+// a multiple of segment_align (1 in layers: no padding) with rows whose pool_src = -1 and whose pool_x bytes (and scales) are zero.
 //
 // pool_rank_kernel    warp per 32 recv rows of one source: for each (row, slot) the number of earlier
 //                     rows of the chunk holding the same local expert (pool_intra), and the chunk's
@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(kPoolOffsetsThreads) pool_offsets_kernel(Trans
   __shared__ bool s_last;
   const int R = a.sig.num_ranks;
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32, warps_per_cta = kPoolOffsetsThreads / 32;
-  const int64_t El = a.experts_per_rank(), T_max = a.t_max(), chunks = a.num_chunks(), BM = a.layout.params.block_m;
+  const int64_t El = a.experts_per_rank(), T_max = a.t_max(), chunks = a.num_chunks(), BM = a.layout.params.segment_align;
   const int32_t* recv_counts = a.own<int32_t>(a.layout.recv_token_counts);
   int32_t* offsets = a.own<int32_t>(a.layout.expert_offsets);
 
@@ -186,7 +186,8 @@ __global__ void __launch_bounds__(256) pool_scatter_kernel(TransportArgs a) {
         for (int64_t c = lane; c < scale_cols; c += 32) pool_scales[p * scale_cols + c] = recv_scales[w * scale_cols + c];
     }
   }
-  // Padding rows: pool_src = -1, zero bytes and scales.
+  // Padding rows: pool_src = -1, zero bytes and scales (none when segments are unaligned).
+  if (a.layout.params.segment_align <= 1) return;
   for (int64_t p = warp_id; p < pool_end; p += warps) {
     int lo = 0, hi = static_cast<int>(El) - 1;  // last expert with offsets[e] <= p
     while (lo < hi) {

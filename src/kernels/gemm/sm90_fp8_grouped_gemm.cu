@@ -124,7 +124,18 @@ Status validate_grouped_gemm(const GroupedGemmArgs& a) {
   if (int64_t(a.num_experts) * a.n >= (int64_t(1) << 31)) return bad("num_experts*n", std::to_string(int64_t(a.num_experts) * a.n), "must be < 2^31");
   if (a.layout == GroupedLayout::kMasked && int64_t(a.num_experts) * a.m_rows >= (int64_t(1) << 31))
     return bad("num_experts*max_m", std::to_string(int64_t(a.num_experts) * a.m_rows), "must be < 2^31");
-  if (a.a == nullptr || a.b == nullptr || a.d == nullptr) return bad("a/b/d", "null", "device pointers required");
+  if (a.num_peer_d < 0 || a.num_peer_d > GroupedGemmArgs::kMaxPeerD)
+    return bad("num_peer_d", std::to_string(a.num_peer_d), "must be in [0, 8]");
+  const bool peers = a.num_peer_d > 0;
+  if (peers) {
+    if (a.epilogue != GemmEpilogue::kStoreBf16) return bad("num_peer_d", std::to_string(a.num_peer_d), "needs the store-bf16 epilogue");
+    if (a.row_map == nullptr) return bad("row_map", "null", "required with peer_d (it names the peer of each row)");
+    if (a.peer_d_rows <= 0) return bad("peer_d_rows", std::to_string(a.peer_d_rows), "must be > 0 with peer_d");
+    for (int i = 0; i < a.num_peer_d; ++i)
+      if (a.peer_d[i] == nullptr || !aligned(a.peer_d[i], 16))
+        return bad("peer_d[" + std::to_string(i) + "]", a.peer_d[i] ? "unaligned" : "null", "must be a 16-byte aligned device pointer");
+  }
+  if (a.a == nullptr || a.b == nullptr || (a.d == nullptr && !peers)) return bad("a/b/d", "null", "device pointers required");
   if (!aligned(a.a, 16) || !aligned(a.b, 16)) return bad("a/b", "unaligned", "must be 16-byte aligned (TMA)");
   const int64_t lda = a.lda ? a.lda : a.k;
   if (lda < a.k || (lda * eb) % 16 != 0) return bad("lda", std::to_string(lda), "must be >= k with a row stride multiple of 16 bytes");
@@ -142,7 +153,7 @@ Status validate_grouped_gemm(const GroupedGemmArgs& a) {
   // The epilogues store 16-byte (bf16) / 8-byte (e4m3) segments per lane.
   if (ldd < d_cols || (ldd * d_eb) % 16 != 0)
     return bad("ldd", std::to_string(ldd), "must be >= the output columns with a row stride multiple of 16 bytes");
-  if (!aligned(a.d, 16)) return bad("d", "unaligned", "must be 16-byte aligned");
+  if (!peers && !aligned(a.d, 16)) return bad("d", "unaligned", "must be 16-byte aligned");
   if (a.epilogue == GemmEpilogue::kSwigluFp8) {
     if (a.d_scales == nullptr) return bad("d_scales", "null", "required for swiglu-fp8");
     const int64_t ld = a.ld_d_scales ? a.ld_d_scales : round_up4(a.m_rows);
@@ -212,6 +223,9 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream, Gem
   p.ld_d = args.ldd ? args.ldd : (swiglu ? args.n / 2 : args.n);
   p.row_map = args.row_map;
   p.row_weight = args.row_weight;
+  for (int i = 0; i < args.num_peer_d; ++i) p.peer_d[i] = static_cast<__nv_bfloat16*>(args.peer_d[i]);
+  p.num_peer_d = args.num_peer_d;
+  p.peer_d_rows = args.peer_d_rows;
   p.sfd = args.d_scales;
   p.ld_sfd = args.ld_d_scales ? args.ld_d_scales : round_up4(args.m_rows);
   p.sfd_expert_stride = masked ? int64_t(args.n / 256) * p.ld_sfd : 0;

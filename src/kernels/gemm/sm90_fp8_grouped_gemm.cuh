@@ -60,6 +60,9 @@ struct GroupedGemmParams {
   int64_t ld_d;         // elements
   const int32_t* row_map;    // kEpiStoreBf16: A row -> D row (< 0: not stored); null: identity
   const float* row_weight;   // kEpiStoreBf16: per A row factor applied in fp32; null: 1
+  __nv_bfloat16* peer_d[8];  // kEpiStoreBf16 with num_peer_d > 0: row_map = peer * peer_d_rows + row
+  int32_t num_peer_d;
+  int32_t peer_d_rows;
   float* sfd;                // kEpiSwigluFp8: output scales, M-major like SFA
   int64_t ld_sfd;            // row stride of SFD (>= rows)
   int64_t sfd_expert_stride; // masked: (N/256) * ld_sfd; contiguous: 0
@@ -315,15 +318,19 @@ __device__ __forceinline__ void math_tile(const GroupedGemmSmem<Cfg>& sm, PipeSt
 
 // ---- epilogues -------------------------------------------------------------------------------------
 
-// Where an output row goes. The default sink writes D[row_map ? row_map[a_row] : a_row]; a fused
-// kernel supplies its own (e.g. a peer's combine buffer through an LSA pointer).
+// Where an output row goes. The default sink writes D[row_map ? row_map[a_row] : a_row], or, with
+// peer buffers, row row_map % peer_d_rows of peer_d[row_map / peer_d_rows] (a rank's combine region
+// through its LSA pointer); a fused kernel may supply its own sink.
 struct DefaultRowSink {
-  __nv_bfloat16* d;
-  int64_t ld_d;
-  const int32_t* row_map;
+  const GroupedGemmParams& p;
   __device__ __forceinline__ __nv_bfloat16* row_ptr(int32_t a_row) const {
-    const int32_t dst = row_map ? row_map[a_row] : a_row;
-    return dst < 0 ? nullptr : d + int64_t(dst) * ld_d;
+    const int32_t dst = p.row_map ? p.row_map[a_row] : a_row;
+    if (dst < 0) return nullptr;
+    if (p.num_peer_d > 0) {
+      const int32_t peer = dst / p.peer_d_rows;
+      return peer < p.num_peer_d ? p.peer_d[peer] + int64_t(dst - peer * p.peer_d_rows) * p.ld_d : nullptr;
+    }
+    return static_cast<__nv_bfloat16*>(p.d) + int64_t(dst) * p.ld_d;
   }
 };
 
@@ -487,7 +494,7 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
       const GroupedTile tile = sched.tile(t);
       math_tile<Cfg>(sm, pipe, p, tile, wg, acc);
       if constexpr (Cfg::kEpilogue == kEpiStoreBf16) {
-        const DefaultRowSink sink{static_cast<__nv_bfloat16*>(p.d), p.ld_d, p.row_map};
+        const DefaultRowSink sink{p};
         epilogue_store_bf16<Cfg>(acc, tile, wg, sink, p.row_weight);
       } else {
         epilogue_swiglu<Cfg>(acc, tile, wg, p);

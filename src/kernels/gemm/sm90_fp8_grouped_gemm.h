@@ -21,7 +21,9 @@
 // Epilogues:
 //   kStoreBf16   D bf16: row r of A goes to D[row_map ? row_map[r] : r] (row_map < 0: dropped),
 //                times row_weight[r] when given (fp32, before the bf16 rounding). Masked: D rows
-//                are e * max_m + m like A's.
+//                are e * max_m + m like A's. With num_peer_d > 0 the rows go to several buffers
+//                (each rank's combine region through its LSA pointer): row_map[r] = peer *
+//                peer_d_rows + row names row `row` (stride ldd) of peer_d[peer]; d is unused.
 //   kSwigluFp8   B is the prepared w13 (gemm_weights.h: per 256 rows, 128 gate rows then the 128
 //                up rows of the same intermediate columns); N = 2I. D = h [rows, I] e4m3 with 1x128
 //                scales written M-major like A's (d_scales[kb * ld_d_scales + row], masked
@@ -81,6 +83,10 @@ struct GroupedGemmArgs {
   int64_t ld_d_scales = 0;    // 0 = m_rows rounded up to 4
   const int32_t* row_map = nullptr;   // kStoreBf16
   const float* row_weight = nullptr;  // kStoreBf16
+  static constexpr int kMaxPeerD = 8;
+  void* peer_d[kMaxPeerD] = {};       // kStoreBf16 into several buffers (see above)
+  int32_t num_peer_d = 0;
+  int32_t peer_d_rows = 0;
   bool pow2_scales = false;           // kSwigluFp8 output scales
   // Tiles: 0 fields from the heuristic, with expected_m_per_expert as its bucket hint (0: derived
   // from m_rows / num_experts).

@@ -8,6 +8,7 @@
 // another on a stream.
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -130,8 +131,11 @@ class RoutedMoeLayer final : public MoeLayer {
     const int64_t P = l.pool_rows, H = geometry_.hidden;
     if (fp8() && !a_scales_)
       MEGAMOE_RETURN_IF_ERROR(shared_scratch(device_, group_id_, kScratchAScales, P * (H / 128) * 4, &a_scales_));
-    if (!expert_out_) MEGAMOE_RETURN_IF_ERROR(shared_scratch(device_, group_id_, kScratchExpertOut, P * H * 2, &expert_out_));
+    // expert_out only when combine_send encodes a quantised wire (a bf16 wire is FC2's own output).
+    if (config_.combine_dtype != CombineDtype::kBf16 && !expert_out_)
+      MEGAMOE_RETURN_IF_ERROR(shared_scratch(device_, group_id_, kScratchExpertOut, P * H * 2, &expert_out_));
     MEGAMOE_RETURN_IF_ERROR(build_gemm_args());
+    warmed_up_ = true;
     MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
     return Status::ok();
   }
@@ -143,7 +147,7 @@ class RoutedMoeLayer final : public MoeLayer {
     if (!broken_.is_ok())
       return Status(broken_.code(), "the layer's EP group failed in an earlier forward and cannot run again (" +
                                         broken_.message() + "); rebuild the communicator and the layers");
-    if (!transport_->warmed_up() || !expert_out_)
+    if (!warmed_up_)
       return Status(StatusCode::kFailedPrecondition,
                     "forward() before warmup(): call warmup() on every rank first (it allocates the symmetric "
                     "workspace collectively and must run before any CUDA-graph capture)");
@@ -227,8 +231,10 @@ class RoutedMoeLayer final : public MoeLayer {
       MEGAMOE_RETURN_IF_ERROR(mark(3, stream));
     }
     MEGAMOE_RETURN_IF_ERROR(mark(4, stream));
-    TensorView out(expert_out_->ptr, DType::kBFloat16, {P, H}, device());
-    MEGAMOE_RETURN_IF_ERROR(transport_->combine_send(out, stream));
+    if (!fc2_writes_combine_) {
+      TensorView out(expert_out_->ptr, DType::kBFloat16, {P, H}, device());
+      MEGAMOE_RETURN_IF_ERROR(transport_->combine_send(out, stream));
+    }
     MEGAMOE_RETURN_IF_ERROR(mark(5, stream));
     MEGAMOE_RETURN_IF_ERROR(transport_->combine(topk_ids, y, stream));
     return mark(6, stream);
@@ -265,7 +271,10 @@ class RoutedMoeLayer final : public MoeLayer {
       fc1.d_scales = reinterpret_cast<float*>(base + l.intermediate_scales.offset);
       fc1.ld_d_scales = P;
     }
-    gemm::GroupedGemmArgs fc2;  // FC2: intermediate -> expert_out (bf16, unweighted)
+    // FC2: intermediate -> the source ranks' combine rows (bf16 wire: weighted in fp32, one
+    // rounding, written through the LSA pointers), else -> expert_out (bf16, unweighted) for
+    // combine_send to encode.
+    gemm::GroupedGemmArgs fc2;
     fc2.dtype = fc1.dtype;
     fc2.layout = gemm::GroupedLayout::kContiguous;
     fc2.epilogue = gemm::GemmEpilogue::kStoreBf16;
@@ -276,8 +285,18 @@ class RoutedMoeLayer final : public MoeLayer {
     fc2.m_rows = P;
     fc2.expert_offsets = fc1.expert_offsets;
     fc2.b = w2_->ptr;
-    fc2.d = expert_out_->ptr;
+    fc2.d = expert_out_ ? expert_out_->ptr : nullptr;
     fc2.ldd = H;
+    fc2_writes_combine_ = config_.combine_dtype == CombineDtype::kBf16;
+    if (fc2_writes_combine_) {
+      const EpTransport::CombineTargets& targets = transport_->combine_targets();
+      fc2.d = nullptr;
+      fc2.row_map = targets.pool_dst;
+      fc2.row_weight = targets.pool_weight;
+      fc2.num_peer_d = targets.num_ranks;
+      fc2.peer_d_rows = static_cast<int32_t>(targets.rows_per_rank);
+      for (int r = 0; r < targets.num_ranks; ++r) fc2.peer_d[r] = targets.peer_combine[r];
+    }
     fc2.tiles = tiles_for(fc2.n, /*swiglu=*/false);
     fc2.expected_m_per_expert = fc1.expected_m_per_expert;
     if (fp8()) {
@@ -316,10 +335,13 @@ class RoutedMoeLayer final : public MoeLayer {
     return t;
   }
 
-  // Rows per local expert under uniform routing when every rank has `tokens` (the GEMM's tile bucket).
+  // The GEMM's tile bucket when every rank has `tokens`: the rows a busy expert gets under uniform
+  // routing, mean + 2 standard deviations (Poisson), since a tile must hold an expert's rows rather
+  // than their mean (deepseek-v3 EP2 at 1024 tokens: mean 64 rows, 64-row tiles ran FC1 in 1297 us,
+  // 128-row tiles in 1160).
   int64_t expected_rows_per_expert(int64_t tokens) const {
-    const int64_t pairs = geometry_.ep_size * tokens * geometry_.top_k;
-    return std::max<int64_t>(1, pairs / geometry_.num_experts);
+    const double mean = static_cast<double>(geometry_.ep_size * tokens * geometry_.top_k) / geometry_.num_experts;
+    return std::max<int64_t>(1, static_cast<int64_t>(std::ceil(mean + 2.0 * std::sqrt(mean))));
   }
 
   // w13 reordered for the SwiGLU epilogue (gemm_weights.h), w2 as prepared; fp32 block scales.
@@ -348,6 +370,8 @@ class RoutedMoeLayer final : public MoeLayer {
   uint64_t group_id_ = 0;
   Status broken_;  // the first failure that left this rank out of step with its group
   gemm::GroupedGemmArgs fc1_, fc2_;
+  bool warmed_up_ = false;           // warmup() completed: workspace, scratch, GEMM arguments
+  bool fc2_writes_combine_ = false;  // FC2's epilogue writes the combine rows (no combine_send)
   bool stage_timing_ = false, stage_recorded_ = false;
   cudaEvent_t stage_events_[kNumStages + 1] = {};
   std::unique_ptr<EpTransport> transport_;

@@ -21,7 +21,7 @@ using kernels::TransportParams;
 int64_t align256(int64_t v) { return (v + 255) / 256 * 256; }
 
 struct ScratchLayout {
-  int64_t pool_intra = 0, pool_hist = 0, seg_total = 0, input_status = 0, total = 0;
+  int64_t pool_intra = 0, pool_hist = 0, seg_total = 0, pool_dst = 0, pool_weight = 0, input_status = 0, total = 0;
   static ScratchLayout make(const WorkspaceParams& p) {
     ScratchLayout s;
     const int64_t R = p.ep_size, T = std::max<int64_t>(p.max_tokens_per_rank, 1), k = p.top_k;
@@ -34,11 +34,17 @@ struct ScratchLayout {
     take(&s.pool_intra, R * T * k * 4);
     take(&s.pool_hist, R * chunks * p.experts_per_rank * 4);
     take(&s.seg_total, p.experts_per_rank * 4);
+    const int64_t P = WorkspaceLayout::pool_rows_for(p);
+    take(&s.pool_dst, P * 4);
+    take(&s.pool_weight, P * 4);
     take(&s.input_status, sizeof(InputStatus));
     s.total = cur;
     return s;
   }
 };
+
+TransportParams make_args(const EpTransport& t, void* window, void* scratch, const EpTransportOptions& o,
+                          int64_t num_tokens);
 
 // Refuses collective work while this stream (or, in global capture mode, any stream) is capturing.
 Status refuse_during_capture(cudaStream_t stream, const char* what) {
@@ -78,6 +84,7 @@ const char* transport_stage_name(int32_t stage) {
 
 Status EpTransportOptions::validate() const {
   const WorkspaceParams& p = params;
+  static_assert(EpTransport::kMaxCombinePeers == kernels::kMaxTransportRanks, "one rank bound");
   if (p.ep_size < 1 || p.ep_size > kernels::kMaxTransportRanks)
     return invalid_argument("EP transport", "ep_size", std::to_string(p.ep_size),
                             "must be in [1, 8] (one NVLink domain)");
@@ -173,7 +180,14 @@ Status EpTransport::warmup(cudaStream_t stream) {
     window_ = win;
     scratch_ = scratch;
     scratch_bytes_ = sl.total;
-    return Status::ok();
+    // Where an FC2 epilogue writes each pool row's partial (the bf16 wire's rows are H bf16).
+    const TransportParams args = make_args(*this, window_, scratch_, options_, 0);
+    combine_targets_ = CombineTargets{};
+    combine_targets_.pool_dst = args.pool_dst;
+    combine_targets_.pool_weight = args.pool_weight;
+    combine_targets_.num_ranks = size_;
+    combine_targets_.rows_per_rank = options_.params.max_tokens_per_rank * options_.params.top_k;
+    return kernels::resolve_peer_pointers(args, layout_.combine.offset, combine_targets_.peer_combine);
   }();
   cudaThreadExchangeStreamCaptureMode(&mode);
   return st;
@@ -226,6 +240,8 @@ TransportParams make_args(const EpTransport& t, void* window, void* scratch, con
   a.pool_intra = reinterpret_cast<int32_t*>(s + sl.pool_intra);
   a.pool_hist = reinterpret_cast<int32_t*>(s + sl.pool_hist);
   a.seg_total = reinterpret_cast<int32_t*>(s + sl.seg_total);
+  a.pool_dst = reinterpret_cast<int32_t*>(s + sl.pool_dst);
+  a.pool_weight = reinterpret_cast<float*>(s + sl.pool_weight);
   a.input_status = reinterpret_cast<InputStatus*>(s + sl.input_status);
   return a;
 }

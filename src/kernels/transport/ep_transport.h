@@ -67,6 +67,22 @@ class EpTransport {
   // topk ids: first bad token, slot, value; the counters are cleared once reported).
   Status check_error(cudaStream_t stream);
 
+  // Where an FC2 epilogue writes the weighted partial of pool row p itself, instead of combine_send()
+  // (bf16 wire): row pool_dst[p] = src * rows_per_rank + token * k + slot names row (token * k + slot)
+  // of peer_combine[src] (rank src's combine region through its LSA pointer, rows of H bf16), -1 none;
+  // the partial is pool_weight[p] * FC2 row in fp32, rounded to bf16 once. build_expert_pool()
+  // rewrites both arrays each forward; combine() then publishes and reduces as after combine_send().
+  // Valid after warmup().
+  static constexpr int kMaxCombinePeers = 8;  // = kernels::kMaxTransportRanks
+  struct CombineTargets {
+    const int32_t* pool_dst = nullptr;
+    const float* pool_weight = nullptr;
+    void* peer_combine[kMaxCombinePeers] = {};
+    int num_ranks = 0;
+    int64_t rows_per_rank = 0;
+  };
+  const CombineTargets& combine_targets() const { return combine_targets_; }
+
   const WorkspaceLayout& layout() const { return layout_; }
   void* base() const { return base_; }  // this rank's copy of the workspace
   int rank() const { return rank_; }
@@ -92,6 +108,7 @@ class EpTransport {
   void* scratch_ = nullptr; // local: pool_intra, pool_hist, seg_total, input status
   int64_t scratch_bytes_ = 0;
   int64_t last_num_tokens_ = 0;
+  CombineTargets combine_targets_;
 };
 
 // Stage names of the transport's waits ("dispatch-done", "combine-done").

@@ -26,7 +26,24 @@ int bf16_parts(int64_t rows, int64_t items_wanted, int64_t hidden, int64_t max_p
   const int64_t want = (items_wanted + std::max<int64_t>(rows, 1) - 1) / std::max<int64_t>(rows, 1);
   return static_cast<int>(std::max<int64_t>(1, std::min({want, rounds, max_parts})));
 }
+__global__ void resolve_peer_pointers_kernel(TransportArgs a, int64_t offset, char** out) {
+  const int r = threadIdx.x;
+  if (r < a.sig.num_ranks) out[r] = a.sig.peer_ptr(r, offset);
+}
 }  // namespace
+
+Status resolve_peer_pointers(const TransportParams& params, int64_t offset, void** out) {
+  const TransportArgs args = TransportArgs::from(params);
+  const int R = args.sig.num_ranks;
+  char** d_out = nullptr;
+  MEGAMOE_CUDA_CHECK(cudaMalloc(&d_out, sizeof(char*) * R));
+  resolve_peer_pointers_kernel<<<1, 32 * ((R + 31) / 32)>>>(args, offset, d_out);
+  cudaError_t err = cudaGetLastError();
+  if (err == cudaSuccess) err = cudaMemcpy(out, d_out, sizeof(char*) * R, cudaMemcpyDeviceToHost);
+  cudaFree(d_out);
+  MEGAMOE_CUDA_CHECK(err);
+  return Status::ok();
+}
 
 Status launch_combine_send(const TransportParams& params, const void* expert_out, bool out_is_fp32, int num_sms,
                            cudaStream_t stream) {

@@ -10,7 +10,9 @@
 //                     seg_total; the last CTA (ticket) block-scans the padded segment sizes into
 //                     expert_offsets.
 // pool_scatter_kernel warp per recv row: pool row = offsets[e] + base[s][chunk][e] + intra; copies the
-//                     wire row (16-byte vectors) and scales, writes pool_src; then warps zero the
+//                     wire row (16-byte vectors) and scales, writes pool_src and the row's combine
+//                     destination (pool_dst, pool_weight: what an FC2 epilogue needs to write the
+//                     weighted partial into the source's combine region); then warps zero the
 //                     padding rows.
 #pragma once
 
@@ -179,7 +181,13 @@ __global__ void __launch_bounds__(256) pool_scatter_kernel(TransportArgs a) {
       if (e < 0) continue;
       const int64_t p = offsets[e] + a.pool_hist[(s * chunks + chunk) * El + e] + a.pool_intra[w * k + j];
       if (p < 0 || p >= pool_end || p >= offsets[e] + a.seg_total[e]) continue;  // inconsistent input
-      if (lane == 0) pool_src[p] = static_cast<int32_t>(w * k + j);
+      if (lane == 0) {
+        pool_src[p] = static_cast<int32_t>(w * k + j);
+        const int32_t* meta = experts - 1;
+        const int64_t t = meta[0];
+        a.pool_dst[p] = (t >= 0 && t < T_max) ? static_cast<int32_t>((s * T_max + t) * k + j) : -1;
+        a.pool_weight[p] = __int_as_float(meta[1 + k + j]);
+      }
       for (int64_t c = lane; c < row_bytes / 16; c += 32)
         st_v4(pool_x + p * row_bytes + c * 16, *reinterpret_cast<const uint4*>(recv_x + w * row_bytes + c * 16));
       if (fp8)
@@ -196,7 +204,10 @@ __global__ void __launch_bounds__(256) pool_scatter_kernel(TransportArgs a) {
       else hi = mid - 1;
     }
     if (p < offsets[lo] + a.seg_total[lo]) continue;
-    if (lane == 0) pool_src[p] = -1;
+    if (lane == 0) {
+      pool_src[p] = -1;
+      a.pool_dst[p] = -1;
+    }
     for (int64_t c = lane; c < row_bytes / 16; c += 32) st_v4(pool_x + p * row_bytes + c * 16, make_uint4(0, 0, 0, 0));
     if (fp8)
       for (int64_t c = lane; c < scale_cols; c += 32) pool_scales[p * scale_cols + c] = 0.f;

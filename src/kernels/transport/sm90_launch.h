@@ -73,6 +73,8 @@ struct TransportParams {
   int32_t* pool_intra;  // [R * T_max, k] rank of (recv row, slot) among its chunk's rows of that expert
   int32_t* pool_hist;   // [R, chunks, E_l] rows per expert per chunk, then exclusive prefix (base)
   int32_t* seg_total;   // [E_l] real rows per local expert
+  int32_t* pool_dst;    // [P] where pool row p's partial goes: src rank * T_max*k + token*k + slot (-1: none)
+  float* pool_weight;   // [P] its routing weight
   InputStatus* input_status;
 };
 
@@ -80,6 +82,9 @@ struct TransportParams {
 Status launch_dispatch(const TransportParams& params, int mode, const void* x, const float* x_scale,
                        const int32_t* topk_ids, const float* topk_weights, int num_sms, cudaStream_t stream);
 Status launch_expert_pool(const TransportParams& params, int num_sms, cudaStream_t stream);
+// out[r] = the device address of byte `offset` of rank r's workspace copy (r < num_ranks), through
+// the LSA window; synchronous (warmup only).
+Status resolve_peer_pointers(const TransportParams& params, int64_t offset, void** out);
 // expert_out: fp32 when out_is_fp32, else bf16. Grids are shaped for `num_sms` SMs.
 Status launch_combine_send(const TransportParams& params, const void* expert_out, bool out_is_fp32, int num_sms,
                            cudaStream_t stream);

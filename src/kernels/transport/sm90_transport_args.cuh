@@ -20,6 +20,8 @@ struct TransportArgs {
   int32_t* pool_intra;
   int32_t* pool_hist;
   int32_t* seg_total;
+  int32_t* pool_dst;
+  float* pool_weight;
   InputStatus* input_status;
 
   static TransportArgs from(const TransportParams& p) {
@@ -32,6 +34,8 @@ struct TransportArgs {
     a.pool_intra = p.pool_intra;
     a.pool_hist = p.pool_hist;
     a.seg_total = p.seg_total;
+    a.pool_dst = p.pool_dst;
+    a.pool_weight = p.pool_weight;
     a.input_status = p.input_status;
     return a;
   }

@@ -80,17 +80,22 @@ TEST(GemmScheduler, RandomSegments) {
   }
 }
 
-TEST(GemmScheduler, NBlocksOfOneRowBlockAreAdjacent) {
-  // tile order: N fastest, so concurrent CTAs share A rows and one expert's weights in L2.
-  std::vector<int32_t> off = {0, 256, 512};
+TEST(GemmScheduler, RowBlocksSharingAWeightTileAreAdjacent) {
+  // tile order within an expert: m-blocks fastest, so concurrent CTAs share one weight tile in L2.
+  std::vector<int32_t> off = {0, 384, 512};  // expert 0: 3 m-blocks, expert 1: 1
   std::vector<int32_t> begin(2), rows(2), prefix(3);
   build_grouped_tables(kLayoutContiguous, 2, off.data(), nullptr, 0, 128, begin.data(), rows.data(), prefix.data());
   GroupedSchedule s{begin.data(), rows.data(), prefix.data(), 2, 4, 128};
-  for (int t = 0; t < 4; ++t) {
-    EXPECT_EQ(s.tile(t).n_block, t);
-    EXPECT_EQ(s.tile(t).row0, 0);
+  for (int t = 0; t < 12; ++t) {
+    EXPECT_EQ(s.tile(t).expert, 0);
+    EXPECT_EQ(s.tile(t).n_block, t / 3);
+    EXPECT_EQ(s.tile(t).row0, (t % 3) * 128);
   }
-  EXPECT_EQ(s.tile(8).expert, 1);
+  for (int t = 12; t < 16; ++t) {
+    EXPECT_EQ(s.tile(t).expert, 1);
+    EXPECT_EQ(s.tile(t).n_block, t - 12);
+    EXPECT_EQ(s.tile(t).row0, 384);
+  }
 }
 
 GemmShapeHint hint(int64_t m, int32_t e, int32_t n, int32_t k, GemmEpilogue epi = GemmEpilogue::kStoreBf16) {

@@ -7,9 +7,12 @@
 //               works, rows past a segment's end are never stored).
 //   masked:     A is [E, max_m, K], expert e owns rows [e*max_m, e*max_m + counts[e]) (decode).
 // Each expert's rows are cut into ceil(rows / BLOCK_M) m-blocks; the m-blocks of all experts are
-// numbered in expert order (m_block_prefix), and tile t is (m-block t / num_n_blocks, n-block
-// t % num_n_blocks): the N tiles of one m-block are adjacent, so CTAs running at the same time share
-// the A rows and the weights of one or two experts in L2. CTA i runs tiles i, i + grid, i + 2*grid...
+// numbered in expert order (m_block_prefix), and expert e owns tiles [prefix[e], prefix[e+1]) *
+// num_n_blocks, ordered n-block major, m-block minor: the m-blocks sharing one weight tile (B rows
+// of one n-block) are adjacent, so CTAs running at the same time read each weight tile from DRAM
+// once and share it in L2. Measured (ncu, deepseek-v3 FC1, 128 experts x 512 rows, one H200):
+// 4.13 -> 3.95 ms against the N-minor order, DRAM 71.9% -> 68.3% of peak; DRAM still moves ~13 GB
+// for 4.8 GB of unique operands (not explained yet, docs/PERF.md). CTA i runs tiles i, i + grid, ...
 #pragma once
 
 #include <cstdint>
@@ -74,10 +77,11 @@ struct GroupedSchedule {
 
   MEGAMOE_GEMM_HD GroupedTile tile(int32_t t) const {
     GroupedTile g;
-    const int32_t mb = t / num_n_blocks;
-    g.n_block = t - mb * num_n_blocks;
-    g.expert = expert_of(mb);
-    g.m0 = (mb - m_block_prefix[g.expert]) * block_m;
+    g.expert = expert_of(t / num_n_blocks);  // prefix[e] * nb <= t < prefix[e+1] * nb
+    const int32_t m_blocks = m_block_prefix[g.expert + 1] - m_block_prefix[g.expert];
+    const int32_t local = t - m_block_prefix[g.expert] * num_n_blocks;
+    g.n_block = local / m_blocks;
+    g.m0 = (local - g.n_block * m_blocks) * block_m;
     g.row0 = row_begin[g.expert] + g.m0;
     const int32_t left = num_rows[g.expert] - g.m0;
     g.rows = left < block_m ? left : block_m;

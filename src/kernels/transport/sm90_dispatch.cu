@@ -52,7 +52,10 @@ Status launch_expert_pool(const TransportParams& params, int num_sms, cudaStream
   const int64_t R = args.sig.num_ranks;
   const int64_t rank_warps = R * args.num_chunks();
   const int rank_ctas = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((rank_warps + 7) / 8, 8 * num_sms)));
-  pool_rank_kernel<<<rank_ctas, 256, 0, stream>>>(args);
+  const int64_t k = args.top_k();
+  if (k <= 4) pool_rank_kernel<4><<<rank_ctas, 256, 0, stream>>>(args);
+  else if (k <= 8) pool_rank_kernel<8><<<rank_ctas, 256, 0, stream>>>(args);
+  else pool_rank_kernel<kMaxTopK><<<rank_ctas, 256, 0, stream>>>(args);
   MEGAMOE_CUDA_CHECK_LAUNCH();
   const int64_t offset_warps = kPoolOffsetsThreads / 32;
   const int offsets_ctas = static_cast<int>(std::max<int64_t>(

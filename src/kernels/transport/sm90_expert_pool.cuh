@@ -5,7 +5,9 @@
 //
 // pool_rank_kernel    warp per 32 recv rows of one source: for each (row, slot) the number of earlier
 //                     rows of the chunk holding the same local expert (pool_intra), and the chunk's
-//                     rows per expert (pool_hist). Deterministic: no atomics.
+//                     rows per expert (pool_hist). Deterministic: no atomics. Each lane compares its
+//                     kK slots with every slot of the chunk's live rows only (kK = top_k rounded up to
+//                     4, 8 or 16): a decode chunk of 1 row does 1 x kK x kK compares, not 32 x 16 x 16.
 // pool_offsets_kernel warp per expert: turns pool_hist into exclusive bases over (source, chunk) and
 //                     seg_total; the last CTA (ticket) block-scans the padded segment sizes into
 //                     expert_offsets.
@@ -35,6 +37,7 @@ __device__ __forceinline__ int32_t meta_expert(const TransportArgs& a, const int
   return (e >= 0 && e < a.experts_per_rank()) ? e : -1;
 }
 
+template <int kK>
 __global__ void __launch_bounds__(256) pool_rank_kernel(TransportArgs a) {
   const int R = a.sig.num_ranks;
   const int64_t k = a.top_k(), El = a.experts_per_rank(), T_max = a.t_max(), chunks = a.num_chunks();
@@ -52,23 +55,25 @@ __global__ void __launch_bounds__(256) pool_rank_kernel(TransportArgs a) {
     const int64_t i = chunk * kPoolChunkRows + lane;
     const bool live = i < n;
     const int64_t recv_row = s * T_max + i;
-    int32_t mine[kMaxTopK];
-    int before[kMaxTopK], after[kMaxTopK];
+    int32_t mine[kK];
+    int before[kK], after[kK];
     const int32_t* experts = live ? meta_experts(a, recv_row) : nullptr;
 #pragma unroll
-    for (int j = 0; j < kMaxTopK; ++j) {
+    for (int j = 0; j < kK; ++j) {
       mine[j] = (live && j < k) ? meta_expert(a, experts, j) : -1;
       before[j] = after[j] = 0;
     }
-    for (int other = 0; other < kPoolChunkRows; ++other) {
-      int32_t theirs[kMaxTopK];
+    // Rows past n hold no expert (mine = -1, never counted): the loop stops at the live ones.
+    const int live_rows = static_cast<int>(min(static_cast<int64_t>(kPoolChunkRows), n - chunk * kPoolChunkRows));
+    for (int other = 0; other < live_rows; ++other) {
+      int32_t theirs[kK];
 #pragma unroll
-      for (int jj = 0; jj < kMaxTopK; ++jj) theirs[jj] = __shfl_sync(0xFFFFFFFFu, mine[jj], other);
+      for (int jj = 0; jj < kK; ++jj) theirs[jj] = __shfl_sync(0xFFFFFFFFu, mine[jj], other);
 #pragma unroll
-      for (int j = 0; j < kMaxTopK; ++j) {
+      for (int j = 0; j < kK; ++j) {
         bool holds = false;
 #pragma unroll
-        for (int jj = 0; jj < kMaxTopK; ++jj) holds |= (theirs[jj] == mine[j]);
+        for (int jj = 0; jj < kK; ++jj) holds |= (theirs[jj] == mine[j]);
         before[j] += (other < lane) && holds;
         after[j] += (other > lane) && holds;
       }

@@ -94,7 +94,8 @@ bool complete(const PreparedWeights& p, const MoeGeometry& g, WeightFormat forma
 
 // Builds one case's layers: from `kept` when it holds the weights, else generating each rank's slice;
 // then fills `kept` when it is empty and the format allows.
-Status build_case(const MoeGeometry& g, const MoeConfig& c, uint64_t seed, KeptWeights* kept, RankGroup* group) {
+Status build_case(const MoeGeometry& g, const MoeConfig& c, uint64_t seed, const ProcessRanks& pr, KeptWeights* kept,
+                  RankGroup* group) {
   const bool reuse = !kept->empty();
   RankWeightsFn source = generated_weights(g, seed);
   if (reuse)
@@ -108,34 +109,34 @@ Status build_case(const MoeGeometry& g, const MoeConfig& c, uint64_t seed, KeptW
                      : ("each rank generates its " + format_bytes(fp32_weight_bytes(g) / g.ep_size) +
                         " fp32 slice, then prepares " + to_string(c.weight_format)).c_str());
   BuildTimes times;
-  MEGAMOE_RETURN_IF_ERROR(build_group(g, c, source, group, &times));
+  MEGAMOE_RETURN_IF_ERROR(build_group(g, c, source, group, &times, &pr));
   std::fprintf(stderr, "[bench]   layers built: source weights %.2f s, create (prepare + upload) %.2f s, warmup %.2f s\n",
                times.source_s, times.create_s, times.warmup_s);
   if (reuse || !reusable_source_format(c.weight_format)) return Status::ok();
   KeptWeights copies(static_cast<size_t>(g.ep_size));
-  const Status st = run_on_ranks(g.ep_size, [&](int64_t r) -> Status {
+  const Status st = run_on_local_ranks(pr, [&](int64_t r) -> Status {
     const PreparedWeights& p = group->layers[r]->prepared_weights();
     if (complete(p, g, c.weight_format)) copies[r] = std::make_shared<const PreparedWeights>(p);
     return Status::ok();
   });
   if (!st) return Status::ok();  // no copy (out of memory): the later cases generate again
-  for (const auto& p : copies)
-    if (!p) return Status::ok();
+  for (int64_t r = 0; r < g.ep_size; ++r)
+    if (pr.runs(r) && !copies[r]) return Status::ok();
   *kept = std::move(copies);
   return Status::ok();
 }
 
 // A few more lockstep forwards with the layers' stage timing on; fills row->stages_us with, per
 // stage, the slowest rank's median. Leaves it empty for backends without stage timing (cpu).
-void collect_stage_times(RankGroup& group, std::vector<std::vector<std::unique_ptr<RankIo>>>& io, int64_t sets,
-                         int64_t samples, BenchRow* row) {
+void collect_stage_times(const ProcessRanks& pr, RankGroup& group, std::vector<std::vector<std::unique_ptr<RankIo>>>& io,
+                         int64_t sets, int64_t samples, BenchRow* row) {
   const int64_t R = static_cast<int64_t>(group.layers.size());
-  if (samples <= 0 || !group.layers[0]->set_stage_timing(true)) return;  // same backend on every rank
+  if (samples <= 0 || !first_local_layer(group)->set_stage_timing(true)) return;  // same backend on every rank
   std::vector<std::vector<std::vector<double>>> us(static_cast<size_t>(R));  // [rank][stage][sample]
   std::vector<std::string> names;
-  ThreadBarrier barrier(R);
+  RankBarrier barrier(pr, group);
   std::atomic<bool> failed{false};
-  const Status st = run_on_ranks(R, [&](int64_t r) -> Status {
+  const Status st = run_on_local_ranks(pr, [&](int64_t r) -> Status {
     MoeLayer* layer = group.layers[r].get();
     Status rst = layer->set_stage_timing(true);
     void* stream = nullptr;
@@ -146,7 +147,7 @@ void collect_stage_times(RankGroup& group, std::vector<std::vector<std::unique_p
       if (rst) rst = flush_l2(layer->device(), stream);
       if (rst) rst = synchronize(layer->device(), stream);
       if (!rst) failed.store(true);
-      barrier.wait();
+      if (const Status b = barrier.wait(r); !b) return b;
       if (failed.load()) break;
       if (rst) rst = io[r][it % sets]->forward(layer, stream);
       if (rst) rst = layer->check_error(stream);
@@ -158,7 +159,7 @@ void collect_stage_times(RankGroup& group, std::vector<std::vector<std::unique_p
       }
       us[r].resize(t.size());
       for (size_t i = 0; i < t.size(); ++i) us[r][i].push_back(t[i].us);
-      if (r == 0 && names.empty())
+      if (us[r].size() == t.size() && names.empty() && pr.runs(r) && r == (pr.launched ? pr.bootstrap.rank : 0))
         for (const auto& s : t) names.push_back(s.stage);
     }
     layer->set_stage_timing(false);
@@ -172,6 +173,7 @@ void collect_stage_times(RankGroup& group, std::vector<std::vector<std::unique_p
   for (size_t i = 0; i < names.size(); ++i) {
     double slowest = 0;
     for (int64_t r = 0; r < R; ++r) {
+      if (!pr.runs(r)) continue;
       std::vector<double> v = us[r][i];
       std::sort(v.begin(), v.end());
       slowest = std::max(slowest, v[v.size() / 2]);
@@ -181,17 +183,19 @@ void collect_stage_times(RankGroup& group, std::vector<std::vector<std::unique_p
 }
 
 // Times one case. Fills row.median_us etc., or row.error.
-void run_case(const MoeGeometry& g, const MoeConfig& c, uint64_t seed, const std::vector<reference::RankInputs>& inputs,
-              int64_t tokens, int64_t sets, int64_t iters, int64_t warmup, KeptWeights* kept, BenchRow* row) {
+void run_case(const MoeGeometry& g, const MoeConfig& c, uint64_t seed, const ProcessRanks& pr,
+              const std::vector<reference::RankInputs>& inputs, int64_t tokens, int64_t sets, int64_t iters,
+              int64_t warmup, KeptWeights* kept, BenchRow* row) {
   const int64_t R = g.ep_size, H = g.hidden, k = g.top_k;
   RankGroup group;
-  Status st = build_case(g, c, seed, kept, &group);
+  Status st = build_case(g, c, seed, pr, kept, &group);
   if (!st) {
     row->error = st.message();
     return;
   }
-  row->resolved = to_string(group.layers[0]->backend());
-  row->on_gpu = group.layers[0]->device().kind == DeviceKind::kCuda;
+  const MoeLayer* layer0 = first_local_layer(group);
+  row->resolved = to_string(layer0->backend());
+  row->on_gpu = layer0->device().kind == DeviceKind::kCuda;
 
   // Input set s of rank r: tokens [s*T, (s+1)*T) of the rank's generated inputs.
   std::vector<std::vector<std::unique_ptr<RankIo>>> io(static_cast<size_t>(R));
@@ -199,15 +203,16 @@ void run_case(const MoeGeometry& g, const MoeConfig& c, uint64_t seed, const std
   for (int64_t r = 0; r < R; ++r) {
     const reference::RankInputs& in = inputs[r];
     for (int64_t s = 0; s < sets; ++s) {
-      io[r].push_back(std::make_unique<RankIo>());
       const int64_t t0 = s * tokens;
+      ids[r].push_back(in.topk_ids.data() + t0 * k);  // every rank's routing: the floor needs all
+      if (!pr.runs(r)) continue;
+      io[r].push_back(std::make_unique<RankIo>());
       st = io[r][s]->stage(group.layers[r]->device(), tokens, H, k, in.x_bf16.data() + t0 * H,
                            in.topk_ids.data() + t0 * k, in.topk_weights.data() + t0 * k);
       if (!st) {
         row->error = "rank " + std::to_string(r) + ": " + st.message();
         return;
       }
-      ids[r].push_back(in.topk_ids.data() + t0 * k);
     }
   }
   const ForwardModel model = model_forward(g, c, tokens, sets, ids);
@@ -218,10 +223,10 @@ void run_case(const MoeGeometry& g, const MoeConfig& c, uint64_t seed, const std
   // GPU backends: each rank's forward timed by CUDA events on its stream (the host-side sync and
   // error check after it stay out of the number); the cpu backend: the host clock.
   std::vector<std::vector<double>> device_us(R, std::vector<double>(total, 0.0));
-  ThreadBarrier barrier(R);
+  RankBarrier barrier(pr, group);
   std::atomic<bool> failed{false};
   const Clock::time_point began = Clock::now();
-  st = run_on_ranks(R, [&](int64_t r) -> Status {
+  st = run_on_local_ranks(pr, [&](int64_t r) -> Status {
     const Device dev = group.layers[r]->device();
     void* stream = nullptr;
     Status rst = create_stream(dev, &stream);
@@ -229,11 +234,12 @@ void run_case(const MoeGeometry& g, const MoeConfig& c, uint64_t seed, const std
     if (rst) rst = timer.init(dev);
     Clock::time_point last_progress = Clock::now();
     for (int64_t it = 0; it < total; ++it) {
-      barrier.wait();
+      // (Launched: each process has its own flag; a failed peer surfaces as a bounded wait here.)
+      if (const Status b = barrier.wait(r); !b) return b;
       if (failed.load()) break;  // every rank sees the same flag after the same barrier
       if (rst) rst = flush_l2(dev, stream);
       if (rst) rst = synchronize(dev, stream);
-      barrier.wait();
+      if (const Status b = barrier.wait(r); !b) return b;
       start[r][it] = Clock::now();
       if (rst) rst = timer.start(stream);
       if (rst) rst = io[r][it % sets]->forward(group.layers[r].get(), stream);
@@ -242,7 +248,8 @@ void run_case(const MoeGeometry& g, const MoeConfig& c, uint64_t seed, const std
       end[r][it] = Clock::now();
       if (rst) rst = timer.elapsed_us(&device_us[r][it]);
       if (!rst) failed.store(true);
-      if (r == 0 && std::chrono::duration<double>(end[r][it] - last_progress).count() > 2.0) {
+      if (r == (pr.launched ? pr.bootstrap.rank : 0) &&
+          std::chrono::duration<double>(end[r][it] - last_progress).count() > 2.0) {
         last_progress = end[r][it];
         std::fprintf(stderr, "[bench]   %s T=%lld: %lld/%lld forwards (%.0f s)\n", row->resolved.c_str(),
                      static_cast<long long>(tokens), static_cast<long long>(it + 1), static_cast<long long>(total),
@@ -260,8 +267,9 @@ void run_case(const MoeGeometry& g, const MoeConfig& c, uint64_t seed, const std
   std::vector<double> us;
   for (int64_t it = warmup; it < total; ++it) {
     if (row->on_gpu) {  // the slowest rank's device time (its kernels include the waits for peers)
-      double slowest = 0;
-      for (int64_t r = 0; r < R; ++r) slowest = std::max(slowest, device_us[r][it]);
+      double slowest = 0;  // launched: this process's rank (each process reports its own)
+      for (int64_t r = 0; r < R; ++r)
+        if (pr.runs(r)) slowest = std::max(slowest, device_us[r][it]);
       us.push_back(slowest);
       continue;
     }
@@ -284,7 +292,7 @@ void run_case(const MoeGeometry& g, const MoeConfig& c, uint64_t seed, const std
   row->floor_us = model.floor_s * 1e6;
   row->floor_bound = model.bound;
   row->time_over_floor = model.floor_s > 0 ? t / model.floor_s : 0;
-  if (row->on_gpu) collect_stage_times(group, io, sets, std::min<int64_t>(iters, 10), row);
+  if (row->on_gpu) collect_stage_times(pr, group, io, sets, std::min<int64_t>(iters, 10), row);
 }
 
 int run_bench(BenchOptions o) {
@@ -396,6 +404,12 @@ int run_bench(BenchOptions o) {
   std::fprintf(stderr, "[bench] generating %lld input sets of up to %lld tokens per rank\n",
                static_cast<long long>(sets), static_cast<long long>(t_max));
   const int64_t R = g0.ep_size;
+  bool all_on_gpu = true;
+  for (const BenchRow& row : rows) all_on_gpu = all_on_gpu && (row.resolved == "routed" || row.resolved == "mega");
+  ProcessRanks pr;
+  if (const Status st = process_ranks(R, all_on_gpu, &pr); !st)
+    throw ToolError(st.code() == StatusCode::kInvalidArgument ? kExitUsage : kExitUnavailable, st.message());
+  // Every rank's inputs, also in a launched process: the floor counts the experts all ranks hit.
   std::vector<reference::RankInputs> inputs(static_cast<size_t>(R));
   const int input_threads = std::max<int>(1, reference::default_generate_threads() / static_cast<int>(R));
   const Status gen = run_on_ranks(R, [&](int64_t r) {
@@ -408,6 +422,7 @@ int run_bench(BenchOptions o) {
   header.any_cpu = false;
   for (const BenchRow& row : rows) header.any_cpu = header.any_cpu || row.resolved == "cpu";
   print_bench_header(header);
+  if (pr.launched) std::printf("%s: times are this rank's (each process reports its own)\n", pr.describe().c_str());
   int exit_code = kExitOk;
   for (size_t i = 0; i < rows.size(); ++i) {
     BenchRow& row = rows[i];
@@ -430,7 +445,7 @@ int run_bench(BenchOptions o) {
       const Status gate = b == Backend::kMega ? mega_capability(g, c) : routed_capability(g, c);
       if (!gate) row.error = std::string("backend=") + to_string(b) + " is unavailable: " + gate.message();
     }
-    if (row.error.empty()) run_case(g, c, seed, inputs, row.tokens, sets, iters, warmup, &kept, &row);
+    if (row.error.empty()) run_case(g, c, seed, pr, inputs, row.tokens, sets, iters, warmup, &kept, &row);
     if (!row.error.empty()) exit_code = kExitUnavailable;
     print_bench_row(row);
     std::fflush(stdout);

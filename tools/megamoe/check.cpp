@@ -111,6 +111,14 @@ int run_check(const CheckOptions& o) {
                       std::string("backend=") + to_string(backend) + " is unavailable: " + gate.message());
   }
   if (backend == Backend::kAuto) std::printf("  %s\n", sel.reason.c_str());
+  ProcessRanks pr;
+  if (const Status st = process_ranks(R, sel.backend == Backend::kRouted || sel.backend == Backend::kMega, &pr); !st)
+    throw ToolError(st.code() == StatusCode::kInvalidArgument ? kExitUsage : kExitUnavailable, st.message());
+  if (pr.launched) {
+    std::printf("  %s\n", pr.describe().c_str());
+    if (!o.dump.empty())
+      throw ToolError(kExitUsage, "--dump needs every rank in one process (run without megamoe launch)");
+  }
   const std::vector<int64_t> tokens_per_rank(static_cast<size_t>(R), tokens);
   std::vector<DumpFile> plan;
   if (!o.dump.empty()) {
@@ -133,7 +141,7 @@ int run_check(const CheckOptions& o) {
   std::fprintf(stderr, "[check] generating inputs\n");
   std::vector<reference::RankInputs> inputs(static_cast<size_t>(R));
   const int input_threads = std::max<int>(1, reference::default_generate_threads() / static_cast<int>(R));
-  Status st = run_on_ranks(R, [&](int64_t r) {
+  Status st = run_on_local_ranks(pr, [&](int64_t r) {
     inputs[r] = reference::make_rank_inputs(g, seed, r, tokens, routing, input_threads);
     return Status::ok();
   });
@@ -142,15 +150,17 @@ int run_check(const CheckOptions& o) {
   std::fprintf(stderr, "[check] building %lld layer(s): each rank generates its %s fp32 slice, then prepares %s\n",
                static_cast<long long>(R), format_bytes(fp32_weight_bytes(g) / R).c_str(), to_string(c.weight_format));
   BuildTimes times;
-  st = build_group(g, c, generated_weights(g, seed), &group, &times);
+  st = build_group(g, c, generated_weights(g, seed), &group, &times, &pr);
   if (!st) throw ToolError(kExitUnavailable, st.message());
   std::fprintf(stderr, "[check] layers built: source weights %.2f s, create (prepare + upload) %.2f s, warmup %.2f s\n",
                times.source_s, times.create_s, times.warmup_s);
-  std::printf("  resolved backend: %s (%s)\n", to_string(group.layers[0]->backend()), group.layers[0]->selection().reason.c_str());
+  const MoeLayer* layer0 = first_local_layer(group);
+  std::printf("  resolved backend: %s (%s)\n", to_string(layer0->backend()), layer0->selection().reason.c_str());
 
   std::vector<std::vector<uint16_t>> y(static_cast<size_t>(R));
   std::vector<std::unique_ptr<RankIo>> io(static_cast<size_t>(R));
   for (int64_t r = 0; r < R; ++r) {
+    if (!pr.runs(r)) continue;
     const reference::RankInputs& in = inputs[r];
     io[r] = std::make_unique<RankIo>();
     st = io[r]->stage(group.layers[r]->device(), in.num_tokens, H, k, in.x_bf16.data(), in.topk_ids.data(),
@@ -161,7 +171,7 @@ int run_check(const CheckOptions& o) {
     y[r].assign(static_cast<size_t>(in.num_tokens * H), 0);
   }
   std::fprintf(stderr, "[check] forward on %lld rank(s)\n", static_cast<long long>(R));
-  st = run_on_ranks(R, [&](int64_t r) -> Status {
+  st = run_on_local_ranks(pr, [&](int64_t r) -> Status {
     void* stream = nullptr;
     MEGAMOE_RETURN_IF_ERROR(create_stream(group.layers[r]->device(), &stream));
     Status fst = io[r]->forward(group.layers[r].get(), stream);
@@ -173,21 +183,33 @@ int run_check(const CheckOptions& o) {
   });
   if (!st) throw ToolError(kExitUnavailable, st.message());
 
-  // The weights as the layer computes with them, all experts in global order.
+  // The weights as the layer computes with them, all experts in global order. A launched process
+  // holds one rank's layer: the other ranks' slices are generated and prepared here the same way
+  // (the generator is per expert and the preparation deterministic, so the bits are the layers').
   std::fprintf(stderr, "[check] float64 reference\n");
   const int64_t El = g.experts_per_rank();
   std::vector<float> w13(static_cast<size_t>(E * 2 * I * H)), w2(static_cast<size_t>(E * H * I));
-  run_on_ranks(R, [&](int64_t r) {
-    const PreparedWeights& pw = group.layers[r]->prepared_weights();
+  st = run_on_ranks(R, [&](int64_t r) -> Status {
+    PreparedWeights elsewhere;
+    const PreparedWeights* pw = nullptr;
+    if (pr.runs(r)) {
+      pw = &group.layers[r]->prepared_weights();
+    } else {
+      RankWeights source;
+      MEGAMOE_RETURN_IF_ERROR(generated_weights(g, seed)(r, &source));
+      MEGAMOE_RETURN_IF_ERROR(prepare_weights(g.for_rank(r), c, source.views, &elsewhere));
+      pw = &elsewhere;
+    }
     for (int64_t e = 0; e < El; ++e) {
-      pw.w13.dequantize_expert(e, w13.data() + (r * El + e) * 2 * I * H);
-      pw.w2.dequantize_expert(e, w2.data() + (r * El + e) * H * I);
+      pw->w13.dequantize_expert(e, w13.data() + (r * El + e) * 2 * I * H);
+      pw->w2.dequantize_expert(e, w2.data() + (r * El + e) * H * I);
     }
     return Status::ok();
   });
+  if (!st) throw ToolError(kExitUnavailable, "the reference weights: " + st.message());
   std::vector<std::vector<float>> x(static_cast<size_t>(R));
   std::vector<RankError> errors(static_cast<size_t>(R));
-  st = run_on_ranks(R, [&](int64_t r) -> Status {
+  st = run_on_local_ranks(pr, [&](int64_t r) -> Status {
     const reference::RankInputs& in = inputs[r];
     x[r] = consumed_x(c, in.x_bf16, in.num_tokens, H);
     std::vector<double> ref(static_cast<size_t>(in.num_tokens * H));
@@ -208,6 +230,7 @@ int run_check(const CheckOptions& o) {
   bool pass = true;
   nlohmann::json per_rank = nlohmann::json::array();
   for (int64_t r = 0; r < R; ++r) {
+    if (!pr.runs(r)) continue;  // reported by its own process
     const RankError& e = errors[r];
     const bool ok = e.non_finite == 0 && e.rel_l2() <= bound.rel_l2;
     pass = pass && ok;
@@ -224,8 +247,8 @@ int run_check(const CheckOptions& o) {
                         {"non_finite", e.non_finite}, {"pass", ok}});
   }
   pass = pass && all.non_finite == 0 && all.rel_l2() <= bound.rel_l2;
-  std::printf("overall: rel_l2 %.4e, max_abs %.4e, bound rel_l2 <= %.3g: %s\n", all.rel_l2(), all.max_abs,
-              bound.rel_l2, pass ? "PASS" : "FAIL");
+  std::printf("%s: rel_l2 %.4e, max_abs %.4e, bound rel_l2 <= %.3g: %s\n",
+              pr.launched ? "this process" : "overall", all.rel_l2(), all.max_abs, bound.rel_l2, pass ? "PASS" : "FAIL");
 
   if (!o.dump.empty()) {
     DumpData data;

@@ -1,6 +1,7 @@
 #include "ranks.h"
 
 #include <cuda_runtime_api.h>
+#include <nccl.h>
 
 #include <algorithm>
 #include <chrono>
@@ -10,7 +11,9 @@
 #include <string>
 #include <thread>
 
+#include "comm/nccl_comm.h"
 #include "core/cuda_check.h"
+#include "core/env.h"
 
 #include "megamoe/formats.h"
 #include "reference/problem.h"
@@ -82,8 +85,45 @@ Status run_on_ranks(int64_t n, const std::function<Status(int64_t)>& fn) {
   return first ? *first : Status::ok();
 }
 
+std::string ProcessRanks::describe() const {
+  if (!launched) return "all " + std::to_string(ep_size) + " rank(s) in this process";
+  return "rank " + std::to_string(bootstrap.rank) + " of " + std::to_string(ep_size) +
+         " in this process (megamoe launch: one process per GPU, cuda:" + std::to_string(device_of(bootstrap.rank)) + ")";
+}
+
+Status process_ranks(int64_t ep_size, bool on_gpu, ProcessRanks* out) {
+  *out = ProcessRanks();
+  out->ep_size = ep_size;
+  if (env_knobs().rank.empty()) return Status::ok();
+  if (!on_gpu)
+    return invalid_argument("launch", "backend", "cpu",
+                            "one process per rank needs a GPU backend (the cpu backend's ranks share host memory: "
+                            "run it without megamoe launch)");
+  MEGAMOE_RETURN_IF_ERROR(NcclBootstrap::from_env(&out->bootstrap));
+  if (out->bootstrap.world_size != ep_size)
+    return invalid_argument("launch", "MEGAMOE_WORLD_SIZE", std::to_string(out->bootstrap.world_size),
+                            "must equal --ep=" + std::to_string(ep_size) + " (one process per EP rank)");
+  if (ep_size > 1) MEGAMOE_RETURN_IF_ERROR(create_nccl_rank(out->bootstrap, &out->comm));
+  out->launched = true;
+  return Status::ok();
+}
+
+Status run_on_local_ranks(const ProcessRanks& pr, const std::function<Status(int64_t)>& fn) {
+  if (!pr.launched) return run_on_ranks(pr.ep_size, fn);
+  return run_on_ranks(1, [&](int64_t) { return fn(pr.bootstrap.rank); });
+}
+
+MoeLayer* first_local_layer(const RankGroup& group) {
+  for (const auto& l : group.layers)
+    if (l) return l.get();
+  return nullptr;
+}
+
 Status build_group(const MoeGeometry& g, const MoeConfig& c, const RankWeightsFn& weights_of, RankGroup* out,
-                   BuildTimes* times) {
+                   BuildTimes* times, const ProcessRanks* ranks) {
+  ProcessRanks all;
+  all.ep_size = g.ep_size;
+  const ProcessRanks& pr = ranks ? *ranks : all;
   using Clock = std::chrono::steady_clock;
   auto seconds_since = [](Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); };
   out->layers.clear();
@@ -93,7 +133,10 @@ Status build_group(const MoeGeometry& g, const MoeConfig& c, const RankWeightsFn
   const Backend backend = select_backend(g, c).backend;
   const bool on_gpu = backend == Backend::kRouted || backend == Backend::kMega;
   if (g.ep_size > 1) {
-    if (on_gpu) {
+    if (on_gpu && pr.launched) {
+      out->comms.resize(static_cast<size_t>(g.ep_size));
+      out->comms[pr.bootstrap.rank] = pr.comm;
+    } else if (on_gpu) {
       std::vector<int> devices;
       for (int64_t r = 0; r < g.ep_size; ++r) devices.push_back(static_cast<int>(r));
       MEGAMOE_RETURN_IF_ERROR(create_nccl_group(devices, &out->comms));
@@ -101,13 +144,13 @@ Status build_group(const MoeGeometry& g, const MoeConfig& c, const RankWeightsFn
       MEGAMOE_RETURN_IF_ERROR(create_host_group(static_cast<int>(g.ep_size), &out->comms));
     }
   }
-  auto select_device = [on_gpu](int64_t r) {
-    if (on_gpu) MEGAMOE_CUDA_CHECK(cudaSetDevice(static_cast<int>(r)));
+  auto select_device = [on_gpu, &pr](int64_t r) {
+    if (on_gpu) MEGAMOE_CUDA_CHECK(cudaSetDevice(pr.device_of(r)));
     return Status::ok();
   };
   std::vector<BuildTimes> rank_times(static_cast<size_t>(g.ep_size));
   // Creation is local (no collective): a rank that fails does not strand the others.
-  Status st = run_on_ranks(g.ep_size, [&](int64_t r) -> Status {
+  Status st = run_on_local_ranks(pr, [&](int64_t r) -> Status {
     MEGAMOE_RETURN_IF_ERROR(select_device(r));
     std::shared_ptr<Communicator> comm = g.ep_size > 1 ? out->comms[r] : nullptr;
     Clock::time_point t0 = Clock::now();
@@ -122,7 +165,7 @@ Status build_group(const MoeGeometry& g, const MoeConfig& c, const RankWeightsFn
     return rst;
   });
   if (st) {
-    st = run_on_ranks(g.ep_size, [&](int64_t r) -> Status {
+    st = run_on_local_ranks(pr, [&](int64_t r) -> Status {
       MEGAMOE_RETURN_IF_ERROR(select_device(r));
       const Clock::time_point t0 = Clock::now();
       const Status rst = out->layers[r]->warmup();
@@ -176,6 +219,35 @@ RankGroup::~RankGroup() {
     layers[r].reset();
     return Status::ok();
   });
+}
+
+RankBarrier::RankBarrier(const ProcessRanks& pr, const RankGroup& group)
+    : pr_(pr), group_(group), threads_(pr.launched ? 1 : pr.ep_size) {}
+
+RankBarrier::~RankBarrier() {
+  if (flag_) cudaFree(flag_);
+  if (stream_) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
+}
+
+Status RankBarrier::wait(int64_t rank) {
+  if (!pr_.launched || pr_.ep_size == 1) {
+    threads_.wait();
+    return Status::ok();
+  }
+  const NcclRankComm* nccl = nccl_rank_of(group_.comms[rank].get());
+  if (!nccl) return Status(StatusCode::kInternal, "rank barrier: rank " + std::to_string(rank) + " has no NCCL communicator");
+  if (!flag_) {
+    MEGAMOE_CUDA_CHECK(cudaSetDevice(pr_.device_of(rank)));
+    MEGAMOE_CUDA_CHECK(cudaMalloc(&flag_, sizeof(float)));
+    cudaStream_t s = nullptr;
+    MEGAMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    stream_ = s;
+  }
+  const ncclResult_t r = ncclAllReduce(flag_, flag_, 1, ncclFloat, ncclSum, nccl->nccl(), static_cast<cudaStream_t>(stream_));
+  if (r != ncclSuccess)
+    return Status(StatusCode::kInternal, std::string("rank barrier: ncclAllReduce failed: ") + ncclGetErrorString(r));
+  MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)));
+  return Status::ok();
 }
 
 void ThreadBarrier::wait() {

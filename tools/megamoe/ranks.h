@@ -8,6 +8,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "megamoe/comm.h"
@@ -22,7 +23,33 @@ namespace megamoe::tool {
 // An exception inside fn becomes kInternal naming the rank.
 Status run_on_ranks(int64_t n, const std::function<Status(int64_t)>& fn);
 
-// All ranks' layers of one group.
+// The EP ranks this process runs: every rank, a thread each (one process driving all GPUs, or the
+// cpu backend's host group), or the single rank `megamoe launch` started it as (MEGAMOE_RANK set:
+// one process per GPU over ncclCommInitRank, as inference engines launch).
+struct ProcessRanks {
+  int64_t ep_size = 1;
+  bool launched = false;
+  NcclBootstrap bootstrap;  // when launched
+  // Launched: this rank's communicator, made once (the id file bootstraps one communicator per
+  // launch) and shared by every layer the process builds.
+  std::shared_ptr<Communicator> comm;
+  bool runs(int64_t r) const { return !launched || r == bootstrap.rank; }
+  // The CUDA device rank r runs on in this process.
+  int device_of(int64_t r) const {
+    return launched && bootstrap.device >= 0 ? bootstrap.device : static_cast<int>(r);
+  }
+  std::string describe() const;
+};
+
+// All ranks in this process, or (MEGAMOE_RANK set) the launched rank, checked: the world size must
+// equal ep_size and the backend must run on GPUs (the cpu backend's ranks share host memory). A
+// launched rank joins its NCCL communicator here (collective over the launched processes).
+Status process_ranks(int64_t ep_size, bool on_gpu, ProcessRanks* out);
+
+// run_on_ranks over the ranks of `pr` that this process runs.
+Status run_on_local_ranks(const ProcessRanks& pr, const std::function<Status(int64_t)>& fn);
+
+// All ranks' layers of one group (a launched process holds only its own rank's; the others null).
 struct RankGroup {
   std::vector<std::shared_ptr<Communicator>> comms;  // empty for ep_size == 1
   std::vector<std::unique_ptr<MoeLayer>> layers;     // [R]
@@ -49,7 +76,10 @@ struct BuildTimes {
 // releases the source at once, so the source slices of all ranks are alive together only while the
 // layers are created. Then warms the layers up (collective), each on its own thread.
 Status build_group(const MoeGeometry& g, const MoeConfig& c, const RankWeightsFn& weights_of, RankGroup* out,
-                   BuildTimes* times = nullptr);
+                   BuildTimes* times = nullptr, const ProcessRanks* ranks = nullptr);
+
+// The first layer this process holds.
+MoeLayer* first_local_layer(const RankGroup& group);
 
 // Rank r's slice of the random problem (reference::make_rank_weights of `seed`), generated on
 // rank r's thread with its share of the generator threads (hardware threads / ep_size).
@@ -70,6 +100,24 @@ class ThreadBarrier {
   std::mutex mutex_;
   std::condition_variable cv_;
   int64_t n_, arrived_ = 0, generation_ = 0;
+};
+
+// A barrier over every rank of the group, for lockstep timing: host threads when this process runs
+// every rank, an NCCL all-reduce of one value (then a stream sync) across the launched processes.
+class RankBarrier {
+ public:
+  RankBarrier(const ProcessRanks& pr, const RankGroup& group);
+  RankBarrier(const RankBarrier&) = delete;
+  RankBarrier& operator=(const RankBarrier&) = delete;
+  ~RankBarrier();
+  Status wait(int64_t rank);
+
+ private:
+  const ProcessRanks& pr_;
+  const RankGroup& group_;
+  ThreadBarrier threads_;
+  void* flag_ = nullptr;    // launched: one float on the rank's device
+  void* stream_ = nullptr;  // launched: the stream the all-reduce runs on
 };
 
 // One rank's forward inputs and output on the layer's device (host memory for the cpu backend).

@@ -285,12 +285,12 @@ class RoutedMoeLayer final : public MoeLayer {
     fc2.m_rows = P;
     fc2.expert_offsets = fc1.expert_offsets;
     fc2.b = w2_->ptr;
-    fc2.d = expert_out_ ? expert_out_->ptr : nullptr;
     fc2.ldd = H;
     fc2_writes_combine_ = config_.combine_dtype == CombineDtype::kBf16;
-    if (fc2_writes_combine_) {
+    if (!fc2_writes_combine_) {
+      fc2.d = expert_out_->ptr;
+    } else {
       const EpTransport::CombineTargets& targets = transport_->combine_targets();
-      fc2.d = nullptr;
       fc2.row_map = targets.pool_dst;
       fc2.row_weight = targets.pool_weight;
       fc2.num_peer_d = targets.num_ranks;

@@ -199,6 +199,45 @@ TEST(GemmValidate, MessagesNameTheField) {
   EXPECT_NE(st.message().find("tiles.block_n"), std::string::npos) << st.message();
 }
 
+// Rows written into several buffers (each rank's combine region): the rules name their field.
+TEST(GemmValidate, PeerBuffersNeedARowMapAndTheStoreEpilogue) {
+  alignas(16) int dummy[64];
+  GroupedGemmArgs a;
+  a.num_experts = 4;
+  a.n = 4096;
+  a.k = 7168;
+  a.m_rows = 100;
+  a.a = a.b = dummy;
+  a.expert_offsets = reinterpret_cast<const int32_t*>(dummy);
+  a.a_scales = a.b_scales = reinterpret_cast<const float*>(dummy);
+  a.num_peer_d = 2;
+  a.peer_d[0] = a.peer_d[1] = dummy;
+  a.peer_d_rows = 64;
+  Status st = validate_grouped_gemm(a);  // no row_map
+  EXPECT_NE(st.message().find("row_map=null"), std::string::npos) << st.message();
+  a.row_map = reinterpret_cast<const int32_t*>(dummy);
+  EXPECT_TRUE(validate_grouped_gemm(a).is_ok()) << validate_grouped_gemm(a).message();  // d unused
+  a.peer_d[1] = nullptr;
+  st = validate_grouped_gemm(a);
+  EXPECT_NE(st.message().find("peer_d[1]=null"), std::string::npos) << st.message();
+  a.peer_d[1] = reinterpret_cast<char*>(dummy) + 4;
+  st = validate_grouped_gemm(a);
+  EXPECT_NE(st.message().find("peer_d[1]=unaligned"), std::string::npos) << st.message();
+  a.peer_d[1] = dummy;
+  a.peer_d_rows = 0;
+  st = validate_grouped_gemm(a);
+  EXPECT_NE(st.message().find("peer_d_rows=0"), std::string::npos) << st.message();
+  a.peer_d_rows = 64;
+  a.num_peer_d = 9;
+  st = validate_grouped_gemm(a);
+  EXPECT_NE(st.message().find("num_peer_d=9, must be in [0, 8]"), std::string::npos) << st.message();
+  a.num_peer_d = 2;
+  a.epilogue = GemmEpilogue::kSwigluFp8;
+  a.d_scales = reinterpret_cast<float*>(dummy);
+  st = validate_grouped_gemm(a);
+  EXPECT_NE(st.message().find("needs the store-bf16 epilogue"), std::string::npos) << st.message();
+}
+
 TEST(GemmWeights, SwigluInterleaveKeepsScaleBlocks) {
   const int64_t E = 2, I = 256, K = 256, rows = 2 * I;
   std::vector<uint8_t> src(E * rows * K), dst(src.size());

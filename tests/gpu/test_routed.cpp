@@ -41,15 +41,23 @@ MoeGeometry geometry(int64_t H, int64_t I, int64_t E, int64_t k, int64_t R, int6
   return g;
 }
 
-double rel_l2_bf16(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    const double x = fmt::bf16_to_float(a[i]), y = fmt::bf16_to_float(b[i]);
-    if (!std::isfinite(x)) return INFINITY;  // a poisoned (never written) element or a NaN
-    num += (x - y) * (x - y);
-    den += y * y;
+// Squared difference and squared reference norm, so rel-L2 can be pooled over many outputs.
+struct L2Sums {
+  double diff = 0, ref = 0;
+  void add(const std::vector<uint16_t>& y, const std::vector<uint16_t>& ref_y) {
+    for (size_t i = 0; i < y.size(); ++i) {
+      const double a = fmt::bf16_to_float(y[i]), b = fmt::bf16_to_float(ref_y[i]);
+      diff += std::isfinite(a) ? (a - b) * (a - b) : INFINITY;
+      ref += b * b;
+    }
   }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+  double rel() const { return ref > 0 ? std::sqrt(diff / ref) : std::sqrt(diff); }
+};
+
+double rel_l2_bf16(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {
+  L2Sums s;  // a poisoned (never written) element or a NaN makes it infinite
+  s.add(a, b);
+  return s.rel();
 }
 
 // One EP group of the routed backend (GPUs 0..R-1) beside one of the cpu backend (host threads).
@@ -181,19 +189,6 @@ class Harness {
   int R_;
   std::vector<std::unique_ptr<MoeLayer>> gpu_, cpu_;
   std::vector<cudaStream_t> streams_;
-};
-
-// Squared difference and squared reference norm, so rel-L2 can be pooled over many outputs.
-struct L2Sums {
-  double diff = 0, ref = 0;
-  void add(const std::vector<uint16_t>& y, const std::vector<uint16_t>& ref_y) {
-    for (size_t i = 0; i < y.size(); ++i) {
-      const double a = fmt::bf16_to_float(y[i]), b = fmt::bf16_to_float(ref_y[i]);
-      diff += std::isfinite(a) ? (a - b) * (a - b) : INFINITY;
-      ref += b * b;
-    }
-  }
-  double rel() const { return ref > 0 ? std::sqrt(diff / ref) : std::sqrt(diff); }
 };
 
 void expect_close(const std::vector<std::vector<uint16_t>>& y_gpu, const std::vector<std::vector<uint16_t>>& y_cpu,

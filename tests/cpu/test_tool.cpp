@@ -179,6 +179,16 @@ TEST(Tool, BadValues_NameFlagValueAndRule) {
   expect_refused(run_tool("bench --preset tiny --backend cpu --iters -3"), 2, {"--iters"});
 }
 
+// One process per rank (megamoe launch) needs a GPU backend: the cpu backend's ranks share host
+// memory. Each launched process refuses with the rule, and launch passes the exit code on.
+TEST(Tool, Launched_CpuBackend_RefusedWithTheRule) {
+  const std::string tool = MEGAMOE_TOOL_PATH;
+  for (const char* cmd : {"check --preset tiny --backend cpu --ep 2 --tokens 4",
+                          "bench --preset tiny --backend cpu --ep 2 --tokens 4 --iters 1"})
+    expect_refused(run_tool("launch -n 2 -- " + tool + " " + cmd), 2,
+                   {"backend=cpu", "one process per rank needs a GPU backend", "without megamoe launch"});
+}
+
 TEST(Tool, UnknownPreset_ListsPresets) {
   expect_refused(run_tool("check --preset llama-moe --backend cpu"), 2, {"llama-moe", "deepseek-v3", "tiny"});
   expect_refused(run_tool("info --preset llama-moe"), 2, {"llama-moe"});

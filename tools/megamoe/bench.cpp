@@ -147,7 +147,10 @@ void collect_stage_times(const ProcessRanks& pr, RankGroup& group, std::vector<s
       if (rst) rst = flush_l2(layer->device(), stream);
       if (rst) rst = synchronize(layer->device(), stream);
       if (!rst) failed.store(true);
-      if (const Status b = barrier.wait(r); !b) return b;
+      if (const Status b = barrier.wait(r); !b) {
+        rst = b;
+        break;
+      }
       if (failed.load()) break;
       if (rst) rst = io[r][it % sets]->forward(layer, stream);
       if (rst) rst = layer->check_error(stream);
@@ -159,7 +162,7 @@ void collect_stage_times(const ProcessRanks& pr, RankGroup& group, std::vector<s
       }
       us[r].resize(t.size());
       for (size_t i = 0; i < t.size(); ++i) us[r][i].push_back(t[i].us);
-      if (us[r].size() == t.size() && names.empty() && pr.runs(r) && r == (pr.launched ? pr.bootstrap.rank : 0))
+      if (r == pr.first() && names.empty())
         for (const auto& s : t) names.push_back(s.stage);
     }
     layer->set_stage_timing(false);
@@ -234,12 +237,18 @@ void run_case(const MoeGeometry& g, const MoeConfig& c, uint64_t seed, const Pro
     if (rst) rst = timer.init(dev);
     Clock::time_point last_progress = Clock::now();
     for (int64_t it = 0; it < total; ++it) {
-      // (Launched: each process has its own flag; a failed peer surfaces as a bounded wait here.)
-      if (const Status b = barrier.wait(r); !b) return b;
+      // Launched, each process has its own flag: a failed peer shows up in this rank's next forward
+      // (a bounded transport wait), or megamoe launch stops the group when the peer exits.
+      Status b = barrier.wait(r);
+      if (!b) {
+        rst = b;
+        break;
+      }
       if (failed.load()) break;  // every rank sees the same flag after the same barrier
       if (rst) rst = flush_l2(dev, stream);
       if (rst) rst = synchronize(dev, stream);
-      if (const Status b = barrier.wait(r); !b) return b;
+      b = barrier.wait(r);  // every rank reaches it, failed or not (threads would wait otherwise)
+      if (rst) rst = b;
       start[r][it] = Clock::now();
       if (rst) rst = timer.start(stream);
       if (rst) rst = io[r][it % sets]->forward(group.layers[r].get(), stream);
@@ -248,8 +257,7 @@ void run_case(const MoeGeometry& g, const MoeConfig& c, uint64_t seed, const Pro
       end[r][it] = Clock::now();
       if (rst) rst = timer.elapsed_us(&device_us[r][it]);
       if (!rst) failed.store(true);
-      if (r == (pr.launched ? pr.bootstrap.rank : 0) &&
-          std::chrono::duration<double>(end[r][it] - last_progress).count() > 2.0) {
+      if (r == pr.first() && std::chrono::duration<double>(end[r][it] - last_progress).count() > 2.0) {
         last_progress = end[r][it];
         std::fprintf(stderr, "[bench]   %s T=%lld: %lld/%lld forwards (%.0f s)\n", row->resolved.c_str(),
                      static_cast<long long>(tokens), static_cast<long long>(it + 1), static_cast<long long>(total),

@@ -34,6 +34,7 @@ struct ProcessRanks {
   // launch) and shared by every layer the process builds.
   std::shared_ptr<Communicator> comm;
   bool runs(int64_t r) const { return !launched || r == bootstrap.rank; }
+  int64_t first() const { return launched ? bootstrap.rank : 0; }  // the first rank this process runs
   // The CUDA device rank r runs on in this process.
   int device_of(int64_t r) const {
     return launched && bootstrap.device >= 0 ? bootstrap.device : static_cast<int>(r);

@@ -1,6 +1,7 @@
 // Grouped GEMM (src/kernels/gemm) against a float64 CPU GEMM on the same quantised inputs.
 // Every case poisons D before the run, checks the stored rows by relative L2 error and that rows
-// outside every segment stay poisoned, and runs twice to check the result is bitwise identical.
+// outside every segment stay poisoned, and runs four times (static and dynamic tile schedules, on every
+// SM and on 3 CTAs) to check every run gives the same bits.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -263,8 +264,14 @@ TEST_P(GroupedGemmStore, MatchesFloat64Reference) {
   args.tiles.block_m = c.block_m;
   args.tiles.block_n = c.block_n;
 
+  // Runs: static round-robin on every SM, the dynamic tile counter on every SM, then both on 3 CTAs
+  // (many tiles per CTA: the tile-id hand-over through the ring and the counter's reset between
+  // launches). Every run must give the same bits.
+  DevBuf<int32_t> counter(std::vector<int32_t>{0, 0});
   std::vector<uint16_t> first;
-  for (int run = 0; run < 2; ++run) {
+  for (int run = 0; run < 4; ++run) {
+    args.tile_counter = run == 1 || run == 2 ? counter.p : nullptr;
+    args.tiles.num_sms = run >= 2 ? 3 : 0;
     CUDA_OK(cudaMemset(dd.p, 0xFF, rows * p.N * 2));  // poison: bf16 NaN
     megamoe::gemm::GemmTileConfig used;
     const megamoe::Status st = megamoe::gemm::launch_grouped_gemm(args, nullptr, &used);
@@ -298,7 +305,14 @@ TEST_P(GroupedGemmStore, MatchesFloat64Reference) {
       EXPECT_EQ(poisoned_ok, outside) << "rows outside every segment were written";
       first = d;
     } else {
-      EXPECT_EQ(0, std::memcmp(first.data(), d.data(), d.size() * 2)) << "not bitwise identical across runs";
+      EXPECT_EQ(0, std::memcmp(first.data(), d.data(), d.size() * 2))
+          << "run " << run << " (" << (args.tile_counter ? "dynamic" : "static") << " schedule, "
+          << used.to_string() << ") not bitwise identical to run 0";
+    }
+    if (args.tile_counter != nullptr) {
+      const std::vector<int32_t> c = counter.get();
+      EXPECT_EQ(c[0], 0) << "tile counter not reset after run " << run;
+      EXPECT_EQ(c[1], 0) << "done counter not reset after run " << run;
     }
   }
 }

@@ -56,6 +56,7 @@ struct BenchOptions {
   bool swiglu = true;           // also time FC1 with the SwiGLU + fp8 requant epilogue
   bool cublas = true;
   int block_m = 0, block_n = 0, num_sms = 0;
+  std::string schedule = "dynamic";  // dynamic (a global tile counter) or static (round-robin)
   int iters = 20, warmup = 3;
   std::string json;
 };
@@ -183,6 +184,9 @@ int run_bench_gemm(const BenchOptions& o) {
   const size_t flush_bytes = 256ull << 20;
   void* flush = nullptr;
   cuda_check(cudaMalloc(&flush, flush_bytes), "cudaMalloc(flush)");
+  int32_t* tile_counter = nullptr;  // the GEMM leaves it zero after each launch
+  cuda_check(cudaMalloc(&tile_counter, 2 * sizeof(int32_t)), "cudaMalloc(tile counter)");
+  cuda_check(cudaMemset(tile_counter, 0, 2 * sizeof(int32_t)), "cudaMemset(tile counter)");
   CublasFp8* cublas = o.cublas ? new CublasFp8() : nullptr;
   std::vector<Row> rows;
 
@@ -254,6 +258,7 @@ int run_bench_gemm(const BenchOptions& o) {
           g.tiles.block_m = o.block_m;
           g.tiles.block_n = swiglu && o.block_n == 128 ? 0 : o.block_n;
           g.tiles.num_sms = o.num_sms;
+          g.tile_counter = o.schedule == "static" ? nullptr : tile_counter;
           gemm::GemmTileConfig used;
           Status st = gemm::launch_grouped_gemm(g, s, &used);
           if (!st.is_ok()) fail(kExitUnavailable, st.to_string());
@@ -262,7 +267,8 @@ int run_bench_gemm(const BenchOptions& o) {
           r.model = ms->name;
           r.fc = fc.first;
           r.layout = masked ? "masked" : "contiguous";
-          r.tiles = std::to_string(used.block_m) + "x" + std::to_string(used.block_n);
+          r.tiles = std::to_string(used.block_m) + "x" + std::to_string(used.block_n) +
+                    (o.schedule == "static" ? " static" : "");
           r.experts = E;
           r.tokens = T;
           r.n = N;
@@ -310,6 +316,7 @@ int run_bench_gemm(const BenchOptions& o) {
   }
   delete cublas;
   cudaFree(flush);
+  cudaFree(tile_counter);
   cudaStreamDestroy(s);
   if (!o.json.empty()) {
     std::ofstream f(o.json);
@@ -344,6 +351,9 @@ CLI::App* add_flags(CLI::App* app, BenchOptions* o) {
   sub->add_option("--block-m", o->block_m, "tile rows: 64 or 128 (default: heuristic)");
   sub->add_option("--block-n", o->block_n, "tile columns: 128 or 256 (default: heuristic)");
   sub->add_option("--num-sms", o->num_sms, "persistent CTAs (default: all SMs)");
+  sub->add_option("--schedule", o->schedule, "tile order: dynamic (tiles in order from a global counter) or static (round-robin)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"dynamic", "static"}));
   sub->add_option("--iters", o->iters, "timed launches per case")->capture_default_str()->check(CLI::Range(1, 100000));
   sub->add_option("--warmup", o->warmup, "untimed launches per case")->capture_default_str()->check(CLI::Range(0, 1000));
   sub->add_option("--json", o->json, "also write the rows as JSON to this file");

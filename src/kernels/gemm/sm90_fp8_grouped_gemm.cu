@@ -230,6 +230,7 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream, Gem
   p.ld_sfd = args.ld_d_scales ? args.ld_d_scales : round_up4(args.m_rows);
   p.sfd_expert_stride = masked ? int64_t(args.n / 256) * p.ld_sfd : 0;
   p.pow2_scales = args.pow2_scales ? 1 : 0;
+  p.tile_counter = args.tile_counter;
 
   // Persistent grid: all SMs, fewer when the contiguous pool cannot have that many tiles.
   int64_t grid = cfg.num_sms > 0 ? std::min(cfg.num_sms, dev.sms) : dev.sms;

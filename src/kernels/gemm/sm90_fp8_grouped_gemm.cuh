@@ -7,7 +7,8 @@
 //         wgmma result of one K block (the "promotion" that keeps fp8 tensor-core accumulation short).
 //   bf16: bf16 x bf16, fp32 accumulation straight in the wgmma accumulators.
 //
-// Kernel (one CTA per SM, persistent; CTA i runs tiles i, i + grid, ...; see grouped_scheduler.h):
+// Kernel (one CTA per SM, persistent; tiles from a global counter in order, or CTA i runs tiles i,
+// i + grid, ... without one; see grouped_scheduler.h and next_tile()):
 //   warpgroups 0 .. kNumMathWG-1  math: each owns 64 rows of the BLOCK_M tile and all BLOCK_N
 //                                 columns, issued as BLOCK_N/128 chunks of wgmma m64n128 (one temp
 //                                 accumulator, promoted into a final accumulator per chunk), then
@@ -16,8 +17,9 @@
 //                                 (BLOCK_M x 128 B), the B tile (BLOCK_N x 128 B), the A scales
 //                                 (a BLOCK_M + 4 fp32 box starting 16-byte aligned) and 4-byte
 //                                 cp.async loads of the B scales.
-// Shared memory: kStages ring slots {A, B, SFA, SFB}, a full and an empty mbarrier per slot, the
-// scheduler tables. full[s]: expect_tx arrival + (fp8) the cp.async arrival, completes when the
+// Shared memory: kStages ring slots {A, B, SFA, SFB}, a full and an empty mbarrier and a tile id
+// per slot, the scheduler tables. The producer alone picks tiles; the slot holding a tile's first K
+// block carries its id to the math warpgroups (-1 after the last tile). full[s]: expect_tx arrival + (fp8) the cp.async arrival, completes when the
 // bytes land; empty[s]: one arrival per math warp once its wgmmas on the slot retired.
 //
 // Layouts (bytes are e4m3 or bf16; everything K-major):
@@ -67,6 +69,10 @@ struct GroupedGemmParams {
   int64_t ld_sfd;            // row stride of SFD (>= rows)
   int64_t sfd_expert_stride; // masked: (N/256) * ld_sfd; contiguous: 0
   int32_t pow2_scales;       // kEpiSwigluFp8: power-of-two output scales
+  // Dynamic tile scheduling: int32 [2] = {next tile, CTAs done}, zero before the launch and zero
+  // again after it (the last CTA to finish resets it). null: static round-robin (CTA i runs tiles
+  // i, i + grid, ...).
+  int32_t* tile_counter;
 };
 
 template <int kBlockM_, int kBlockN_, bool kFp8_, int kEpilogue_>
@@ -89,15 +95,15 @@ struct GroupedGemmConfig {
   static constexpr int kSfaStride = kFp8 ? (kSfaBox * 4 + 127) / 128 * 32 : 0;  // floats per slot
   static constexpr int kStageSFA = kSfaStride * 4;
   static constexpr int kStageSFB = 16;
-  static constexpr int kStageBytes = kStageA + kStageB + kStageSFA + kStageSFB + 16;  // + 2 barriers
+  static constexpr int kStageBytes = kStageA + kStageB + kStageSFA + kStageSFB + 16 + 4;  // + 2 barriers + tile id
   static constexpr int kSmemBudget = 227 * 1024 - 1024 /* alignment slack */ - 8 * 1024 /* tables */;
   static constexpr int kStagesFit = kSmemBudget / kStageBytes;
   static constexpr int kStages = kStagesFit > 8 ? 8 : kStagesFit;
   static constexpr uint32_t kTxBytes = kStageA + kStageB + (kFp8 ? kSfaBox * 4 : 0);
   static constexpr int kMaxExperts = 512;
   // setmaxnreg budgets (64K registers per SM): the producer shrinks to 40, the math warpgroups grow.
-  static constexpr uint32_t kProducerRegs = kNumMathWG == 1 ? 96 : 40;
-  static constexpr uint32_t kMathRegs = kNumMathWG == 1 ? 256 : 232;  // scheduler tables: 3 * (E + 1) int32 <= 8 KiB
+  static constexpr uint32_t kProducerRegs = kNumMathWG == 1 ? 96 : 56;
+  static constexpr uint32_t kMathRegs = kNumMathWG == 1 ? 256 : 224;  // scheduler tables: 3 * (E + 1) int32 <= 8 KiB
   static_assert(kBlockM == 64 || kBlockM == 128, "BLOCK_M is 64 or 128");
   static_assert(kBlockN == 128 || kBlockN == 256, "BLOCK_N is 128 or 256");
   static_assert(kEpilogue == kEpiStoreBf16 || kBlockN == 256, "SwiGLU tiles hold 128 gate + 128 up columns");
@@ -105,7 +111,8 @@ struct GroupedGemmConfig {
 
   // Dynamic shared memory: 1 KiB alignment slack + ring + barriers + tables.
   static constexpr int smem_bytes(int num_experts) {
-    return 1024 + kStages * (kStageA + kStageB + kStageSFA + kStageSFB) + kStages * 16 + 3 * (num_experts + 1) * 4 + 16;
+    return 1024 + kStages * (kStageA + kStageB + kStageSFA + kStageSFB) + kStages * 16 + kStages * 4 +
+           3 * (num_experts + 1) * 4 + 16;
   }
 };
 
@@ -118,6 +125,7 @@ struct GroupedGemmSmem {
   float* sfb;       // [kStages][4]
   uint64_t* full;   // [kStages]
   uint64_t* empty;  // [kStages]
+  int32_t* tile_of_stage;  // [kStages]: the tile whose first K block the slot holds; -1: no more tiles
   int32_t* row_begin;
   int32_t* num_rows;
   int32_t* m_block_prefix;
@@ -136,6 +144,8 @@ struct GroupedGemmSmem {
     s.full = reinterpret_cast<uint64_t*>(p);
     s.empty = s.full + Cfg::kStages;
     p += Cfg::kStages * 16;
+    s.tile_of_stage = reinterpret_cast<int32_t*>(p);
+    p += Cfg::kStages * 4;
     s.row_begin = reinterpret_cast<int32_t*>(p);
     s.num_rows = s.row_begin + num_experts;
     s.m_block_prefix = s.num_rows + num_experts;
@@ -215,11 +225,13 @@ __device__ __forceinline__ int32_t sfa_box_start(const GroupedGemmParams& p, con
   return r & ~3;  // invariant: TMA needs a 16-byte aligned global start (an unaligned one faults)
 }
 
-// Loads every K block of one tile into the ring. Called by one thread.
+// Loads every K block of tile `tile_id` (= t) into the ring; the slot of its first K block also
+// carries the tile id, which is how the math warpgroups learn their next tile. Called by one thread.
 template <class Cfg>
-__device__ __forceinline__ void produce_tile(const GroupedGemmSmem<Cfg>& sm, PipeState& pipe, const GroupedTile& t,
-                                             const GroupedGemmParams& p, const CUtensorMap* tmap_a,
-                                             const CUtensorMap* tmap_b, const CUtensorMap* tmap_sfa) {
+__device__ __forceinline__ void produce_tile(const GroupedGemmSmem<Cfg>& sm, PipeState& pipe, int32_t tile_id,
+                                             const GroupedTile& t, const GroupedGemmParams& p,
+                                             const CUtensorMap* tmap_a, const CUtensorMap* tmap_b,
+                                             const CUtensorMap* tmap_sfa) {
   const int num_kb = p.k / Cfg::kBlockK;
   const int32_t b_row = t.expert * p.n + t.n_block * Cfg::kBlockN;
   const float* sfb_tile = nullptr;
@@ -227,6 +239,7 @@ __device__ __forceinline__ void produce_tile(const GroupedGemmSmem<Cfg>& sm, Pip
   for (int kb = 0; kb < num_kb; ++kb) {
     ptx::mbar_wait(&sm.empty[pipe.stage], pipe.phase ^ 1u);
     uint64_t* full = &sm.full[pipe.stage];
+    if (kb == 0) sm.tile_of_stage[pipe.stage] = tile_id;  // published by the arrive below (release)
     ptx::mbar_arrive_expect_tx(full, Cfg::kTxBytes);
     ptx::tma_load_2d(sm.a + pipe.stage * Cfg::kStageA, tmap_a, full, kb * Cfg::kBlockKBytes, t.row0);
     ptx::tma_load_2d(sm.b + pipe.stage * Cfg::kStageB, tmap_b, full, kb * Cfg::kBlockKBytes, b_row);
@@ -239,6 +252,34 @@ __device__ __forceinline__ void produce_tile(const GroupedGemmSmem<Cfg>& sm, Pip
       ptx::cp_async_mbar_arrive_noinc(full);
     }
     pipe.advance(Cfg::kStages);
+  }
+}
+
+// Tells the math warpgroups there are no more tiles: the next slot carries tile id -1 and no data
+// (its full barrier completes on plain arrivals). Called by the producing thread after its last tile.
+template <class Cfg>
+__device__ __forceinline__ void produce_end(const GroupedGemmSmem<Cfg>& sm, PipeState& pipe) {
+  ptx::mbar_wait(&sm.empty[pipe.stage], pipe.phase ^ 1u);
+  sm.tile_of_stage[pipe.stage] = -1;
+  ptx::mbar_arrive(&sm.full[pipe.stage]);
+  if constexpr (Cfg::kFp8) ptx::mbar_arrive(&sm.full[pipe.stage]);  // stands in for the cp.async arrival
+}
+
+// The next tile of this CTA: from the global counter (dynamic: tiles go out in order as CTAs free
+// up, so tiles that share a weight or an A block run at nearly the same time wherever the CTAs
+// are, and their second reads hit L2) or round-robin (static). Producer thread only.
+__device__ __forceinline__ int32_t next_tile(const GroupedGemmParams& p, int32_t prev) {
+  if (p.tile_counter != nullptr) return atomicAdd(&p.tile_counter[0], 1);
+  return prev < 0 ? int32_t(blockIdx.x) : prev + int32_t(gridDim.x);
+}
+
+// After the producer's failing fetch: the last CTA of the grid to get there returns the counter to
+// zero for the next launch (no CTA touches it again in this one).
+__device__ __forceinline__ void release_tile_counter(const GroupedGemmParams& p) {
+  if (p.tile_counter == nullptr) return;
+  if (atomicAdd(&p.tile_counter[1], 1) == int32_t(gridDim.x) - 1) {
+    atomicExch(&p.tile_counter[0], 0);
+    atomicExch(&p.tile_counter[1], 0);
   }
 }
 
@@ -482,15 +523,18 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
     // Producer warpgroup: few registers; one thread issues every copy.
     ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
     if (threadIdx.x % 128 == 0) {
-      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-        const GroupedTile tile = sched.tile(t);
-        produce_tile<Cfg>(sm, pipe, tile, p, &tmap_a, &tmap_b, &tmap_sfa);
-      }
+      for (int32_t t = next_tile(p, -1); t < num_tiles; t = next_tile(p, t))
+        produce_tile<Cfg>(sm, pipe, t, sched.tile(t), p, &tmap_a, &tmap_b, &tmap_sfa);
+      release_tile_counter(p);
+      produce_end<Cfg>(sm, pipe);
     }
   } else {
     ptx::setmaxnreg_inc<Cfg::kMathRegs>();
     float acc[Cfg::kNumChunks][64];
-    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+    for (;;) {
+      ptx::mbar_wait(&sm.full[pipe.stage], pipe.phase);  // the next tile's first K block (or the end)
+      const int32_t t = sm.tile_of_stage[pipe.stage];
+      if (t < 0) break;
       const GroupedTile tile = sched.tile(t);
       math_tile<Cfg>(sm, pipe, p, tile, wg, acc);
       if constexpr (Cfg::kEpilogue == kEpiStoreBf16) {

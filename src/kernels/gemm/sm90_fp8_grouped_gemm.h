@@ -88,6 +88,12 @@ struct GroupedGemmArgs {
   int32_t num_peer_d = 0;
   int32_t peer_d_rows = 0;
   bool pow2_scales = false;           // kSwigluFp8 output scales
+  // Dynamic tile scheduling (recommended): device int32 [2], zeroed once before the first launch;
+  // every launch leaves it zero again. CTAs then take tiles in order from it, so the CTAs that share
+  // a weight tile or an A block run together and read it from DRAM once (with static round-robin
+  // they drift apart over a long launch and re-read it). Launches that share one must be ordered
+  // (one stream). null: static round-robin.
+  int32_t* tile_counter = nullptr;
   // Tiles: 0 fields from the heuristic, with expected_m_per_expert as its bucket hint (0: derived
   // from m_rows / num_experts).
   GemmTileConfig tiles;

@@ -77,7 +77,7 @@ Status upload(int device, const void* src, int64_t bytes, std::shared_ptr<Device
   return Status::ok();
 }
 
-enum ScratchPurpose { kScratchAScales = 1, kScratchExpertOut = 2 };
+enum ScratchPurpose { kScratchAScales = 1, kScratchExpertOut = 2, kScratchTileCounter = 3 };
 
 // EP1 layers built without a communicator share one single-rank NCCL group per device, so they share
 // one workspace too (WorkspacePool keys include the group).
@@ -134,6 +134,12 @@ class RoutedMoeLayer final : public MoeLayer {
     // expert_out only when combine_send encodes a quantised wire (a bf16 wire is FC2's own output).
     if (config_.combine_dtype != CombineDtype::kBf16 && !expert_out_)
       MEGAMOE_RETURN_IF_ERROR(shared_scratch(device_, group_id_, kScratchExpertOut, P * H * 2, &expert_out_));
+    // The GEMMs' dynamic tile counter: zero once here, every launch leaves it zero (shared like the
+    // workspace: the layers of a group run in stream order).
+    if (!tile_counter_) {
+      MEGAMOE_RETURN_IF_ERROR(shared_scratch(device_, group_id_, kScratchTileCounter, 2 * 4, &tile_counter_));
+      MEGAMOE_CUDA_CHECK(cudaMemset(tile_counter_->ptr, 0, 2 * 4));
+    }
     MEGAMOE_RETURN_IF_ERROR(build_gemm_args());
     warmed_up_ = true;
     MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
@@ -298,6 +304,7 @@ class RoutedMoeLayer final : public MoeLayer {
       for (int r = 0; r < targets.num_ranks; ++r) fc2.peer_d[r] = targets.peer_combine[r];
     }
     fc2.tiles = tiles_for(fc2.n, /*swiglu=*/false);
+    fc1.tile_counter = fc2.tile_counter = static_cast<int32_t*>(tile_counter_->ptr);
     fc2.expected_m_per_expert = fc1.expected_m_per_expert;
     if (fp8()) {
       fc2.a_scales = fc1.d_scales;
@@ -376,7 +383,7 @@ class RoutedMoeLayer final : public MoeLayer {
   cudaEvent_t stage_events_[kNumStages + 1] = {};
   std::unique_ptr<EpTransport> transport_;
   std::shared_ptr<DeviceBuffer> w13_, w13_scales_, w2_, w2_scales_;
-  std::shared_ptr<DeviceBuffer> a_scales_, expert_out_;
+  std::shared_ptr<DeviceBuffer> a_scales_, expert_out_, tile_counter_;
 };
 
 }  // namespace

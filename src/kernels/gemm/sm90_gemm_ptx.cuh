@@ -1,7 +1,7 @@
 // sm90_gemm_ptx.cuh — the Hopper (sm_90a) primitives the grouped GEMM is built from: mbarriers, TMA
 // (cp.async.bulk.tensor) loads, 4-byte cp.async completing on an mbarrier, wgmma descriptors and
 // wgmma.mma_async wrappers, setmaxnreg. Thin inline-PTX wrappers, one instruction each, so a fused
-// kernel can compose them the same way the grouped GEMM does.
+// kernel can compose them the same way the grouped GEMM does (e4m3 conversion: kernels/common/sm90_quant.cuh).
 //
 // invariant: every shared-memory address passed here is a 32-bit shared-window address
 // (smem_addr()); every tile handed to wgmma is 1024-byte aligned (128-byte swizzle atoms).
@@ -74,15 +74,6 @@ __device__ __forceinline__ void cp_async_4(void* dst, const void* src) {
 // barrier's expected count must include this arrival.
 __device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint64_t* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
-}
-
-// Two fp32 values to two e4m3 codes (round to nearest even, satfinite, NaN -> 0x7F): the hardware
-// conversion, bit-identical to fmt::float_to_e4m3 (formats.h follows its rules). lo lands in the
-// low byte.
-__device__ __forceinline__ uint16_t cvt_e4m3x2(float lo, float hi) {
-  uint16_t r;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(r) : "f"(hi), "f"(lo));
-  return r;
 }
 
 // ---- register reconfiguration ----------------------------------------------------------------------

@@ -71,6 +71,19 @@ __device__ __forceinline__ uint64_t atomic_add_acq_rel_gpu(uint64_t* p, uint64_t
 
 // What a kernel needs to reach its peers' copies and to wait boundedly.
 // (fields in SignalParams, filled by the host)
+// Release/acquire fence at system scope: this thread's earlier memory accesses, and by cumulativity
+// every access that happens-before them (the CTA's stores before a bar.sync, an earlier kernel's in
+// stream order), are ordered before its later ones for every observer, peers included. That is all
+// the signal protocol needs; __threadfence_system() is fence.sc.sys, whose extra single total order
+// it never uses and which costs more.
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
+// ncclGetPeerPointer out of line: a chain of loads from the window's tables, only taken before the
+// peer bases are resolved (warmup); inlined at every peer_ptr it bloated each kernel's code.
+static __device__ __noinline__ char* nccl_peer_pointer(ncclWindow_t window, int64_t offset, int peer) {
+  return static_cast<char*>(ncclGetPeerPointer(window, static_cast<size_t>(offset), peer));
+}
+
 struct SignalCtx : SignalParams {
 
   __device__ __forceinline__ uint64_t* own_signals() const {
@@ -83,7 +96,8 @@ struct SignalCtx : SignalParams {
   // Any pointer into `peer`'s copy of the workspace, by byte offset.
   __device__ __forceinline__ char* peer_ptr(int peer, int64_t offset) const {
     if (peer == rank) return own_base + offset;
-    return static_cast<char*>(ncclGetPeerPointer(window, static_cast<size_t>(offset), peer));
+    if (peer_base[peer] != nullptr) return peer_base[peer] + offset;
+    return nccl_peer_pointer(window, offset, peer);
   }
   // Cell [row][slot] in `peer`'s copy.
   __device__ __forceinline__ uint64_t* peer_cell(int peer, int row, int slot) const {

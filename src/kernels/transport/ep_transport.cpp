@@ -21,7 +21,8 @@ using kernels::TransportParams;
 int64_t align256(int64_t v) { return (v + 255) / 256 * 256; }
 
 struct ScratchLayout {
-  int64_t pool_intra = 0, pool_hist = 0, seg_total = 0, pool_dst = 0, pool_weight = 0, input_status = 0, total = 0;
+  int64_t pool_intra = 0, pool_hist = 0, seg_total = 0, pool_dst = 0, pool_weight = 0, input_status = 0;
+  int64_t dispatch_hist = 0, dispatch_accum = 0, total = 0;
   static ScratchLayout make(const WorkspaceParams& p) {
     ScratchLayout s;
     const int64_t R = p.ep_size, T = std::max<int64_t>(p.max_tokens_per_rank, 1), k = p.top_k;
@@ -38,6 +39,8 @@ struct ScratchLayout {
     take(&s.pool_dst, P * 4);
     take(&s.pool_weight, P * 4);
     take(&s.input_status, sizeof(InputStatus));
+    take(&s.dispatch_hist, p.ep_size * p.experts_per_rank * 4);
+    take(&s.dispatch_accum, sizeof(kernels::DispatchAccum));
     s.total = cur;
     return s;
   }
@@ -181,6 +184,7 @@ Status EpTransport::warmup(cudaStream_t stream) {
     scratch_ = scratch;
     scratch_bytes_ = sl.total;
     // Where an FC2 epilogue writes each pool row's partial (the bf16 wire's rows are H bf16).
+    MEGAMOE_RETURN_IF_ERROR(kernels::resolve_peer_pointers(make_args(*this, window_, scratch_, options_, 0), 0, peer_base_));
     const TransportParams args = make_args(*this, window_, scratch_, options_, 0);
     combine_targets_ = CombineTargets{};
     combine_targets_.pool_dst = args.pool_dst;
@@ -227,6 +231,7 @@ TransportParams make_args(const EpTransport& t, void* window, void* scratch, con
   char* s = static_cast<char*>(scratch);
   a.sig.window = static_cast<ncclWindow_t>(window);
   a.sig.own_base = static_cast<char*>(t.base());
+  for (int r = 0; r < t.size() && r < kernels::kMaxTransportRanks; ++r) a.sig.peer_base[r] = static_cast<char*>(t.peer_base(r));
   a.sig.signals_offset = l.signals.offset;
   a.sig.error_cell = reinterpret_cast<WaitError*>(static_cast<char*>(t.base()) + l.error_cell.offset);
   a.sig.rank = t.rank();
@@ -243,6 +248,8 @@ TransportParams make_args(const EpTransport& t, void* window, void* scratch, con
   a.pool_dst = reinterpret_cast<int32_t*>(s + sl.pool_dst);
   a.pool_weight = reinterpret_cast<float*>(s + sl.pool_weight);
   a.input_status = reinterpret_cast<InputStatus*>(s + sl.input_status);
+  a.dispatch_hist = reinterpret_cast<int32_t*>(s + sl.dispatch_hist);
+  a.dispatch_accum = reinterpret_cast<kernels::DispatchAccum*>(s + sl.dispatch_accum);
   return a;
 }
 }  // namespace

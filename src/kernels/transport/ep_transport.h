@@ -85,6 +85,8 @@ class EpTransport {
 
   const WorkspaceLayout& layout() const { return layout_; }
   void* base() const { return base_; }  // this rank's copy of the workspace
+  // Rank r's copy through the LSA window (resolved in warmup; null before).
+  void* peer_base(int r) const { return r >= 0 && r < kMaxCombinePeers ? peer_base_[r] : nullptr; }
   int rank() const { return rank_; }
   int size() const { return size_; }
   int device() const { return device_; }
@@ -109,6 +111,7 @@ class EpTransport {
   int64_t scratch_bytes_ = 0;
   int64_t last_num_tokens_ = 0;
   CombineTargets combine_targets_;
+  void* peer_base_[kMaxCombinePeers] = {};  // every rank's workspace copy through the LSA window (warmup)
 };
 
 // Stage names of the transport's waits ("dispatch-done", "combine-done").

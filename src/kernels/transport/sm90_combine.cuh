@@ -206,7 +206,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   }
   // The signal is published by the next kernel (combine_reduce_kernel); one fence per CTA here.
   __syncthreads();
-  if (threadIdx.x == 0) __threadfence_system();
+  if (threadIdx.x == 0) fence_acq_rel_sys();
 }
 
 // bf16 wire: one part (rounds [rb, re) of 32 8-element chunks) of token t's sum over its valid slots.
@@ -256,7 +256,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   if (threadIdx.x == 0) {
     const SignalCtx sig = a.sig;  // a local copy: the wait is not inlined
     if (blockIdx.x == 0) {
-      __threadfence_system();
+      fence_acq_rel_sys();  // the rows this rank sent (combine_send or FC2's epilogue, earlier kernels)
       signal_all_ranks(sig, kSlotCombine, epoch);
     }
     s_ok = wait_all_ranks(sig, kSlotCombine, epoch, kStageCombineDone);
@@ -272,10 +272,9 @@ __global__ void __launch_bounds__(kCombineThreads)
   for (int64_t item = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; item < a.num_tokens * parts; item += warps) {
     const int64_t t = item / parts;
     const int part = static_cast<int>(item % parts);
-    const int32_t* ids = topk_ids + t * k;
-    uint32_t valid = 0;
-    for (int j = 0; j < k; ++j)
-      if (slot_valid(ids, j, a.num_experts)) valid |= 1u << j;
+    int32_t my_id;
+    bool my_valid;
+    const uint32_t valid = warp_valid_slots(topk_ids + t * k, static_cast<int>(k), a.num_experts, lane, &my_id, &my_valid);
     if constexpr (kFormat == kWsBf16) {
       reduce_bf16_part(rows, wire, t, static_cast<int>(k), valid, y + t * H, bf16_chunks,
                        bf16_rounds * part / parts, bf16_rounds * (part + 1) / parts, lane);

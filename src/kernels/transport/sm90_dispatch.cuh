@@ -5,22 +5,25 @@
 //   layout   every CTA counts, per destination rank, the tokens before its chunk that go there
 //            (redundantly: ids are read from L2, no grid-wide scan or barrier), then ranks its own
 //            chunk's tokens with warp ballots: row i at destination r = the i-th token of this rank
-//            sent to r, in token order (the CPU reference's compaction). The last CTA (b = G-1) also
-//            checks every id (bad ones counted, the first recorded, treated as -1), builds the
-//            per-expert histogram, and writes recv_token_counts[me] / recv_expert_counts[me][*] into
-//            every destination's copy (zeros included: a rank with 0 tokens still writes them).
+//            sent to r, in token order (the CPU reference's compaction). The ids are checked (bad
+//            ones counted, the first recorded, treated as -1) and counted per expert, one lane per
+//            slot: up to kDirectCountTokens tokens all by CTA 0, which writes recv_token_counts[me] /
+//            recv_expert_counts[me][*] into every destination's copy (zeros included: a rank with 0
+//            tokens still writes them) right there; above, every CTA its chunk, summed in device
+//            scratch and written by the last CTA to finish.
 //   copy     work item = (token, part): a part is a contiguous range of 32-chunk rounds of the row,
 //            so a small T still spreads over many warps. Each lane loads kLoadRounds rounds before it
 //            stores (latency hiding), and sends the token once per destination rank (not once per
 //            expert) to row me*T_max + i of the owner's recv_tokens (+ recv_scales, + recv_meta):
 //            16-byte stores for rows, scales (4 blocks gathered into one float4) and metadata.
-//            bf16 -> e4m3 1x128 on the fly: q = x * (1/s), checked exact (see quantize_pair).
-//   signal   each CTA fences its stores and takes a ticket; the last one bumps the launch epoch,
+//            bf16 -> e4m3 1x128 on the fly: q = x * (1/s), checked exact (see quantize_e4m3_pair).
+//   signal   each CTA fences its stores and takes a ticket; the last one (publishes the counts,) bumps the launch epoch,
 //            publishes it in every destination's [me][kSlotDispatch] cell, and waits (bounded) until
 //            every source has published it here, so when the kernel ends this rank's receive regions
 //            are complete.
 #pragma once
 
+#include "kernels/common/sm90_quant.cuh"
 #include "kernels/transport/sm90_transport_args.cuh"
 
 namespace megamoe {
@@ -30,6 +33,10 @@ constexpr int kDispatchThreads = 512;
 constexpr int kDispatchWarps = kDispatchThreads / 32;
 constexpr int kMaxTokensPerCta = kDispatchThreads;  // one token per thread in the ranking pass
 constexpr int kLoadRounds = 2;                      // 32-chunk rounds a lane loads before it stores
+// Up to this many tokens CTA 0 checks and counts all of them and publishes the counts before its
+// copy (a few warp steps); above, every CTA counts its chunk and the last one publishes the sums
+// (CTA 0 walking 8192 tokens was a ~50 us tail). Measured at 8 tokens: 19.4 vs 22.1 us.
+constexpr int64_t kDirectCountTokens = 128;
 
 // Host-chosen shape of one dispatch launch (launch_dispatch): grid = ceil(T / tokens_per_cta).
 struct DispatchShape {
@@ -58,59 +65,64 @@ __device__ __forceinline__ uint32_t packed_count(const unsigned long long* packe
   return static_cast<uint32_t>((packed[r >> 2] >> (16 * (r & 3))) & 0xFFFFu);
 }
 
-__device__ __forceinline__ uint16_t cvt_e4m3x2(float lo, float hi) {
-  uint16_t r;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-
-// e4m3 codes of (v0 / s, v1 / s), v0 in the low byte, bit-identical to
-// fmt::float_to_e4m3(fmt::div_rn(v, s)). q = RN(v * inv), inv = RN(1 / s), is within 3 ulp of
-// RN(v / s) (relative error <= 1.5 * 2^-23; fp32 subnormal results are within 2 ulp), and the encoder
-// is monotone in |v| for a fixed sign: when the codes of q -/+ 8 ulp (same sign) agree, they are the
-// code of the correctly rounded quotient (cvt.rn.satfinite equals fmt::float_to_e4m3 on non-NaN
-// input). Otherwise (q near an e4m3 rounding boundary, ~1e-5 of the elements; |q| >= 2^127; NaN) the
-// exact division. Power-of-two scales make inv and q exact.
-__device__ __forceinline__ uint32_t quantize_pair(float v0, float v1, float s, float inv) {
-  const uint32_t b0 = __float_as_uint(__fmul_rn(v0, inv)), b1 = __float_as_uint(__fmul_rn(v1, inv));
-  const uint32_t a0 = b0 & 0x7FFFFFFFu, a1 = b1 & 0x7FFFFFFFu;
-  const uint32_t lo0 = (b0 & 0x80000000u) | (a0 > 8u ? a0 - 8u : 0u);
-  const uint32_t lo1 = (b1 & 0x80000000u) | (a1 > 8u ? a1 - 8u : 0u);
-  const uint16_t lo = cvt_e4m3x2(__uint_as_float(lo0), __uint_as_float(lo1));
-  const uint16_t hi = cvt_e4m3x2(__uint_as_float(b0 + 8u), __uint_as_float(b1 + 8u));
-  if (lo == hi && (a0 | a1) < 0x7F000000u) return lo;
-  return static_cast<uint32_t>(fmt::float_to_e4m3(fmt::div_rn(v0, s))) |
-         (static_cast<uint32_t>(fmt::float_to_e4m3(fmt::div_rn(v1, s))) << 8);
-}
-
 // Shared state of one dispatch CTA.
 struct DispatchSmem {
   char* peer_base[kMaxTransportRanks];
   int32_t rows[kMaxTokensPerCta][kMaxTransportRanks];  // row at destination r of each chunk token, or -1
   int32_t warp_counts[kDispatchWarps][kMaxTransportRanks];
   unsigned long long before[2];  // packed per-destination counts of the tokens before the chunk
-  unsigned long long total[2];   // CTA 0: of all T tokens
-  long long first_bad;
+  unsigned long long total[2];   // ... of the chunk's tokens
+  long long first_bad;           // the chunk's first bad (token * k + slot)
   int num_bad;
+  int is_last;                   // this CTA took the last ticket: it publishes and signals
 };
 
-// Layout part of a CTA: s.rows for its chunk [t_lo, t_hi). CTA 0 also checks every id, builds the
-// per-expert histogram `hist` (dynamic shared, [E]) and writes the counts into every destination.
+// Writes the counts into every destination (recv_expert_counts[me][*] and recv_token_counts[me],
+// zeros included: a rank with 0 tokens still writes them) and records bad input. Called by every
+// thread of one CTA; hist is the CTA's own (one CTA) or the grid's sum in dispatch_hist, which it
+// returns to zero as it reads it.
+__device__ __forceinline__ void publish_counts(const TransportArgs& a, const DispatchSmem& s, int32_t* hist, bool zero,
+                                               const unsigned long long (&total)[2], int num_bad, long long first_bad,
+                                               const int32_t* __restrict__ topk_ids) {
+  const int tid = threadIdx.x, R = a.sig.num_ranks, rank = a.sig.rank;
+  const int64_t El = a.experts_per_rank(), k = a.top_k();
+  if (tid == 0 && num_bad > 0) {
+    InputStatus* st = a.input_status;
+    if (st->bad_count == 0) {
+      st->first_token = static_cast<int32_t>(first_bad / k);
+      st->first_slot = static_cast<int32_t>(first_bad % k);
+      st->first_value = topk_ids[first_bad];
+    }
+    st->bad_count += num_bad;
+  }
+  for (int64_t i = tid; i < R * El; i += blockDim.x) {
+    const int64_t r = i / El, e = i - r * El;
+    const int32_t v = hist[i];
+    if (zero) hist[i] = 0;
+    reinterpret_cast<int32_t*>(s.peer_base[r] + a.layout.recv_expert_counts.offset)[rank * El + e] = v;
+  }
+  if (tid < R)
+    reinterpret_cast<int32_t*>(s.peer_base[tid] + a.layout.recv_token_counts.offset)[rank] =
+        static_cast<int32_t>(packed_count(total, tid));
+}
+
+// Layout part of a CTA: s.rows for its chunk [t_lo, t_hi), and the id checks, per-expert histogram
+// `hist` (dynamic shared, [E]) and per-destination totals: of all T tokens by CTA 0, which publishes
+// them here, when T <= kDirectCountTokens; else of its chunk by every CTA, added to dispatch_hist /
+// dispatch_accum for the last CTA to finish to publish (the kernel's end).
 __device__ __forceinline__ void dispatch_layout(const TransportArgs& a, const int32_t* __restrict__ topk_ids,
                                                 DispatchSmem& s, int32_t* hist, int64_t t_lo, int64_t t_hi) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int R = a.sig.num_ranks, rank = a.sig.rank;
   const int k = static_cast<int>(a.top_k());
-  const int64_t T = a.num_tokens;
   const uint32_t E = static_cast<uint32_t>(a.num_experts), El = static_cast<uint32_t>(a.experts_per_rank());
-  const bool counts_cta = blockIdx.x == 0;
+  const bool direct = a.num_tokens <= kDirectCountTokens;
+  const int64_t c_lo = direct ? 0 : t_lo, c_hi = direct ? (blockIdx.x == 0 ? a.num_tokens : 0) : t_hi;
   if (tid < 2) s.before[tid] = s.total[tid] = 0;
   if (tid == 0) {
     s.first_bad = LLONG_MAX;
     s.num_bad = 0;
   }
-  if (counts_cta)
-    for (int64_t i = tid; i < E; i += blockDim.x) hist[i] = 0;
+  for (int64_t i = tid; i < E; i += blockDim.x) hist[i] = 0;
   __syncthreads();
 
   // Tokens before the chunk, per destination (redundant across CTAs; the ids come from L2).
@@ -129,24 +141,38 @@ __device__ __forceinline__ void dispatch_layout(const TransportArgs& a, const in
     atomicAdd(&s.before[0], packed0);
     atomicAdd(&s.before[1], packed1);
   }
-  if (counts_cta) {  // every token: id checks, histogram, totals
+
+  {
+    // The chunk's id checks, histogram and totals. Lane l of a warp takes slot l % k of token
+    // t0 + l / k (32 / k tokens per warp step, one coalesced load of their ids): a token's slots are
+    // checked in parallel (__match_any_sync finds repeated ids and ranks, keyed by token) instead of
+    // by one thread's chain of dependent loads.
+    const int tpw = 32 / k;  // tokens per warp step (k <= kMaxTopK = 16)
+    const int sub = lane / k, j = lane % k;
+    const uint32_t lanes_below = (1u << lane) - 1u;
     long long first_bad = LLONG_MAX;
     int num_bad = 0;
     unsigned long long total0 = 0, total1 = 0;
-    for (int64_t t = tid; t < T; t += blockDim.x) {
-      const int32_t* ids = topk_ids + t * k;
-      uint32_t m = 0;
-      for (int j = 0; j < k; ++j) {
-        if (slot_valid(ids, j, a.num_experts)) {
-          atomicAdd(&hist[ids[j]], 1);
-          m |= 1u << (static_cast<uint32_t>(ids[j]) / El);
-        } else if (ids[j] != -1) {
-          ++num_bad;
-          first_bad = min(first_bad, static_cast<long long>(t * k + j));
+    for (int64_t t0 = c_lo + static_cast<int64_t>(warp) * tpw; t0 < c_hi; t0 += static_cast<int64_t>(kDispatchWarps) * tpw) {
+      const int64_t t = t0 + sub;
+      const bool live = sub < tpw && t < c_hi;
+      const int32_t id = live ? __ldg(topk_ids + t * k + j) : -1;
+      // valid: in [0, E) and no lower slot of the same token holds the same id
+      const uint32_t same = __match_any_sync(0xFFFFFFFFu, (static_cast<uint64_t>(sub) << 32) | static_cast<uint32_t>(id));
+      const bool valid = live && id >= 0 && id < a.num_experts && (same & lanes_below) == 0;
+      const uint32_t r = valid ? static_cast<uint32_t>(id) / El : 0xFFFFFFFFu;
+      // the token counts once per destination: its first valid slot of each rank
+      const uint32_t same_r = __match_any_sync(0xFFFFFFFFu, (static_cast<uint64_t>(sub) << 32) | r);
+      if (valid) {
+        atomicAdd(&hist[id], 1);
+        if ((same_r & lanes_below) == 0) {
+          total0 += spread4((1u << r) & 0xFu);
+          total1 += spread4((1u << r) >> 4);
         }
+      } else if (live && id != -1) {
+        ++num_bad;
+        first_bad = min(first_bad, static_cast<long long>(t * k + j));
       }
-      total0 += spread4(m & 0xFu);
-      total1 += spread4(m >> 4);
     }
     for (int o = 16; o > 0; o >>= 1) {
       total0 += __shfl_xor_sync(0xFFFFFFFFu, total0, o);
@@ -181,7 +207,7 @@ __device__ __forceinline__ void dispatch_layout(const TransportArgs& a, const in
 #pragma unroll
     for (int r = 0; r < kMaxTransportRanks; ++r) {
       int32_t row = -1;
-      if (r < R && (m >> r & 1u)) {
+      if (r < a.sig.num_ranks && (m >> r & 1u)) {
         uint32_t base = packed_count(s.before, r) + lane_before[r];
         for (int w = 0; w < warp; ++w) base += s.warp_counts[w][r];
         row = static_cast<int32_t>(base);
@@ -190,32 +216,32 @@ __device__ __forceinline__ void dispatch_layout(const TransportArgs& a, const in
     }
   }
 
-  if (counts_cta) {
-    if (tid == 0 && s.num_bad > 0) {
-      InputStatus* st = a.input_status;
-      if (st->bad_count == 0) {
-        st->first_token = static_cast<int32_t>(s.first_bad / k);
-        st->first_slot = static_cast<int32_t>(s.first_bad % k);
-        st->first_value = topk_ids[s.first_bad];
+  if (direct) {
+    if (blockIdx.x == 0) publish_counts(a, s, hist, /*zero=*/false, s.total, s.num_bad, s.first_bad, topk_ids);
+  } else {
+    for (int64_t i = tid; i < E; i += blockDim.x)
+      if (hist[i] != 0) atomicAdd(&a.dispatch_hist[i], hist[i]);
+    if (tid == 0) {
+      DispatchAccum* acc = a.dispatch_accum;
+      if (s.num_bad > 0) {
+        atomicAdd(&acc->num_bad, s.num_bad);
+        atomicMax(&acc->first_bad, ~0ull - static_cast<unsigned long long>(s.first_bad));
       }
-      st->bad_count += s.num_bad;
-    }
-    for (int r = 0; r < R; ++r) {
-      int32_t* expert_counts =
-          reinterpret_cast<int32_t*>(s.peer_base[r] + a.layout.recv_expert_counts.offset) + rank * El;
-      for (int64_t e = tid; e < El; e += blockDim.x) expert_counts[e] = hist[r * El + e];
-      if (tid == 0)
-        reinterpret_cast<int32_t*>(s.peer_base[r] + a.layout.recv_token_counts.offset)[rank] =
-            static_cast<int32_t>(packed_count(s.total, r));
+      if (blockIdx.x == gridDim.x - 1) {  // its "before" covers every other chunk
+        acc->total[0] = s.before[0] + s.total[0];
+        acc->total[1] = s.before[1] + s.total[1];
+      }
     }
   }
   __syncthreads();
 }
 
-// Calls f(r, recv_row) for every destination r the token goes to (rows[r] >= 0).
+// Calls f(r, recv_row) for every destination r the token goes to (rows[r] >= 0). Not unrolled: the
+// body is the store path, and 8 copies of it at every call site made the kernel's code too large for
+// the instruction cache (a launch of a few tokens spent most of its time fetching instructions).
 template <typename F>
 __device__ __forceinline__ void for_each_dest(const int32_t* rows, int R, int64_t row0, F&& f) {
-#pragma unroll
+#pragma unroll 1
   for (int r = 0; r < kMaxTransportRanks; ++r) {
     if (r >= R) break;
     if (rows[r] >= 0) f(r, row0 + rows[r]);
@@ -281,7 +307,7 @@ __device__ __forceinline__ void dispatch_part(const TransportArgs& a, char* cons
         uint32_t q[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i)
-          q[i] = quantize_pair(v[4 * i], v[4 * i + 1], s, inv) | (quantize_pair(v[4 * i + 2], v[4 * i + 3], s, inv) << 16);
+          q[i] = quantize_e4m3_pair(v[4 * i], v[4 * i + 1], s, inv) | (quantize_e4m3_pair(v[4 * i + 2], v[4 * i + 3], s, inv) << 16);
         const uint4 out = make_uint4(q[0], q[1], q[2], q[3]);
         const float s1 = __shfl_sync(0xFFFFFFFFu, s, 8), s2 = __shfl_sync(0xFFFFFFFFu, s, 16),
                     s3 = __shfl_sync(0xFFFFFFFFu, s, 24);
@@ -354,25 +380,35 @@ __device__ __forceinline__ void dispatch_part(const TransportArgs& a, char* cons
 
   // Metadata row (part 0): src_token, local_expert[k], weight[k], zero padding; lane l writes words
   // 4l..4l+3 with one 16-byte store per destination (meta_bytes is a multiple of 16).
-  if (part == 0 && lane * 16 < a.layout.meta_bytes) {
-    const int32_t* ids = topk_ids + t * k;
-    for_each_dest(rows, R, row0, [&](int r, int64_t row) {
+  if (part == 0) {  // warp-uniform
+    // Lane j < k reads slot j (id, weight) and decides its validity (__match_any_sync finds a repeat
+    // of a lower slot); the lanes writing the row's words then gather them by shuffles. All global
+    // reads happen before the stores.
+    int32_t my_id;
+    bool my_valid;
+    (void)warp_valid_slots(topk_ids + t * k, static_cast<int>(k), a.num_experts, lane, &my_id, &my_valid);
+    const float my_w = lane < k ? __ldg(topk_weights + t * k + lane) : 0.f;
+    int32_t w_id[4];
+    float w_wt[4];
+    bool w_ok[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int64_t wi = 4 * lane + q;
+      const int src = wi >= 1 && wi <= k ? static_cast<int>(wi - 1) : (wi > k && wi <= 2 * k ? static_cast<int>(wi - 1 - k) : 0);
+      w_id[q] = __shfl_sync(0xFFFFFFFFu, my_id, src);
+      w_wt[q] = __shfl_sync(0xFFFFFFFFu, my_w, src);
+      w_ok[q] = __shfl_sync(0xFFFFFFFFu, my_valid ? 1 : 0, src) != 0;
+    }
+    if (lane * 16 < a.layout.meta_bytes) for_each_dest(rows, R, row0, [&](int r, int64_t row) {
       uint32_t word[4];
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const int64_t wi = 4 * lane + q;
+        const bool here = w_ok[q] && w_id[q] / El == r;
         uint32_t v = 0;
-        if (wi == 0) {
-          v = static_cast<uint32_t>(t);
-        } else if (wi <= k) {
-          const int j = static_cast<int>(wi - 1);
-          const bool here = slot_valid(ids, j, a.num_experts) && ids[j] / El == r;
-          v = static_cast<uint32_t>(here ? static_cast<int32_t>(ids[j] - r * El) : -1);
-        } else if (wi <= 2 * k) {
-          const int j = static_cast<int>(wi - 1 - k);
-          const bool here = slot_valid(ids, j, a.num_experts) && ids[j] / El == r;
-          v = here ? __float_as_uint(topk_weights[t * k + j]) : 0u;
-        }
+        if (wi == 0) v = static_cast<uint32_t>(t);
+        else if (wi <= k) v = static_cast<uint32_t>(here ? static_cast<int32_t>(w_id[q] - r * El) : -1);
+        else if (wi <= 2 * k) v = here ? __float_as_uint(w_wt[q]) : 0u;
         word[q] = v;
       }
       st_v4(peer_base[r] + a.layout.recv_meta.offset + row * a.layout.meta_bytes + lane * 16,
@@ -387,10 +423,17 @@ __global__ void __launch_bounds__(kDispatchThreads, 2)
                     const int32_t* __restrict__ topk_ids, const float* __restrict__ topk_weights) {
   __shared__ DispatchSmem s;
   extern __shared__ int32_t hist[];  // [E], CTA 0 only
+#if defined(MEGAMOE_DISPATCH_STAMPS)
+  uint64_t st[6];
+  st[0] = globaltimer_ns();
+#endif
   if (threadIdx.x < a.sig.num_ranks) s.peer_base[threadIdx.x] = a.sig.peer_ptr(threadIdx.x, 0);
   const int64_t t_lo = static_cast<int64_t>(blockIdx.x) * shape.tokens_per_cta;
   const int64_t t_hi = min(a.num_tokens, t_lo + shape.tokens_per_cta);
   dispatch_layout(a, topk_ids, s, hist, t_lo, t_hi);  // ends with a CTA barrier
+#if defined(MEGAMOE_DISPATCH_STAMPS)
+  st[1] = globaltimer_ns();
+#endif
 
   const int lane = threadIdx.x & 31;
   const int items = (t_hi > t_lo ? static_cast<int>(t_hi - t_lo) : 0) * shape.parts;
@@ -400,24 +443,40 @@ __global__ void __launch_bounds__(kDispatchThreads, 2)
   }
 
   // invariant: every CTA takes exactly one ticket, whatever happened above.
-  // One fence per CTA, after the barrier: the CTA's stores happen-before thread 0's fence.sc.sys, which
-  // orders them before its ticket (a fence per thread serialised ~1 us each and cost tens of us).
+  // One fence per CTA, after the barrier: the CTA's stores and its dispatch_hist / dispatch_accum
+  // atomics happen-before thread 0's system-scope fence, which orders them before its ticket (a
+  // fence per thread serialised ~1 us each and cost tens of us).
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence_system();
+    fence_acq_rel_sys();
     uint64_t* ticket = a.sig.own_cell(a.sig.rank, kLocalDispatchTicket);
-    const uint64_t old = atomic_add_acq_rel_gpu(ticket, 1);
-    if (old + 1 == gridDim.x) {
-      *ticket = 0;  // the next launch starts after this kernel ends (stream order)
-      // The launch epoch of this forward (combine reads it): bumped once, by the last CTA.
-      uint64_t* epoch_cell = a.sig.own_cell(a.sig.rank, kLocalEpoch);
-      const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(epoch_cell) + 1;
-      *reinterpret_cast<volatile uint64_t*>(epoch_cell) = epoch;
-      __threadfence_system();
-      signal_all_ranks(a.sig, kSlotDispatch, epoch);
-      const SignalCtx sig = a.sig;  // a local copy: the wait is not inlined
-      wait_all_ranks(sig, kSlotDispatch, epoch, kStageDispatchDone);
-    }
+    s.is_last = atomic_add_acq_rel_gpu(ticket, 1) + 1 == gridDim.x;
+  }
+  __syncthreads();
+  if (!s.is_last) return;  // CTA-uniform
+  // The last CTA: every other CTA's sums are visible (their tickets released them, thread 0's
+  // acquired them, the barrier passed that on); it publishes them, then signals.
+  const bool direct = a.num_tokens <= kDirectCountTokens;
+  if (!direct) {
+    DispatchAccum* acc = a.dispatch_accum;
+    const unsigned long long total[2] = {acc->total[0], acc->total[1]};
+    const int num_bad = acc->num_bad;
+    const long long first_bad = static_cast<long long>(~0ull - acc->first_bad);
+    __syncthreads();  // everyone has read acc before thread 0 clears it
+    if (threadIdx.x == 0) *acc = DispatchAccum{};
+    publish_counts(a, s, a.dispatch_hist, /*zero=*/true, total, num_bad, first_bad, topk_ids);
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    *a.sig.own_cell(a.sig.rank, kLocalDispatchTicket) = 0;  // the next launch starts after this kernel ends
+    // The launch epoch of this forward (combine reads it): bumped once, by the last CTA.
+    uint64_t* epoch_cell = a.sig.own_cell(a.sig.rank, kLocalEpoch);
+    const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(epoch_cell) + 1;
+    *reinterpret_cast<volatile uint64_t*>(epoch_cell) = epoch;  // read by later kernels (stream order)
+    if (!direct) fence_acq_rel_sys();  // the counts this CTA's threads just published
+    signal_all_ranks(a.sig, kSlotDispatch, epoch);
+    const SignalCtx sig = a.sig;  // a local copy: the wait is not inlined
+    wait_all_ranks(sig, kSlotDispatch, epoch, kStageDispatchDone);
   }
 }
 

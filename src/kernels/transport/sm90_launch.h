@@ -53,9 +53,22 @@ struct InputStatus {
   int32_t pad[3];
 };
 
+// What the dispatch CTAs of a launch sum up for the last one to publish (device scratch, zero between
+// launches: the publishing CTA returns it to zero).
+struct DispatchAccum {
+  unsigned long long total[2];   // packed per-destination token counts of all T tokens (16 bits each)
+  unsigned long long first_bad;  // UINT64_MAX - (first bad token * k + slot), 0: none
+  int32_t num_bad;
+  int32_t pad;
+};
+
 struct SignalParams {
   ncclWindow_t window;    // the symmetric workspace window
   char* own_base;         // this rank's copy of the workspace (local pointer)
+  // Each rank's copy through the LSA window, resolved once in warmup (an LSA peer's window is one
+  // fixed mapping, so base + offset addresses any byte of it); null: kernels ask ncclGetPeerPointer,
+  // whose chain of dependent loads from the window's tables cost the dispatch ~5 us per launch.
+  char* peer_base[kMaxTransportRanks];
   int64_t signals_offset;
   WaitError* error_cell;  // this rank's error cell (local)
   int rank;
@@ -76,6 +89,8 @@ struct TransportParams {
   int32_t* pool_dst;    // [P] where pool row p's partial goes: src rank * T_max*k + token*k + slot (-1: none)
   float* pool_weight;   // [P] its routing weight
   InputStatus* input_status;
+  int32_t* dispatch_hist;        // [E] per-expert counts summed over the dispatch CTAs (zero between launches)
+  DispatchAccum* dispatch_accum;
 };
 
 // Dispatch: one fused layout + copy kernel for `mode`, shaped for `num_sms` SMs.

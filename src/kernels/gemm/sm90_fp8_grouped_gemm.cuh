@@ -97,7 +97,10 @@ struct GroupedGemmConfig {
   static constexpr int kStageSFA = kSfaStride * 4;
   static constexpr int kStageSFB = 16;
   static constexpr int kStageBytes = kStageA + kStageB + kStageSFA + kStageSFB + 16 + 4;  // + 2 barriers + tile id
-  static constexpr int kSmemBudget = 227 * 1024 - 1024 /* alignment slack */ - 8 * 1024 /* tables */;
+  // bf16-store epilogue staging: per math warp 16 rows x 64 columns of bf16 (2 KiB), see
+  // epilogue_store_bf16.
+  static constexpr int kStageOut = kEpilogue == 0 /* kEpiStoreBf16 */ ? kNumMathWG * 4 * 2048 : 0;
+  static constexpr int kSmemBudget = 227 * 1024 - 1024 /* alignment slack */ - 8 * 1024 /* tables */ - kStageOut;
   static constexpr int kStagesFit = kSmemBudget / kStageBytes;
   static constexpr int kStages = kStagesFit > 8 ? 8 : kStagesFit;
   static constexpr uint32_t kTxBytes = kStageA + kStageB + (kFp8 ? kSfaBox * 4 : 0);
@@ -112,7 +115,7 @@ struct GroupedGemmConfig {
 
   // Dynamic shared memory: 1 KiB alignment slack + ring + barriers + tables.
   static constexpr int smem_bytes(int num_experts) {
-    return 1024 + kStages * (kStageA + kStageB + kStageSFA + kStageSFB) + kStages * 16 + kStages * 4 +
+    return 1024 + kStages * (kStageA + kStageB + kStageSFA + kStageSFB) + kStageOut + kStages * 16 + kStages * 4 +
            3 * (num_experts + 1) * 4 + 16;
   }
 };
@@ -124,6 +127,7 @@ struct GroupedGemmSmem {
   uint8_t* b;       // [kStages][kStageB], 1024-aligned
   float* sfa;       // [kStages][kSfaStride]
   float* sfb;       // [kStages][4]
+  uint8_t* out;     // [math warps][16 rows][128 B] bf16-store epilogue staging (1024-aligned)
   uint64_t* full;   // [kStages]
   uint64_t* empty;  // [kStages]
   int32_t* tile_of_stage;  // [kStages]: the tile whose first K block the slot holds; -1: no more tiles
@@ -138,6 +142,8 @@ struct GroupedGemmSmem {
     p += Cfg::kStages * Cfg::kStageA;
     s.b = p;
     p += Cfg::kStages * Cfg::kStageB;
+    s.out = p;
+    p += Cfg::kStageOut;
     s.sfa = reinterpret_cast<float*>(p);
     p += Cfg::kStages * Cfg::kStageSFA;
     s.sfb = reinterpret_cast<float*>(p);
@@ -402,37 +408,68 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return r;
 }
 
-// bf16 rows: value = acc (* row_weight). After the quad transpose lane q of a quad stores columns
-// [8(4j+q), 8(4j+q) + 8) of its row, for j = 0..3, per 128-column chunk: one 16-byte store each.
+// bf16 rows: value = acc (* row_weight), rounded once. Each warp stages its 16 rows 64 columns at a
+// time in shared memory with stmatrix (the accumulator fragment's 8x8 blocks are stmatrix's layout,
+// so no shuffles), then reads them back as whole 16-byte row pieces and stores those: 8 lanes per
+// 128-byte row segment, full sectors, any row mapping (the sink's pointer per row). ncu measured the
+// shuffle-transpose version at ~940 instructions per warp per tile, while the tensor cores idle.
+// Staging rows are 128 bytes with the 16-byte pieces XOR-swizzled by (row & 7): conflict-free
+// stmatrix rows and read-back.
 // invariant: D rows are 16-byte aligned (validate_grouped_gemm checks d and ldd).
 template <class Cfg, class Sink>
-__device__ __forceinline__ void epilogue_store_bf16(const float (&acc)[Cfg::kNumChunks][64], const GroupedTile& t,
-                                                    int wg, const Sink& sink, const float* row_weight) {
-  const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4, q = lane % 4;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = wg * 64 + warp * 16 + lane / 4 + 8 * h;
-    const bool valid = r < t.rows;  // uniform over the quad
-    const int32_t a_row = t.row0 + r;
-    __nv_bfloat16* out = valid ? sink.row_ptr(a_row) : nullptr;
-    const float w = (valid && row_weight) ? row_weight[a_row] : 1.f;
-#pragma unroll
-    for (int c = 0; c < Cfg::kNumChunks; ++c)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        uint32_t x[4], y[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const int i = 4 * j + k;
-          const float v0 = acc[c][4 * i + 2 * h], v1 = acc[c][4 * i + 2 * h + 1];
-          x[k] = row_weight ? pack_bf16x2(v0 * w, v1 * w) : pack_bf16x2(v0, v1);
-        }
-        quad_transpose(x, y);
-        if (out != nullptr)
-          *reinterpret_cast<uint4*>(out + t.n_block * Cfg::kBlockN + c * 128 + 8 * (4 * j + q)) =
-              make_uint4(y[0], y[1], y[2], y[3]);
-      }
+__device__ __forceinline__ void epilogue_store_bf16(const GroupedGemmSmem<Cfg>& sm, const float (&acc)[Cfg::kNumChunks][64],
+                                                    const GroupedTile& t, int wg, const Sink& sink,
+                                                    const float* row_weight) {
+  const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+  const int wrow0 = wg * 64 + warp * 16;  // the warp's first row in the tile
+  const uint32_t stage = ptx::smem_addr(sm.out + (wg * 4 + warp) * 2048);
+  // Lane l < 16 resolves row l's destination once; the others get it by shuffle.
+  __nv_bfloat16* my_row = nullptr;
+  if (lane < 16 && wrow0 + lane < t.rows) my_row = sink.row_ptr(t.row0 + wrow0 + lane);
+  // This lane's two accumulator rows (lane / 4 and + 8) and their weights.
+  float w0 = 1.f, w1 = 1.f;
+  if (row_weight != nullptr) {
+    const int r0 = wrow0 + lane / 4;
+    if (r0 < t.rows) w0 = row_weight[t.row0 + r0];
+    if (r0 + 8 < t.rows) w1 = row_weight[t.row0 + r0 + 8];
   }
+  // stmatrix addresses: lane l gives row (l & 7) + 8 * ((l >> 3) & 1) of 16-byte piece (l >> 4) of
+  // each pair of 8-column groups.
+  const int st_row = (lane & 7) + 8 * ((lane >> 3) & 1), st_piece = lane >> 4;
+  // read-back: lane l takes row 4 * it + l / 8, piece l % 8
+  const int rb_piece = lane % 8;
+#pragma unroll
+  for (int c = 0; c < Cfg::kNumChunks; ++c)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+#pragma unroll
+      for (int g2 = 0; g2 < 4; ++g2) {  // 8-column groups 2*g2 and 2*g2+1 of this 64-column half
+        const int g = half * 8 + 2 * g2;
+        uint32_t r[4];
+#pragma unroll
+        for (int m = 0; m < 2; ++m)  // group g + m, rows lane/4 (h = 0) and lane/4 + 8 (h = 1)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const float v0 = acc[c][4 * (g + m) + 2 * h], v1 = acc[c][4 * (g + m) + 2 * h + 1];
+            const float w = h == 0 ? w0 : w1;
+            r[2 * m + h] = row_weight ? pack_bf16x2(v0 * w, v1 * w) : pack_bf16x2(v0, v1);
+          }
+        const int piece = 2 * g2 + st_piece;
+        ptx::stmatrix_x4(stage + st_row * 128 + ((piece ^ (st_row & 7)) << 4), r[0], r[1], r[2], r[3]);
+      }
+      __syncwarp();
+#pragma unroll
+      for (int it = 0; it < 4; ++it) {
+        const int row = 4 * it + lane / 8;
+        const uint4 v = ptx::lds_v4(stage + row * 128 + ((rb_piece ^ (row & 7)) << 4));
+        const unsigned long long pr =
+            __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(my_row), row);
+        __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(pr);
+        if (out != nullptr)
+          *reinterpret_cast<uint4*>(out + t.n_block * Cfg::kBlockN + c * 128 + half * 64 + 8 * rb_piece) = v;
+      }
+      __syncwarp();  // the next stmatrix overwrites the staging rows
+    }
 }
 
 // silu(g) * u in fp32 from the fast exponential and division (g / (1 + e), 0 when 1 + e overflows;
@@ -543,7 +580,7 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
       math_tile<Cfg>(sm, pipe, p, tile, wg, acc);
       if constexpr (Cfg::kEpilogue == kEpiStoreBf16) {
         const DefaultRowSink sink{p};
-        epilogue_store_bf16<Cfg>(acc, tile, wg, sink, p.row_weight);
+        epilogue_store_bf16<Cfg>(sm, acc, tile, wg, sink, p.row_weight);
       } else {
         epilogue_swiglu<Cfg>(acc, tile, wg, p);
       }

@@ -76,6 +76,24 @@ __device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint64_t* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 }
 
+// ---- shared-memory matrix store ----------------------------------------------------------------------
+
+// stmatrix m8n8.x4 (b16): matrix i's element (r, 2c .. 2c+1) comes from lane 4r + c's register ri (the
+// layout of an mma / wgmma accumulator fragment's 8x8 blocks once packed to bf16x2); lanes 8i .. 8i+7
+// give the shared addresses of matrix i's 8 rows (16 bytes each).
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
+}
+
+__device__ __forceinline__ uint4 lds_v4(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr)
+               : "memory");
+  return v;
+}
+
 // ---- register reconfiguration ----------------------------------------------------------------------
 
 template <uint32_t kRegs>

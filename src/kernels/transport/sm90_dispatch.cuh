@@ -17,7 +17,8 @@
 //            expert) to row me*T_max + i of the owner's recv_tokens (+ recv_scales, + recv_meta):
 //            16-byte stores for rows, scales (4 blocks gathered into one float4) and metadata.
 //            bf16 -> e4m3 1x128 on the fly: q = x * (1/s), checked exact (see quantize_e4m3_pair).
-//   signal   each CTA fences its stores and takes a ticket; the last one (publishes the counts,) bumps the launch epoch,
+//   signal   each CTA fences its stores and takes a ticket; the last one publishes the summed counts
+//            (above kDirectCountTokens), bumps the launch epoch,
 //            publishes it in every destination's [me][kSlotDispatch] cell, and waits (bounded) until
 //            every source has published it here, so when the kernel ends this rank's receive regions
 //            are complete.
@@ -71,16 +72,17 @@ struct DispatchSmem {
   int32_t rows[kMaxTokensPerCta][kMaxTransportRanks];  // row at destination r of each chunk token, or -1
   int32_t warp_counts[kDispatchWarps][kMaxTransportRanks];
   unsigned long long before[2];  // packed per-destination counts of the tokens before the chunk
-  unsigned long long total[2];   // ... of the chunk's tokens
-  long long first_bad;           // the chunk's first bad (token * k + slot)
+  unsigned long long total[2];   // ... of the tokens this CTA counted (all T in CTA 0 up to
+                                 // kDirectCountTokens, else its chunk)
+  long long first_bad;           // their first bad (token * k + slot)
   int num_bad;
   int is_last;                   // this CTA took the last ticket: it publishes and signals
 };
 
 // Writes the counts into every destination (recv_expert_counts[me][*] and recv_token_counts[me],
 // zeros included: a rank with 0 tokens still writes them) and records bad input. Called by every
-// thread of one CTA; hist is the CTA's own (one CTA) or the grid's sum in dispatch_hist, which it
-// returns to zero as it reads it.
+// thread of one CTA; hist is CTA 0's own (T <= kDirectCountTokens) or the grid's sum in
+// dispatch_hist, which it returns to zero as it reads it.
 __device__ __forceinline__ void publish_counts(const TransportArgs& a, const DispatchSmem& s, int32_t* hist, bool zero,
                                                const unsigned long long (&total)[2], int num_bad, long long first_bad,
                                                const int32_t* __restrict__ topk_ids) {

@@ -177,6 +177,11 @@ TEST(Tool, BadValues_NameFlagValueAndRule) {
                  {"in_kernel_fc2_reduce", "bf16"});
   expect_refused(run_tool("bench --preset tiny --backend cpu --tokens 1,,4"), 2, {"--tokens", "1,,4"});
   expect_refused(run_tool("bench --preset tiny --backend cpu --iters -3"), 2, {"--iters"});
+  // bench-gemm's flags are checked before it looks for a GPU
+  expect_refused(run_tool("bench-gemm --schedule roundrobin"), 2, {"--schedule", "roundrobin", "dynamic", "static"});
+  expect_refused(run_tool("bench-gemm --block-m 96"), 2, {"--block-m", "96", "64", "128"});
+  expect_refused(run_tool("bench-gemm --block-n 192"), 2, {"--block-n", "192", "256"});
+  expect_refused(run_tool("bench-gemm --num-sms 0"), 2, {"--num-sms", "0"});
 }
 
 // One process per rank (megamoe launch) needs a GPU backend: the cpu backend's ranks share host

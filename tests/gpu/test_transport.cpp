@@ -301,9 +301,10 @@ TEST(Sm90Transport, CudaGraphReplayEqualsEager_EP2) {
   run_case(c, 1, true);
 }
 
-TEST(Sm90Transport, BadTopkIdsReported_EP2) {
+// Two bad slots (token 3 slot 1 = E + 5, token 5 slot 0 = -7): reported once with the first of them
+// and the count, then cleared.
+void expect_bad_ids_reported(Case c) {
   REQUIRE_GROUP(group);
-  Case c = base_case();
   c.routing = Routing::kWithBad;
   std::mutex m;
   std::vector<std::string> messages(kRanks);
@@ -325,10 +326,24 @@ TEST(Sm90Transport, BadTopkIdsReported_EP2) {
     }
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
     EXPECT_NE(st.message().find("topk_ids[3, 1]=" + std::to_string(c.num_experts + 5)), std::string::npos) << st.message();
+    EXPECT_NE(st.message().find(" 2 bad slot(s)"), std::string::npos) << st.message();
     EXPECT_TRUE(run.transport->check_error(run.stream).is_ok()) << "the counters clear once reported";
     teardown_rank(&run);
   });
   std::printf("  bad-id report: %s\n", messages[0].c_str());
+}
+
+TEST(Sm90Transport, BadTopkIdsReported_EP2) {
+  expect_bad_ids_reported(base_case());
+}
+
+// Above the dispatch's direct-count limit (128 tokens) every CTA checks its own chunk and the last
+// one reports the sums: the two bad slots land in different CTAs, the first must still win.
+TEST(Sm90Transport, BadTopkIdsReported_ManyTokens_EP2) {
+  Case c = base_case();
+  c.max_tokens = 400;
+  c.tokens = {300, 260};
+  expect_bad_ids_reported(c);
 }
 
 TEST(Sm90Transport, TooManyTokensRefusedBeforeLaunch_EP2) {

@@ -18,9 +18,10 @@
 //                                 (a BLOCK_M + 4 fp32 box starting 16-byte aligned) and 4-byte
 //                                 cp.async loads of the B scales.
 // Shared memory: kStages ring slots {A, B, SFA, SFB}, a full and an empty mbarrier and a tile id
-// per slot, the scheduler tables. The producer alone picks tiles; the slot holding a tile's first K
-// block carries its id to the math warpgroups (-1 after the last tile). full[s]: expect_tx arrival + (fp8) the cp.async arrival, completes when the
-// bytes land; empty[s]: one arrival per math warp once its wgmmas on the slot retired.
+// per slot, the bf16-store epilogue's staging rows, the scheduler tables. The producer alone picks
+// tiles; the slot holding a tile's first K block carries its id to the math warpgroups (-1 after
+// the last tile). full[s]: expect_tx arrival + (fp8) the cp.async arrival, completes when the bytes
+// land; empty[s]: one arrival per math warp once its wgmmas on the slot retired.
 //
 // Layouts (bytes are e4m3 or bf16; everything K-major):
 //   A       [rows, K], row stride lda elements (a multiple of 16 bytes)
@@ -105,7 +106,8 @@ struct GroupedGemmConfig {
   static constexpr int kStages = kStagesFit > 8 ? 8 : kStagesFit;
   static constexpr uint32_t kTxBytes = kStageA + kStageB + (kFp8 ? kSfaBox * 4 : 0);
   static constexpr int kMaxExperts = 512;
-  // setmaxnreg budgets (64K registers per SM): the producer shrinks to 40, the math warpgroups grow.
+  // setmaxnreg budgets (64K registers per SM): the producer shrinks to 56 (the tile counter's loop
+  // spilled at 48), the math warpgroups grow to 224.
   static constexpr uint32_t kProducerRegs = kNumMathWG == 1 ? 96 : 56;
   static constexpr uint32_t kMathRegs = kNumMathWG == 1 ? 256 : 224;  // scheduler tables: 3 * (E + 1) int32 <= 8 KiB
   static_assert(kBlockM == 64 || kBlockM == 128, "BLOCK_M is 64 or 128");

@@ -60,19 +60,22 @@ Status dispatch_once(const Case& c, RankRun* run, int rank) {
                                   view(run->weights.get(), DType::kFloat32, {T, c.top_k}, rank), run->stream);
 }
 
-Status combine_once(const Case& c, RankRun* run, int rank) {
+// Fused: send_and_combine() (one kernel); split: combine_send() then combine(). Same bits.
+Status combine_once(const Case& c, RankRun* run, int rank, bool fused = true) {
   const int64_t T = run->in.num_tokens;
   const WorkspaceLayout& l = run->transport->layout();
-  MEGAMOE_RETURN_IF_ERROR(
-      run->transport->combine_send(view(run->expert_out.get(), DType::kFloat32, {l.pool_rows, c.hidden}, rank), run->stream));
-  return run->transport->combine(view(run->ids.get(), DType::kInt32, {T, c.top_k}, rank),
-                                 view(run->y.get(), DType::kBFloat16, {T, c.hidden}, rank), run->stream);
+  const TensorView out = view(run->expert_out.get(), DType::kFloat32, {l.pool_rows, c.hidden}, rank);
+  const TensorView ids = view(run->ids.get(), DType::kInt32, {T, c.top_k}, rank);
+  const TensorView y = view(run->y.get(), DType::kBFloat16, {T, c.hidden}, rank);
+  if (fused) return run->transport->send_and_combine(out, ids, y, run->stream);
+  MEGAMOE_RETURN_IF_ERROR(run->transport->combine_send(out, run->stream));
+  return run->transport->combine(ids, y, run->stream);
 }
 
-Status forward(const Case& c, RankRun* run, int rank) {
+Status forward(const Case& c, RankRun* run, int rank, bool fused = true) {
   MEGAMOE_RETURN_IF_ERROR(dispatch_once(c, run, rank));
   MEGAMOE_RETURN_IF_ERROR(run->transport->build_expert_pool(run->stream));
-  return combine_once(c, run, rank);
+  return combine_once(c, run, rank, fused);
 }
 
 template <typename T>
@@ -82,9 +85,10 @@ std::vector<T> read_region(const EpTransport& t, const WorkspaceRegion& r) {
   return v;
 }
 
-// Full check of one forward: receive regions, pool, output; then `repeats` more forwards (and, with
-// `graph`, CUDA-graph replays) must give the same y bit for bit.
-void run_case(const Case& c, int repeats = 0, bool graph = false) {
+// Full check of one forward (fused combine): receive regions, pool, output; then `repeats` more
+// forwards, the even ones with the split combine (combine_send + combine), and with `graph` CUDA-graph
+// replays, must give the same y bit for bit.
+void run_case(const Case& c, int repeats = 1, bool graph = false) {
   REQUIRE_GROUP(group);
   std::vector<RankInputs> all;
   for (int r = 0; r < kRanks; ++r) all.push_back(c.inputs(r));
@@ -179,11 +183,13 @@ void run_case(const Case& c, int repeats = 0, bool graph = false) {
 
     for (int it = 0; it < repeats; ++it) {
       run.y->upload(std::vector<uint16_t>(T * H, 0xFFFF));  // poison
-      EXPECT_TRUE(forward(c, &run, rank).is_ok());
-      if (it == repeats - 1 || it % 25 == 0) {
+      const bool fused = it % 2 == 1;
+      EXPECT_TRUE(forward(c, &run, rank, fused).is_ok());
+      if (it == repeats - 1 || it % 25 == 0 || !fused) {
         st = run.transport->check_error(run.stream);
         EXPECT_TRUE(st.is_ok()) << st.to_string();
-        EXPECT_EQ(run.y->download<uint16_t>(T * H), y) << "rank " << rank << ": repeat " << it << " differs";
+        EXPECT_EQ(run.y->download<uint16_t>(T * H), y)
+            << "rank " << rank << ": repeat " << it << (fused ? " (fused)" : " (split)") << " differs";
       }
     }
     if (graph) {

@@ -120,6 +120,7 @@ struct BenchOptions {
   std::string dispatch = "fp8", combine = "bf16";
   int iters = 30, warmup = 5;
   int graph_iters = 32, graph_reps = 5;  // back-to-back forwards per graph, graph launches timed
+  bool split_combine = false;            // combine_send + combine (two kernels) instead of send_and_combine
   uint32_t seed = 1;
 };
 
@@ -213,6 +214,15 @@ struct PointResult {
   } while (0)
 
 // One rank's run of one point. `sync` is a host barrier across ranks (threads or processes).
+// The combine phase: one kernel (send_and_combine), or with --split-combine the two-kernel path that
+// backends whose FC2 epilogue writes the wire rows use (combine_send here standing in for it).
+Status combine_phase(const BenchOptions& o, EpTransport* tr, const TensorView& out, const TensorView& ids,
+                     const TensorView& y, cudaStream_t stream) {
+  if (!o.split_combine) return tr->send_and_combine(out, ids, y, stream);
+  MEGAMOE_RETURN_IF_ERROR(tr->combine_send(out, stream));
+  return tr->combine(ids, y, stream);
+}
+
 void bench_point(const BenchOptions& o, std::shared_ptr<Communicator> comm, int64_t T,
                  const std::function<void()>& sync, bool /*host_barrier*/, PointResult* res) {
   NcclRankComm* nccl = nccl_rank_of(comm.get());
@@ -300,8 +310,7 @@ void bench_point(const BenchOptions& o, std::shared_ptr<Communicator> comm, int6
     if (phase == 0) cap = tr->dispatch(vx, TensorView(), vids, vw, stream);
     if (phase == 1) cap = tr->build_expert_pool(stream);
     if (phase == 2) {
-      cap = tr->combine_send(vout, stream);
-      if (cap.is_ok()) cap = tr->combine(vids, vy, stream);
+      cap = combine_phase(o, tr.get(), vout, vids, vy, stream);
     }
     BENCH_CUDA(cudaStreamEndCapture(stream, &graphs[phase]));
     BENCH_CHECK(cap);
@@ -391,8 +400,7 @@ void bench_point(const BenchOptions& o, std::shared_ptr<Communicator> comm, int6
       cudaEventRecordWithFlags(pe[4 * i + 1], stream, cudaEventRecordExternal);
       if (cap.is_ok()) cap = tr->build_expert_pool(stream);
       cudaEventRecordWithFlags(pe[4 * i + 2], stream, cudaEventRecordExternal);
-      if (cap.is_ok()) cap = tr->combine_send(vout, stream);
-      if (cap.is_ok()) cap = tr->combine(vids, vy, stream);
+      if (cap.is_ok()) cap = combine_phase(o, tr.get(), vout, vids, vy, stream);
       cudaEventRecordWithFlags(pe[4 * i + 3], stream, cudaEventRecordExternal);
     }
     BENCH_CUDA(cudaStreamEndCapture(stream, &gf));
@@ -466,9 +474,10 @@ void bench_point(const BenchOptions& o, std::shared_ptr<Communicator> comm, int6
 }
 
 void print_header(const BenchOptions& o, int R) {
-  std::printf("# bench-transport: EP%d, hidden=%lld, experts=%lld, top-%lld, dispatch=%s, combine=%s, %d iters (each phase a CUDA graph, launched behind a host gate opened after all ranks enqueued); GB/s = bytes rank 0 sends to its peer / time\n",
+  std::printf("# bench-transport: EP%d, hidden=%lld, experts=%lld, top-%lld, dispatch=%s, combine=%s (%s), %d iters (each phase a CUDA graph, launched behind a host gate opened after all ranks enqueued); GB/s = bytes rank 0 sends to its peer / time\n",
               R, static_cast<long long>(o.hidden), static_cast<long long>(o.experts), static_cast<long long>(o.top_k),
-              o.dispatch.c_str(), o.combine.c_str(), o.iters);
+              o.dispatch.c_str(), o.combine.c_str(), o.split_combine ? "combine_send + combine" : "send_and_combine",
+              o.iters);
   std::fflush(stdout);
   std::printf("%8s | %26s %8s | %26s %8s | %9s | %20s | %20s\n", "tokens", "dispatch us med/min/max", "GB/s",
               "combine us med/min/max", "GB/s", "d+c us", "nccl a2a disp us GB/s", "nccl a2a comb us GB/s");
@@ -603,6 +612,8 @@ void register_transport_commands(CLI::App& app) {
                     "forwards captured back to back in one graph per rank for the amortised table (0: skip)")
       ->capture_default_str();
   bench->add_option("--graph-reps", o->graph_reps, "timed launches of that graph")->capture_default_str();
+  bench->add_flag("--split-combine", o->split_combine,
+                  "combine as two kernels (combine_send, then combine) instead of one send_and_combine kernel");
   bench->callback([o] { g_exit_code = run_bench_transport(*o); });
 }
 

@@ -237,12 +237,13 @@ class RoutedMoeLayer final : public MoeLayer {
       MEGAMOE_RETURN_IF_ERROR(mark(3, stream));
     }
     MEGAMOE_RETURN_IF_ERROR(mark(4, stream));
-    if (!fc2_writes_combine_) {
-      TensorView out(expert_out_->ptr, DType::kBFloat16, {P, H}, device());
-      MEGAMOE_RETURN_IF_ERROR(transport_->combine_send(out, stream));
-    }
     MEGAMOE_RETURN_IF_ERROR(mark(5, stream));
-    MEGAMOE_RETURN_IF_ERROR(transport_->combine(topk_ids, y, stream));
+    if (fc2_writes_combine_) {
+      MEGAMOE_RETURN_IF_ERROR(transport_->combine(topk_ids, y, stream));
+    } else {  // quantised wire: encode + send + reduce in one kernel (the combine_send stage reads 0)
+      TensorView out(expert_out_->ptr, DType::kBFloat16, {P, H}, device());
+      MEGAMOE_RETURN_IF_ERROR(transport_->send_and_combine(out, topk_ids, y, stream));
+    }
     return mark(6, stream);
   }
 

@@ -296,16 +296,32 @@ Status EpTransport::build_expert_pool(cudaStream_t stream) {
   return kernels::launch_expert_pool(args, num_sms_, stream);
 }
 
-Status EpTransport::combine_send(const TensorView& out, cudaStream_t stream) {
-  MEGAMOE_RETURN_IF_ERROR(check_ready(stream, "combine_send()"));
+Status EpTransport::check_expert_out(const TensorView& out, const char* what) const {
   const int64_t P = layout_.pool_rows, H = options_.params.hidden;
   if (!(out.dtype == DType::kFloat32 || out.dtype == DType::kBFloat16) || out.ndim != 2 || out.shape[0] != P ||
       out.shape[1] != H)
-    return invalid_argument("combine_send", "expert_out", shape_of(out),
+    return invalid_argument(what, "expert_out", shape_of(out),
                             "must be float32 or bfloat16 [pool_rows=" + std::to_string(P) + ", H=" + std::to_string(H) +
                                 "]");
   if (P > 0 && (!on_device(out, device_) || !out.is_contiguous() || reinterpret_cast<uintptr_t>(out.data) % 16 != 0))
-    return invalid_argument("combine_send", "expert_out", shape_of(out), "must be contiguous, 16-byte aligned, on the device");
+    return invalid_argument(what, "expert_out", shape_of(out), "must be contiguous, 16-byte aligned, on the device");
+  return Status::ok();
+}
+
+Status EpTransport::check_output(const TensorView& topk_ids, const TensorView& y, const char* what,
+                                 int64_t* num_tokens) const {
+  MEGAMOE_RETURN_IF_ERROR(check_tokens(topk_ids, what, num_tokens));
+  const int64_t T = *num_tokens, H = options_.params.hidden;
+  if (y.dtype != DType::kBFloat16 || y.ndim != 2 || y.shape[0] != T || y.shape[1] != H)
+    return invalid_argument(what, "y", shape_of(y), "must be bfloat16 [T, H]");
+  if (T > 0 && (!on_device(y, device_) || !y.is_contiguous() || reinterpret_cast<uintptr_t>(y.data) % 16 != 0))
+    return invalid_argument(what, "y", shape_of(y), "must be contiguous, 16-byte aligned, on the device");
+  return Status::ok();
+}
+
+Status EpTransport::combine_send(const TensorView& out, cudaStream_t stream) {
+  MEGAMOE_RETURN_IF_ERROR(check_ready(stream, "combine_send()"));
+  MEGAMOE_RETURN_IF_ERROR(check_expert_out(out, "combine_send"));
   MEGAMOE_CUDA_CHECK(cudaSetDevice(device_));
   const TransportParams args = make_args(*this, window_, scratch_, options_, last_num_tokens_);
   return kernels::launch_combine_send(args, out.data, out.dtype == DType::kFloat32, num_sms_, stream);
@@ -314,15 +330,22 @@ Status EpTransport::combine_send(const TensorView& out, cudaStream_t stream) {
 Status EpTransport::combine(const TensorView& topk_ids, const TensorView& y, cudaStream_t stream) {
   MEGAMOE_RETURN_IF_ERROR(check_ready(stream, "combine()"));
   int64_t T = 0;
-  MEGAMOE_RETURN_IF_ERROR(check_tokens(topk_ids, "combine", &T));
-  const int64_t H = options_.params.hidden;
-  if (y.dtype != DType::kBFloat16 || y.ndim != 2 || y.shape[0] != T || y.shape[1] != H)
-    return invalid_argument("combine", "y", shape_of(y), "must be bfloat16 [T, H]");
-  if (T > 0 && (!on_device(y, device_) || !y.is_contiguous() || reinterpret_cast<uintptr_t>(y.data) % 16 != 0))
-    return invalid_argument("combine", "y", shape_of(y), "must be contiguous, 16-byte aligned, on the device");
+  MEGAMOE_RETURN_IF_ERROR(check_output(topk_ids, y, "combine", &T));
   MEGAMOE_CUDA_CHECK(cudaSetDevice(device_));
   const TransportParams args = make_args(*this, window_, scratch_, options_, T);
   return kernels::launch_combine_reduce(args, topk_ids.ptr<int32_t>(), y.ptr<uint16_t>(), num_sms_, stream);
+}
+
+Status EpTransport::send_and_combine(const TensorView& expert_out, const TensorView& topk_ids, const TensorView& y,
+                                     cudaStream_t stream) {
+  MEGAMOE_RETURN_IF_ERROR(check_ready(stream, "send_and_combine()"));
+  MEGAMOE_RETURN_IF_ERROR(check_expert_out(expert_out, "send_and_combine"));
+  int64_t T = 0;
+  MEGAMOE_RETURN_IF_ERROR(check_output(topk_ids, y, "send_and_combine", &T));
+  MEGAMOE_CUDA_CHECK(cudaSetDevice(device_));
+  const TransportParams args = make_args(*this, window_, scratch_, options_, T);
+  return kernels::launch_combine(args, expert_out.data, expert_out.dtype == DType::kFloat32, topk_ids.ptr<int32_t>(),
+                                 y.ptr<uint16_t>(), num_sms_, stream);
 }
 
 Status EpTransport::check_error(cudaStream_t stream) {

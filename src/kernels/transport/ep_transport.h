@@ -12,6 +12,7 @@
 //   combine_send()      owner: partial = weight * out[pool row] -> wire format -> source's combine row
 //   combine()           source: publish "my partials are sent", wait for every rank's, reduce the k
 //                       partials of each token in slot order (fp32) into y (bf16)
+//   send_and_combine()  combine_send() + combine() in one kernel (same bits, one launch fewer)
 // Every rank calls these in the same order, the same number of times (a rank with 0 tokens too).
 // check_error() synchronises the stream and turns the device error cell (bounded-wait timeouts, peer
 // aborts) and the bad-input counters into a Status. After a timeout the group is aborted for good:
@@ -62,6 +63,10 @@ class EpTransport {
   Status combine_send(const TensorView& expert_out, cudaStream_t stream);
   // topk_ids as given to dispatch(); y [T, H] bf16.
   Status combine(const TensorView& topk_ids, const TensorView& y, cudaStream_t stream);
+  // combine_send() + combine() in one kernel, the same bits: the epoch is published as soon as the
+  // last row is out and the reduce needs no second launch (the backends with a local FC2 output).
+  Status send_and_combine(const TensorView& expert_out, const TensorView& topk_ids, const TensorView& y,
+                          cudaStream_t stream);
 
   // Synchronises `stream`; ok, or kTimeout (stage, peer, expected, seen), or kInvalidArgument (bad
   // topk ids: first bad token, slot, value; the counters are cleared once reported).
@@ -97,6 +102,8 @@ class EpTransport {
   EpTransport() = default;
   Status check_ready(cudaStream_t stream, const char* what) const;
   Status check_tokens(const TensorView& topk_ids, const char* what, int64_t* num_tokens) const;
+  Status check_expert_out(const TensorView& expert_out, const char* what) const;
+  Status check_output(const TensorView& topk_ids, const TensorView& y, const char* what, int64_t* num_tokens) const;
 
   std::shared_ptr<Communicator> comm_;
   NcclRankComm* nccl_ = nullptr;

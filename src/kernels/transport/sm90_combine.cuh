@@ -8,6 +8,9 @@
 //   kCombineLoadRounds 16-byte chunks before it stores them (small T still fills the GPU); mxfp8 /
 //   nvfp4: a warp per row. No signal here: the epoch is published by combine_reduce_kernel, which
 //   follows in stream order (so an FC2 epilogue that writes the rows itself needs nothing else).
+// combine_kernel (both in one launch, for callers with a local FC2 output): send, a ticket per CTA,
+//   the last CTA publishes the epoch, every CTA waits and reduces. Saves a kernel boundary and lets
+//   the peers start reducing as soon as this rank's last row is out.
 // combine_reduce_kernel (source): CTA 0 fences and publishes the epoch in every rank's
 //   [me][kSlotCombine] cell; every CTA waits (bounded) until all ranks have published it here; then
 //   the valid slots of each token are summed in slot order in fp32 (acc starts at +0) and written as
@@ -98,9 +101,11 @@ __device__ __forceinline__ void send_bf16_part(const InT* __restrict__ in, char*
   }
 }
 
+// The send part: every real pool row's weighted partial, encoded, into the source rank's combine row.
+// Ends with a CTA barrier and one system-scope fence by thread 0 (the CTA's rows ordered before
+// whatever thread 0 does next: a ticket, or nothing and the next kernel publishes).
 template <int kFormat, typename InT>
-__global__ void __launch_bounds__(kCombineThreads)
-    combine_send_kernel(TransportArgs a, const InT* __restrict__ expert_out, int parts) {
+__device__ __forceinline__ void combine_send_rows(const TransportArgs& a, const InT* __restrict__ expert_out, int parts) {
   __shared__ char* s_peer_base[kMaxTransportRanks];
   __shared__ uint8_t s_scales[8][32];
   const int R = a.sig.num_ranks;
@@ -204,9 +209,16 @@ __global__ void __launch_bounds__(kCombineThreads)
       if (lane == 0) *reinterpret_cast<float*>(dst + H / 2 + H / 16) = g;
     }
   }
-  // The signal is published by the next kernel (combine_reduce_kernel); one fence per CTA here.
+  // One fence per CTA, after the barrier (a fence per thread serialises).
   __syncthreads();
   if (threadIdx.x == 0) fence_acq_rel_sys();
+}
+
+// Send only: the epoch is published by combine_reduce_kernel, which follows in stream order.
+template <int kFormat, typename InT>
+__global__ void __launch_bounds__(kCombineThreads)
+    combine_send_kernel(TransportArgs a, const InT* __restrict__ expert_out, int parts) {
+  combine_send_rows<kFormat, InT>(a, expert_out, parts);
 }
 
 // bf16 wire: one part (rounds [rb, re) of 32 8-element chunks) of token t's sum over its valid slots.
@@ -248,21 +260,11 @@ __device__ __forceinline__ void reduce_bf16_part(const char* rows, int64_t wire,
   }
 }
 
+// The reduce part: token t's valid slots summed in slot order (fp32) into y. Every rank's partials
+// for this rank must have arrived (the caller waited).
 template <int kFormat>
-__global__ void __launch_bounds__(kCombineThreads)
-    combine_reduce_kernel(TransportArgs a, const int32_t* __restrict__ topk_ids, uint16_t* __restrict__ y, int parts) {
-  __shared__ bool s_ok;
-  const uint64_t epoch = a.sig.local_epoch();
-  if (threadIdx.x == 0) {
-    const SignalCtx sig = a.sig;  // a local copy: the wait is not inlined
-    if (blockIdx.x == 0) {
-      fence_acq_rel_sys();  // the rows this rank sent (combine_send or FC2's epilogue, earlier kernels)
-      signal_all_ranks(sig, kSlotCombine, epoch);
-    }
-    s_ok = wait_all_ranks(sig, kSlotCombine, epoch, kStageCombineDone);
-  }
-  __syncthreads();
-  if (!s_ok) return;
+__device__ __forceinline__ void combine_reduce_tokens(const TransportArgs& a, const int32_t* __restrict__ topk_ids,
+                                                      uint16_t* __restrict__ y, int parts) {
   const int lane = threadIdx.x & 31;
   const int64_t k = a.top_k(), H = a.hidden(), wire = a.layout.wire_row_bytes;
   const char* rows = a.own<char>(a.layout.combine);
@@ -314,6 +316,55 @@ __global__ void __launch_bounds__(kCombineThreads)
       }
     }
   }
+}
+
+// After rows written by earlier kernels (combine_send_kernel, or FC2's epilogue): CTA 0 fences and
+// publishes the epoch, every CTA waits (bounded) for every rank's, then reduces.
+template <int kFormat>
+__global__ void __launch_bounds__(kCombineThreads)
+    combine_reduce_kernel(TransportArgs a, const int32_t* __restrict__ topk_ids, uint16_t* __restrict__ y, int parts) {
+  __shared__ bool s_ok;
+  if (threadIdx.x == 0) {
+    const SignalCtx sig = a.sig;  // a local copy: the wait is not inlined
+    const uint64_t epoch = sig.local_epoch();
+    if (blockIdx.x == 0) {
+      fence_acq_rel_sys();  // the rows this rank sent (earlier kernels)
+      signal_all_ranks(sig, kSlotCombine, epoch);
+    }
+    s_ok = wait_all_ranks(sig, kSlotCombine, epoch, kStageCombineDone);
+  }
+  __syncthreads();
+  if (!s_ok) return;
+  combine_reduce_tokens<kFormat>(a, topk_ids, y, parts);
+}
+
+// Send and reduce in one launch: each CTA sends its rows, fences and takes a ticket; the last one
+// publishes the epoch (so the peers' reduce starts as soon as this rank's last row is out, with no
+// kernel boundary in between); every CTA then waits for every rank's epoch and reduces.
+// invariant: every CTA takes exactly one ticket; the last resets it (the next launch is stream-ordered).
+// invariant: the grid is co-resident (the launcher caps it at the occupancy limit): CTAs that took
+// their ticket spin until the last one has sent, so a CTA that never got an SM would hang the group
+// (the bounded wait would report it as a timeout).
+template <int kFormat, typename InT>
+__global__ void __launch_bounds__(kCombineThreads)
+    combine_kernel(TransportArgs a, const InT* __restrict__ expert_out, const int32_t* __restrict__ topk_ids,
+                   uint16_t* __restrict__ y, int send_parts, int reduce_parts) {
+  __shared__ bool s_ok;
+  combine_send_rows<kFormat, InT>(a, expert_out, send_parts);  // ends with a barrier; thread 0 fenced
+  if (threadIdx.x == 0) {
+    const SignalCtx sig = a.sig;
+    const uint64_t epoch = sig.local_epoch();
+    uint64_t* ticket = sig.own_cell(sig.rank, kLocalCombineTicket);
+    // acq_rel: the last taker's release to the peers carries every CTA's fenced rows.
+    if (atomic_add_acq_rel_gpu(ticket, 1) + 1 == gridDim.x) {
+      *ticket = 0;
+      signal_all_ranks(sig, kSlotCombine, epoch);
+    }
+    s_ok = wait_all_ranks(sig, kSlotCombine, epoch, kStageCombineDone);
+  }
+  __syncthreads();
+  if (!s_ok) return;
+  combine_reduce_tokens<kFormat>(a, topk_ids, y, reduce_parts);
 }
 
 }  // namespace kernels

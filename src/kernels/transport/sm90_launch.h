@@ -31,7 +31,7 @@ enum SignalSlot : int {
   // Local cells (row = own rank).
   kLocalEpoch = 8,           // launch epoch, bumped by the dispatch kernel's last CTA
   kLocalDispatchTicket = 9,  // blocks of the dispatch kernel that finished (last one resets it)
-  kLocalCombineTicket = 10,  // reserved for a fused combine
+  kLocalCombineTicket = 10,  // blocks of combine_kernel that finished sending (last one resets it)
   kLocalPoolTicket = 11,     // blocks of pool_offsets_kernel that finished (last one resets it)
 };
 
@@ -105,6 +105,9 @@ Status launch_combine_send(const TransportParams& params, const void* expert_out
                            cudaStream_t stream);
 Status launch_combine_reduce(const TransportParams& params, const int32_t* topk_ids, uint16_t* y, int num_sms,
                              cudaStream_t stream);
+// Both in one kernel (combine_kernel): send, publish once the last CTA's rows are out, wait, reduce.
+Status launch_combine(const TransportParams& params, const void* expert_out, bool out_is_fp32, const int32_t* topk_ids,
+                      uint16_t* y, int num_sms, cudaStream_t stream);
 
 }  // namespace kernels
 }  // namespace megamoe

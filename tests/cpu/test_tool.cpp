@@ -182,6 +182,7 @@ TEST(Tool, BadValues_NameFlagValueAndRule) {
   expect_refused(run_tool("bench-gemm --block-m 96"), 2, {"--block-m", "96", "64", "128"});
   expect_refused(run_tool("bench-gemm --block-n 192"), 2, {"--block-n", "192", "256"});
   expect_refused(run_tool("bench-gemm --num-sms 0"), 2, {"--num-sms", "0"});
+  expect_refused(run_tool("bench-transport --combine-groups 9"), 2, {"--combine-groups", "9", "0 to 8"});
 }
 
 // One process per rank (megamoe launch) needs a GPU backend: the cpu backend's ranks share host

@@ -29,6 +29,7 @@ void setup_rank(const Case& c, std::shared_ptr<Communicator> comm, int rank, Ran
   o.params = c.params();
   o.pow2_scales = c.pow2_scales;
   o.num_sms = c.num_sms;
+  o.combine_groups = c.combine_groups;
   MEGAMOE_ASSERT_OK(EpTransport::create(comm, o, &run->transport));
   MEGAMOE_CUDA_OK(cudaStreamCreateWithFlags(&run->stream, cudaStreamNonBlocking));
   MEGAMOE_ASSERT_OK(run->transport->warmup(run->stream));
@@ -294,16 +295,39 @@ TEST(Sm90Transport, ManyTokensPerCta_FewSms_EP2) {
   run_case(c);
 }
 
+// The fused combine with recv-row groups (reduce behind the sends; token_rows waits): every wire
+// format, uneven ranks, a 0-token rank, few CTAs (one reducer), and groups of one row.
+TEST(Sm90Transport, GroupedCombine_EP2) {
+  Case c = base_case();
+  c.dispatch_format = kWsFp8Block;
+  c.combine_groups = 3;
+  run_case(c, 4);
+  c.combine_format = kWsMxfp8;
+  c.combine_groups = 8;
+  run_case(c, 2);
+  c.combine_format = kWsNvfp4;
+  c.tokens = {40, 0};
+  run_case(c, 2);
+  c.combine_format = kWsBf16;
+  c.tokens = {5, 3};
+  c.num_sms = 1;  // 2 CTAs: one sends, one reduces
+  run_case(c, 2);
+}
+
 TEST(Sm90Transport, Repeat100Bitwise_EP2) {
   Case c = base_case();
   c.dispatch_format = kWsFp8Block;
   c.combine_format = kWsMxfp8;
   run_case(c, 100);
+  c.combine_groups = 5;
+  run_case(c, 50);
 }
 
 TEST(Sm90Transport, CudaGraphReplayEqualsEager_EP2) {
   Case c = base_case();
   c.dispatch_format = kWsFp8Block;
+  run_case(c, 1, true);
+  c.combine_groups = 4;
   run_case(c, 1, true);
 }
 

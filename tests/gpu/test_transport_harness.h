@@ -82,6 +82,7 @@ struct Case {
   bool unit_weights = false;
   bool pow2_scales = false;
   int num_sms = 0;  // EpTransportOptions::num_sms (0: every SM); small values force many tokens per CTA
+  int combine_groups = 0;  // EpTransportOptions::combine_groups (0: by the token count)
   Routing routing = Routing::kRandom;
   std::vector<int64_t> tokens;  // per rank
   uint32_t seed = 1;

@@ -121,6 +121,7 @@ struct BenchOptions {
   int iters = 30, warmup = 5;
   int graph_iters = 32, graph_reps = 5;  // back-to-back forwards per graph, graph launches timed
   bool split_combine = false;            // combine_send + combine (two kernels) instead of send_and_combine
+  int combine_groups = 0;                // EpTransportOptions::combine_groups
   uint32_t seed = 1;
 };
 
@@ -236,6 +237,7 @@ void bench_point(const BenchOptions& o, std::shared_ptr<Communicator> comm, int6
   p.hidden = o.hidden;
   p.intermediate = 128;
   p.max_tokens_per_rank = T;
+  opt.combine_groups = o.combine_groups;
   p.dispatch_format = o.dispatch == "bf16" ? kWsBf16 : kWsFp8Block;
   p.intermediate_format = kWsBf16;
   p.combine_format = o.combine == "mxfp8" ? kWsMxfp8 : o.combine == "nvfp4" ? kWsNvfp4 : kWsBf16;
@@ -612,6 +614,11 @@ void register_transport_commands(CLI::App& app) {
                     "forwards captured back to back in one graph per rank for the amortised table (0: skip)")
       ->capture_default_str();
   bench->add_option("--graph-reps", o->graph_reps, "timed launches of that graph")->capture_default_str();
+  bench->add_option("--combine-groups", o->combine_groups,
+                    "recv-row groups of send_and_combine (reduce overlapped with later groups' sends), 1-8; 0: by the "
+                    "token count (8 from 6144 tokens, 4 from 2048, else 1)")
+      ->check(CLI::Range(0, 8))
+      ->capture_default_str();
   bench->add_flag("--split-combine", o->split_combine,
                   "combine as two kernels (combine_send, then combine) instead of one send_and_combine kernel");
   bench->callback([o] { g_exit_code = run_bench_transport(*o); });

@@ -2,7 +2,8 @@
 //
 // Signals region (WorkspaceLayout::signals, uint64[R][kSignalSlots]), in rank d's copy:
 //   [s][kSlotDispatch]  epoch written by source s: s's dispatch rows for that epoch are in d's recv_*
-//   [s][kSlotCombine]   epoch written by owner s: s's partials for d's tokens are in d's combine rows
+//   [s][kSlotCombine]   epoch << 20 | bound, raised (max) by owner s: s's partials of d's tokens whose
+//                       recv row at s is below `bound` are in d's combine rows (kCombineAllRows: all)
 //   [s][kSlotAbort]     non-zero once rank s gave up waiting (1 + stage); sticky: the group is dead
 //   [d][kLocal*]        cells only d itself touches (launch epoch, block tickets)
 // invariant: every cross-rank cell only grows (epochs are compared with >=), so no buffer is ever reset
@@ -55,6 +56,12 @@ __device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t* p) {
 
 __device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// *p = max(*p, v) at system scope, release: a cell that several publishers raise out of order
+// never goes down.
+__device__ __forceinline__ void red_max_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("red.release.sys.global.max.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
 __device__ __forceinline__ void st_relaxed_sys(uint64_t* p, uint64_t v) {
@@ -134,45 +141,55 @@ __device__ __forceinline__ void raise_abort(const SignalCtx& ctx, int32_t stage)
   for (int p = 0; p < ctx.num_ranks; ++p) st_release_sys(ctx.peer_cell(p, ctx.rank, kSlotAbort), 1u + stage);
 }
 
-// Waits until *cell == expected. Returns true when it got there; false when a rank has aborted the
+// Waits until lo <= *cell < hi. Returns true when it got there; false when a rank has aborted the
 // group (recorded as kWaitPeerAbort; checked first, so a dead group stays dead even when a stale
 // signal would let the wait pass), on timeout (recorded, abort raised), or when the cell is already
-// past `expected` (kWaitDesync, abort raised).
+// at or past `hi` (kWaitDesync, abort raised). The error cell gets lo >> shift and seen >> shift
+// (the epoch, for cells that carry more than the epoch in their low bits). sleep_ns > 0: sleep that
+// long between polls from the start (waiters that may wait long while others work: less pressure on
+// the cell's L2 slice).
 // invariant: in a healthy group a cell never runs ahead of the waiter's epoch: a peer's next dispatch
 // signal needs this rank's combine signal of this epoch, and its next combine signal needs this
-// rank's next dispatch signal; so seen > expected means the ranks ran different numbers of launches.
+// rank's next dispatch signal; so seen >= hi means the ranks ran different numbers of launches.
 // One thread calls it.
-static __device__ __noinline__ bool wait_for_epoch(const SignalCtx& ctx, const uint64_t* cell, uint64_t expected,
-                                            int32_t stage, int32_t peer) {
+static __device__ __noinline__ bool wait_for_range(const SignalCtx& ctx, const uint64_t* cell, uint64_t lo, uint64_t hi,
+                                                   int32_t stage, int32_t peer, int shift, uint32_t sleep_ns) {
   uint64_t seen = ld_acquire_sys(cell);
   const int dead = first_aborter(ctx);
   if (dead >= 0) {
-    record_wait_error(ctx, kWaitPeerAbort, stage, dead, expected, seen);
+    record_wait_error(ctx, kWaitPeerAbort, stage, dead, lo >> shift, seen >> shift);
     return false;
   }
   const uint64_t start = globaltimer_ns();
   for (uint32_t iter = 1;; ++iter) {
-    if (seen == expected) return true;
-    if (seen > expected) {
-      record_wait_error(ctx, kWaitDesync, stage, peer, expected, seen);
+    if (seen >= lo && seen < hi) return true;
+    if (seen >= hi) {
+      record_wait_error(ctx, kWaitDesync, stage, peer, lo >> shift, seen >> shift);
       raise_abort(ctx, stage);
       return false;
     }
     if ((iter & 63u) == 0) {
       const int aborter = first_aborter(ctx);
       if (aborter >= 0) {
-        record_wait_error(ctx, kWaitPeerAbort, stage, aborter, expected, seen);
+        record_wait_error(ctx, kWaitPeerAbort, stage, aborter, lo >> shift, seen >> shift);
         return false;
       }
       if (globaltimer_ns() - start > static_cast<uint64_t>(ctx.timeout_ns)) {
-        record_wait_error(ctx, kWaitTimeout, stage, peer, expected, seen);
+        record_wait_error(ctx, kWaitTimeout, stage, peer, lo >> shift, seen >> shift);
         raise_abort(ctx, stage);
         return false;
       }
       if (iter > 4096) __nanosleep(256);
     }
+    if (sleep_ns > 0) __nanosleep(sleep_ns);
     seen = ld_acquire_sys(cell);
   }
+}
+
+// Waits until *cell == expected (see wait_for_range).
+__device__ __forceinline__ bool wait_for_epoch(const SignalCtx& ctx, const uint64_t* cell, uint64_t expected,
+                                               int32_t stage, int32_t peer) {
+  return wait_for_range(ctx, cell, expected, expected + 1, stage, peer, 0, 0);
 }
 
 // Waits for cell [s][slot] >= epoch for every rank s. Returns false at the first failure.

@@ -22,7 +22,7 @@ int64_t align256(int64_t v) { return (v + 255) / 256 * 256; }
 
 struct ScratchLayout {
   int64_t pool_intra = 0, pool_hist = 0, seg_total = 0, pool_dst = 0, pool_weight = 0, input_status = 0;
-  int64_t dispatch_hist = 0, dispatch_accum = 0, total = 0;
+  int64_t dispatch_hist = 0, dispatch_accum = 0, token_rows = 0, combine_counters = 0, total = 0;
   static ScratchLayout make(const WorkspaceParams& p) {
     ScratchLayout s;
     const int64_t R = p.ep_size, T = std::max<int64_t>(p.max_tokens_per_rank, 1), k = p.top_k;
@@ -41,6 +41,8 @@ struct ScratchLayout {
     take(&s.input_status, sizeof(InputStatus));
     take(&s.dispatch_hist, p.ep_size * p.experts_per_rank * 4);
     take(&s.dispatch_accum, sizeof(kernels::DispatchAccum));
+    take(&s.token_rows, T * R * 4);
+    take(&s.combine_counters, sizeof(kernels::CombineCounters));
     s.total = cur;
     return s;
   }
@@ -107,6 +109,9 @@ Status EpTransportOptions::validate() const {
   if (p.combine_format != kWsBf16 && p.combine_format != kWsMxfp8 && p.combine_format != kWsNvfp4)
     return invalid_argument("EP transport", "combine_format", std::to_string(p.combine_format),
                             "bf16, mxfp8 or nvfp4");
+  if (combine_groups < 0 || combine_groups > kernels::kMaxCombineGroups)
+    return invalid_argument("EP transport", "combine_groups", std::to_string(combine_groups),
+                            "must be in [0, 8] (0: by the token count)");
   if (p.in_kernel_fc2_reduce)
     return invalid_argument("EP transport", "in_kernel_fc2_reduce", "1",
                             "the transport's combine reduces staged rows; the in-kernel reduce is the backend's");
@@ -250,6 +255,8 @@ TransportParams make_args(const EpTransport& t, void* window, void* scratch, con
   a.input_status = reinterpret_cast<InputStatus*>(s + sl.input_status);
   a.dispatch_hist = reinterpret_cast<int32_t*>(s + sl.dispatch_hist);
   a.dispatch_accum = reinterpret_cast<kernels::DispatchAccum*>(s + sl.dispatch_accum);
+  a.token_rows = reinterpret_cast<int32_t*>(s + sl.token_rows);
+  a.combine_counters = reinterpret_cast<kernels::CombineCounters*>(s + sl.combine_counters);
   return a;
 }
 }  // namespace
@@ -344,8 +351,9 @@ Status EpTransport::send_and_combine(const TensorView& expert_out, const TensorV
   MEGAMOE_RETURN_IF_ERROR(check_output(topk_ids, y, "send_and_combine", &T));
   MEGAMOE_CUDA_CHECK(cudaSetDevice(device_));
   const TransportParams args = make_args(*this, window_, scratch_, options_, T);
+  const int groups = options_.combine_groups > 0 ? options_.combine_groups : default_combine_groups(T);
   return kernels::launch_combine(args, expert_out.data, expert_out.dtype == DType::kFloat32, topk_ids.ptr<int32_t>(),
-                                 y.ptr<uint16_t>(), num_sms_, stream);
+                                 y.ptr<uint16_t>(), groups, num_sms_, stream);
 }
 
 Status EpTransport::check_error(cudaStream_t stream) {

@@ -38,8 +38,16 @@ struct EpTransportOptions {
   bool pow2_scales = false;    // bf16 x -> fp8 wire with power-of-two scales
   int num_sms = 0;             // CTAs of the copy kernels: 0 = every SM
   int64_t wait_timeout_ms = 0; // bound of every device wait; 0 = MEGAMOE_WAIT_TIMEOUT_MS
+  // send_and_combine(): recv-row groups whose reduce overlaps the later groups' sends, 1..8; 0 = by
+  // the token count (default_combine_groups).
+  int combine_groups = 0;
   Status validate() const;
 };
+
+// Groups of send_and_combine() for T tokens on this rank. Measured on 2 H200s (deepseek-v3, bf16
+// wire, amortised): 8 groups at 8192 tokens 1597 -> 1443 us; 4 at 4096 817 -> 777 us; at 2048 +2%;
+// at 1024 and below the per-group fence and ticket cost more than the overlap saves (223 -> 249 us).
+inline int default_combine_groups(int64_t num_tokens) { return num_tokens >= 6144 ? 8 : num_tokens >= 2048 ? 4 : 1; }
 
 class EpTransport {
  public:

@@ -33,7 +33,7 @@ __global__ void resolve_peer_pointers_kernel(TransportArgs a, int64_t offset, ch
 
 template <int kFormat, typename InT>
 Status launch_fused(const TransportArgs& args, const InT* in, const int32_t* topk_ids, uint16_t* y, int64_t want_ctas,
-                    int send_parts, int reduce_parts, cudaStream_t stream) {
+                    CombineShape shape, cudaStream_t stream) {
   // Co-residency (see combine_kernel): at most what the SMs hold at once.
   int device = 0, sms = 0;
   MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
@@ -43,19 +43,21 @@ Status launch_fused(const TransportArgs& args, const InT* in, const int32_t* top
     return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, combine_kernel<kFormat, InT>, kCombineThreads, 0) == cudaSuccess ? n : 1;
   }();
   const int ctas = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want_ctas, static_cast<int64_t>(sms) * std::max(per_sm, 1))));
-  combine_kernel<kFormat, InT><<<ctas, kCombineThreads, 0, stream>>>(args, in, topk_ids, y, send_parts, reduce_parts);
+  if (ctas < 2) shape.groups = 1;  // groups need a sending and a reducing CTA
+  shape.reducers = shape.groups > 1 ? std::max(1, ctas / 8) : 0;
+  combine_kernel<kFormat, InT><<<ctas, kCombineThreads, 0, stream>>>(args, in, topk_ids, y, shape);
   MEGAMOE_CUDA_CHECK_LAUNCH();
   return Status::ok();
 }
 
 template <typename InT>
 Status fused_as(const TransportArgs& args, const void* out, const int32_t* topk_ids, uint16_t* y, int64_t want_ctas,
-                int send_parts, int reduce_parts, cudaStream_t stream) {
+                CombineShape shape, cudaStream_t stream) {
   const InT* in = static_cast<const InT*>(out);
   switch (args.layout.params.combine_format) {
-    case kWsMxfp8: return launch_fused<kWsMxfp8, InT>(args, in, topk_ids, y, want_ctas, 1, 1, stream);
-    case kWsNvfp4: return launch_fused<kWsNvfp4, InT>(args, in, topk_ids, y, want_ctas, 1, 1, stream);
-    default: return launch_fused<kWsBf16, InT>(args, in, topk_ids, y, want_ctas, send_parts, reduce_parts, stream);
+    case kWsMxfp8: shape.send_parts = shape.reduce_parts = 1; return launch_fused<kWsMxfp8, InT>(args, in, topk_ids, y, want_ctas, shape, stream);
+    case kWsNvfp4: shape.send_parts = shape.reduce_parts = 1; return launch_fused<kWsNvfp4, InT>(args, in, topk_ids, y, want_ctas, shape, stream);
+    default: return launch_fused<kWsBf16, InT>(args, in, topk_ids, y, want_ctas, shape, stream);
   }
 }
 }  // namespace
@@ -105,17 +107,20 @@ Status launch_combine_reduce(const TransportParams& params, const int32_t* topk_
 }
 
 Status launch_combine(const TransportParams& params, const void* expert_out, bool out_is_fp32, const int32_t* topk_ids,
-                      uint16_t* y, int num_sms, cudaStream_t stream) {
+                      uint16_t* y, int groups, int num_sms, cudaStream_t stream) {
   const TransportArgs args = TransportArgs::from(params);
   const int64_t sms = std::max(num_sms, 1), T = args.num_tokens, warps_per_cta = kCombineThreads / 32;
-  // The send's shape (as launch_combine_send), widened when the reduce wants more CTAs.
+  CombineShape shape{};
+  shape.groups = std::max(1, std::min(groups, kMaxCombineGroups));
+  // One group: the send's shape (as launch_combine_send), widened when the reduce wants more CTAs.
+  // Groups: every SM twice (senders and reducers).
   const int64_t send_ctas = std::max<int64_t>(1, std::min<int64_t>((args.layout.pool_rows + 7) / 8, 2 * sms));
-  const int send_parts = bf16_parts(T * args.top_k(), 2 * sms * warps_per_cta * 2, args.layout.params.hidden, 7);
-  const int reduce_parts = bf16_parts(T, 2048, args.layout.params.hidden, 64);
-  const int64_t reduce_ctas = std::min<int64_t>((T * reduce_parts + warps_per_cta - 1) / warps_per_cta, 2 * sms);
-  const int64_t want = std::max(send_ctas, reduce_ctas);
-  if (out_is_fp32) return fused_as<float>(args, expert_out, topk_ids, y, want, send_parts, reduce_parts, stream);
-  return fused_as<uint16_t>(args, expert_out, topk_ids, y, want, send_parts, reduce_parts, stream);
+  shape.send_parts = bf16_parts(T * args.top_k(), 2 * sms * warps_per_cta * 2, args.layout.params.hidden, 7);
+  shape.reduce_parts = bf16_parts(T, 2048, args.layout.params.hidden, 64);
+  const int64_t reduce_ctas = std::min<int64_t>((T * shape.reduce_parts + warps_per_cta - 1) / warps_per_cta, 2 * sms);
+  const int64_t want = shape.groups > 1 ? 2 * sms : std::max(send_ctas, reduce_ctas);
+  if (out_is_fp32) return fused_as<float>(args, expert_out, topk_ids, y, want, shape, stream);
+  return fused_as<uint16_t>(args, expert_out, topk_ids, y, want, shape, stream);
 }
 
 }  // namespace kernels

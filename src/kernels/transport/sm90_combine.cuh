@@ -1,22 +1,28 @@
 // Combine kernels of the EP transport (sm_90a).
 //
+// Progress cells: owner r raises [r][kSlotCombine] in source d's copy (red.max) to epoch << 20 |
+// bound: every partial of d's tokens whose recv row at r is below `bound` is in d's combine rows;
+// kCombineAllRows: all of them. A source waits for the bound its tokens need (the fused kernel, per
+// token, from the rows dispatch recorded in token_rows) or for all rows.
+//
 // combine_send_kernel (owner; what an FC2 epilogue does, here for tests, benchmarks and backends whose
 //   FC2 writes a local [pool_rows, H] buffer): partial = weight * out[p] (one fp32 multiply, weight
 //   from recv_meta) for every real pool row p, encoded in the combine wire format (bf16 | mxfp8 |
 //   nvfp4, fmt:: codecs) and stored through the LSA pointer into row t*k+j of the source rank's
 //   combine region. bf16 wire: work item = (pool row, part of the row), a lane loads
 //   kCombineLoadRounds 16-byte chunks before it stores them (small T still fills the GPU); mxfp8 /
-//   nvfp4: a warp per row. No signal here: the epoch is published by combine_reduce_kernel, which
+//   nvfp4: a warp per row. No signal here: progress is published by combine_reduce_kernel, which
 //   follows in stream order (so an FC2 epilogue that writes the rows itself needs nothing else).
-// combine_kernel (both in one launch, for callers with a local FC2 output): send, a ticket per CTA,
-//   the last CTA publishes the epoch, every CTA waits and reduces. Saves a kernel boundary and lets
-//   the peers start reducing as soon as this rank's last row is out.
-// combine_reduce_kernel (source): CTA 0 fences and publishes the epoch in every rank's
+// combine_reduce_kernel (source): CTA 0 fences and publishes "all rows" in every rank's
 //   [me][kSlotCombine] cell; every CTA waits (bounded) until all ranks have published it here; then
 //   the valid slots of each token are summed in slot order in fp32 (acc starts at +0) and written as
 //   bf16 (RNE). bf16 wire: work item = (token, part of the row), up to 8 slots' chunks loaded before
 //   they are summed; mxfp8 / nvfp4: a warp per token. Slots with ids outside [0, E) or repeated are
 //   skipped, as in dispatch.
+// combine_kernel (both in one launch, for callers with a local FC2 output; see there): with one
+//   group, send, a ticket per CTA, the last publishes all rows, every CTA waits and reduces; with
+//   G > 1 groups of recv rows, the rows go out group by group, each group published as its last
+//   sending CTA is done, and reducing warps take the tokens in order as their rows arrive.
 #pragma once
 
 #include "kernels/transport/sm90_transport_args.cuh"
@@ -101,6 +107,122 @@ __device__ __forceinline__ void send_bf16_part(const InT* __restrict__ in, char*
   }
 }
 
+// mxfp8 wire, the whole row by one warp; `scales` is the warp's 32-byte staging row.
+template <typename InT>
+__device__ __forceinline__ void send_mxfp8_row(const InT* __restrict__ in, char* dst, float w, int64_t H, int64_t wire,
+                                               int lane, uint8_t* scales) {
+  const int64_t nb = H / fmt::kMxfp8BlockSize;
+  for (int64_t base = 0; base < nb; base += 32) {
+    const int64_t c = base + lane;
+    if (c < nb) {
+      float v[32];
+      load_row_values<InT>(in, c * 32, v, 32);
+      float amax = 0.f;
+      for (int i = 0; i < 32; ++i) {
+        v[i] = fmt::mul_rn(w, v[i]);
+        amax = fmaxf(amax, fmt::finite_abs(v[i]));
+      }
+      const uint8_t code = fmt::mxfp8_scale_code(amax);
+      const float sc = fmt::e8m0_to_float(code);
+      const bool use_inv = code >= 1 && code <= 253;
+      const float inv = use_inv ? __frcp_rn(sc) : 0.f;
+      uint32_t q[8];
+      for (int m = 0; m < 8; ++m)
+        q[m] = mx_encode(v[4 * m], sc, inv, use_inv) | (mx_encode(v[4 * m + 1], sc, inv, use_inv) << 8) |
+               (mx_encode(v[4 * m + 2], sc, inv, use_inv) << 16) | (mx_encode(v[4 * m + 3], sc, inv, use_inv) << 24);
+      if (wire % 16 == 0) {  // rows 16-byte aligned (H % 512 == 0): two vector stores
+        st_v4(dst + c * 32, make_uint4(q[0], q[1], q[2], q[3]));
+        st_v4(dst + c * 32 + 16, make_uint4(q[4], q[5], q[6], q[7]));
+      } else {
+        uint32_t* d = reinterpret_cast<uint32_t*>(dst + c * 32);
+        for (int m = 0; m < 8; ++m) d[m] = q[m];
+      }
+      scales[lane] = code;
+    }
+    __syncwarp();
+    const int64_t n = nb - base < 32 ? nb - base : 32;
+    if (lane * 4 < n) reinterpret_cast<uint32_t*>(dst + H + base)[lane] = reinterpret_cast<uint32_t*>(scales)[lane];
+    __syncwarp();
+  }
+}
+
+// nvfp4 wire, the whole row by one warp; `scales` is the warp's 32-byte staging row.
+template <typename InT>
+__device__ __forceinline__ void send_nvfp4_row(const InT* __restrict__ in, char* dst, float w, int64_t H, int lane,
+                                               uint8_t* scales) {
+  float amax = 0.f;
+  for (int64_t c = lane; c < H / 8; c += 32) {
+    float v[8];
+    load_row_values<InT>(in, c * 8, v, 8);
+    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fmt::finite_abs(fmt::mul_rn(w, v[i])));
+  }
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+  const float g = fmt::nvfp4_global_scale(amax);
+  const int64_t nb = H / fmt::kNvfp4BlockSize;
+  for (int64_t base = 0; base < nb; base += 32) {
+    const int64_t c = base + lane;
+    if (c < nb) {
+      float v[16];
+      load_row_values<InT>(in, c * 16, v, 16);
+      float bamax = 0.f;
+      for (int i = 0; i < 16; ++i) {
+        v[i] = fmt::mul_rn(w, v[i]);
+        bamax = fmaxf(bamax, fmt::finite_abs(v[i]));
+      }
+      const uint8_t code = fmt::nvfp4_block_scale_code(bamax, g);
+      const float divisor = fmt::nvfp4_block_divisor(code, g);
+      uint32_t q[2] = {0u, 0u};
+      for (int i = 0; i < 16; ++i)
+        q[i / 8] |= static_cast<uint32_t>(fmt::nvfp4_encode_element(v[i], divisor)) << (4 * (i % 8));
+      uint32_t* d = reinterpret_cast<uint32_t*>(dst + c * 8);
+      d[0] = q[0];
+      d[1] = q[1];
+      scales[lane] = code;
+    }
+    __syncwarp();
+    const int64_t n = nb - base < 32 ? nb - base : 32;
+    if (lane * 4 < n) reinterpret_cast<uint32_t*>(dst + H / 2 + base)[lane] = reinterpret_cast<uint32_t*>(scales)[lane];
+    __syncwarp();
+  }
+  if (lane == 0) *reinterpret_cast<float*>(dst + H / 2 + H / 16) = g;
+}
+
+// Rounds [rb, re) of pool row `in`'s partial (weight w) -> `dst` in the wire format (mxfp8 / nvfp4:
+// always the whole row).
+template <int kFormat, typename InT>
+__device__ __forceinline__ void send_row(const TransportArgs& a, const InT* __restrict__ in, char* dst, float w,
+                                         int64_t rb, int64_t re, int lane, uint8_t* scales) {
+  const int64_t H = a.hidden();
+  if constexpr (kFormat == kWsBf16) send_bf16_part<InT>(in, dst, w, H / 8, rb, re, lane);
+  else if constexpr (kFormat == kWsMxfp8) send_mxfp8_row<InT>(in, dst, w, H, a.layout.wire_row_bytes, lane, scales);
+  else send_nvfp4_row<InT>(in, dst, w, H, lane, scales);
+}
+
+// Where pool row p's partial goes, from pool_src and its recv row's metadata: false for padding
+// rows and rows whose source or token is out of range.
+struct RowTarget {
+  int s;          // source rank
+  int64_t i;      // recv row within the source's region (the source's i-th token sent here)
+  int64_t t, j;   // source token and slot
+  float w;
+};
+__device__ __forceinline__ bool row_target(const TransportArgs& a, int64_t p, RowTarget* rt) {
+  const int32_t src = a.own<int32_t>(a.layout.pool_src)[p];
+  if (src < 0) return false;
+  const int64_t k = a.top_k(), T_max = a.t_max();
+  const int64_t recv_row = src / k;
+  rt->j = src % k;
+  rt->s = static_cast<int>(recv_row / T_max);
+  rt->i = recv_row % T_max;
+  if (rt->s >= a.sig.num_ranks) return false;
+  const int32_t* meta = reinterpret_cast<const int32_t*>(a.sig.own_base + a.layout.recv_meta.offset +
+                                                         recv_row * a.layout.meta_bytes);
+  rt->t = meta[0];
+  if (rt->t < 0 || rt->t >= T_max) return false;
+  rt->w = __int_as_float(meta[1 + k + rt->j]);
+  return true;
+}
+
 // The send part: every real pool row's weighted partial, encoded, into the source rank's combine row.
 // Ends with a CTA barrier and one system-scope fence by thread 0 (the CTA's rows ordered before
 // whatever thread 0 does next: a ticket, or nothing and the next kernel publishes).
@@ -112,102 +234,19 @@ __device__ __forceinline__ void combine_send_rows(const TransportArgs& a, const 
   if (threadIdx.x < R) s_peer_base[threadIdx.x] = a.sig.peer_ptr(threadIdx.x, a.layout.combine.offset);
   __syncthreads();
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
-  const int64_t k = a.top_k(), El = a.experts_per_rank(), T_max = a.t_max(), H = a.hidden();
+  const int64_t k = a.top_k(), El = a.experts_per_rank(), H = a.hidden();
   const int64_t wire = a.layout.wire_row_bytes;
-  const int32_t* pool_src = a.own<int32_t>(a.layout.pool_src);
   const int64_t pool_end = a.own<int32_t>(a.layout.expert_offsets)[El];
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
   // bf16: items (row, part); mxfp8 / nvfp4: parts == 1.
-  const int64_t bf16_chunks = H / 8, bf16_rounds = (bf16_chunks + 31) / 32;
+  const int64_t rounds = (H / 8 + 31) / 32;
   for (int64_t item = blockIdx.x * (blockDim.x / 32) + warp; item < pool_end * parts; item += warps) {
     const int64_t p = item / parts;
     const int part = static_cast<int>(item % parts);
-    const int32_t src = pool_src[p];
-    if (src < 0) continue;
-    const int64_t recv_row = src / k, j = src % k;
-    const int s = static_cast<int>(recv_row / T_max);
-    if (s >= R) continue;
-    const int32_t* meta = reinterpret_cast<const int32_t*>(a.sig.own_base + a.layout.recv_meta.offset +
-                                                           recv_row * a.layout.meta_bytes);
-    const int64_t t = meta[0];
-    if (t < 0 || t >= T_max) continue;
-    const float w = __int_as_float(meta[1 + k + j]);
-    const InT* in = expert_out + p * H;
-    char* dst = s_peer_base[s] + (t * k + j) * wire;
-    if constexpr (kFormat == kWsBf16) {
-      send_bf16_part<InT>(in, dst, w, bf16_chunks, bf16_rounds * part / parts, bf16_rounds * (part + 1) / parts, lane);
-    } else if constexpr (kFormat == kWsMxfp8) {
-      const int64_t nb = H / fmt::kMxfp8BlockSize;
-      for (int64_t base = 0; base < nb; base += 32) {
-        const int64_t c = base + lane;
-        if (c < nb) {
-          float v[32];
-          load_row_values<InT>(in, c * 32, v, 32);
-          float amax = 0.f;
-          for (int i = 0; i < 32; ++i) {
-            v[i] = fmt::mul_rn(w, v[i]);
-            amax = fmaxf(amax, fmt::finite_abs(v[i]));
-          }
-          const uint8_t code = fmt::mxfp8_scale_code(amax);
-          const float sc = fmt::e8m0_to_float(code);
-          const bool use_inv = code >= 1 && code <= 253;
-          const float inv = use_inv ? __frcp_rn(sc) : 0.f;
-          uint32_t q[8];
-          for (int m = 0; m < 8; ++m)
-            q[m] = mx_encode(v[4 * m], sc, inv, use_inv) | (mx_encode(v[4 * m + 1], sc, inv, use_inv) << 8) |
-                   (mx_encode(v[4 * m + 2], sc, inv, use_inv) << 16) | (mx_encode(v[4 * m + 3], sc, inv, use_inv) << 24);
-          if (wire % 16 == 0) {  // rows 16-byte aligned (H % 512 == 0): two vector stores
-            st_v4(dst + c * 32, make_uint4(q[0], q[1], q[2], q[3]));
-            st_v4(dst + c * 32 + 16, make_uint4(q[4], q[5], q[6], q[7]));
-          } else {
-            uint32_t* d = reinterpret_cast<uint32_t*>(dst + c * 32);
-            for (int m = 0; m < 8; ++m) d[m] = q[m];
-          }
-          s_scales[warp][lane] = code;
-        }
-        __syncwarp();
-        const int64_t n = nb - base < 32 ? nb - base : 32;
-        if (lane * 4 < n) reinterpret_cast<uint32_t*>(dst + H + base)[lane] = reinterpret_cast<uint32_t*>(s_scales[warp])[lane];
-        __syncwarp();
-      }
-    } else {  // nvfp4
-      float amax = 0.f;
-      for (int64_t c = lane; c < H / 8; c += 32) {
-        float v[8];
-        load_row_values<InT>(in, c * 8, v, 8);
-        for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fmt::finite_abs(fmt::mul_rn(w, v[i])));
-      }
-      for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
-      const float g = fmt::nvfp4_global_scale(amax);
-      const int64_t nb = H / fmt::kNvfp4BlockSize;
-      for (int64_t base = 0; base < nb; base += 32) {
-        const int64_t c = base + lane;
-        if (c < nb) {
-          float v[16];
-          load_row_values<InT>(in, c * 16, v, 16);
-          float bamax = 0.f;
-          for (int i = 0; i < 16; ++i) {
-            v[i] = fmt::mul_rn(w, v[i]);
-            bamax = fmaxf(bamax, fmt::finite_abs(v[i]));
-          }
-          const uint8_t code = fmt::nvfp4_block_scale_code(bamax, g);
-          const float divisor = fmt::nvfp4_block_divisor(code, g);
-          uint32_t q[2] = {0u, 0u};
-          for (int i = 0; i < 16; ++i)
-            q[i / 8] |= static_cast<uint32_t>(fmt::nvfp4_encode_element(v[i], divisor)) << (4 * (i % 8));
-          uint32_t* d = reinterpret_cast<uint32_t*>(dst + c * 8);
-          d[0] = q[0];
-          d[1] = q[1];
-          s_scales[warp][lane] = code;
-        }
-        __syncwarp();
-        const int64_t n = nb - base < 32 ? nb - base : 32;
-        if (lane * 4 < n)
-          reinterpret_cast<uint32_t*>(dst + H / 2 + base)[lane] = reinterpret_cast<uint32_t*>(s_scales[warp])[lane];
-        __syncwarp();
-      }
-      if (lane == 0) *reinterpret_cast<float*>(dst + H / 2 + H / 16) = g;
-    }
+    RowTarget rt;
+    if (!row_target(a, p, &rt)) continue;
+    send_row<kFormat, InT>(a, expert_out + p * H, s_peer_base[rt.s] + (rt.t * k + rt.j) * wire, rt.w,
+                           rounds * part / parts, rounds * (part + 1) / parts, lane, s_scales[warp]);
   }
   // One fence per CTA, after the barrier (a fence per thread serialises).
   __syncthreads();
@@ -260,66 +299,99 @@ __device__ __forceinline__ void reduce_bf16_part(const char* rows, int64_t wire,
   }
 }
 
-// The reduce part: token t's valid slots summed in slot order (fp32) into y. Every rank's partials
-// for this rank must have arrived (the caller waited).
+// Token t's valid slots summed in slot order (fp32) into y: rounds [rb, re) of 32 8-element chunks
+// (bf16 wire), or the whole row (mxfp8 / nvfp4). Every rank's partials of the token must have
+// arrived (the caller waited). All 32 lanes call it.
 template <int kFormat>
-__device__ __forceinline__ void combine_reduce_tokens(const TransportArgs& a, const int32_t* __restrict__ topk_ids,
-                                                      uint16_t* __restrict__ y, int parts) {
-  const int lane = threadIdx.x & 31;
+__device__ __forceinline__ void reduce_token(const TransportArgs& a, const int32_t* __restrict__ topk_ids,
+                                             uint16_t* __restrict__ y, int64_t t, int64_t rb, int64_t re, int lane) {
   const int64_t k = a.top_k(), H = a.hidden(), wire = a.layout.wire_row_bytes;
   const char* rows = a.own<char>(a.layout.combine);
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
-  // bf16: items (token, part); mxfp8 / nvfp4: parts == 1.
-  const int64_t bf16_chunks = H / 8, bf16_rounds = (bf16_chunks + 31) / 32;
-  for (int64_t item = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; item < a.num_tokens * parts; item += warps) {
-    const int64_t t = item / parts;
-    const int part = static_cast<int>(item % parts);
-    int32_t my_id;
-    bool my_valid;
-    const uint32_t valid = warp_valid_slots(topk_ids + t * k, static_cast<int>(k), a.num_experts, lane, &my_id, &my_valid);
-    if constexpr (kFormat == kWsBf16) {
-      reduce_bf16_part(rows, wire, t, static_cast<int>(k), valid, y + t * H, bf16_chunks,
-                       bf16_rounds * part / parts, bf16_rounds * (part + 1) / parts, lane);
-    } else {
-      for (int64_t c = lane; c < H / 16; c += 32) {
-        float acc[16];
-        for (int i = 0; i < 16; ++i) acc[i] = 0.f;
-        for (int j = 0; j < k; ++j) {
-          if (!(valid >> j & 1u)) continue;
-          const char* row = rows + (t * k + j) * wire;
-          if constexpr (kFormat == kWsMxfp8) {
-            const uint32_t* qw = reinterpret_cast<const uint32_t*>(row + c * 16);
-            const float sc = fmt::e8m0_to_float(static_cast<uint8_t>(row[H + c / 2]));
-            for (int m = 0; m < 4; ++m) {
-              const uint32_t q = qw[m];
-              for (int b = 0; b < 4; ++b)
-                acc[4 * m + b] = __fadd_rn(acc[4 * m + b],
-                                           fmt::mul_rn(fmt::e4m3_to_float(static_cast<uint8_t>(q >> (8 * b))), sc));
-            }
-          } else {
-            const uint32_t* qw = reinterpret_cast<const uint32_t*>(row + c * 8);
-            const float g = *reinterpret_cast<const float*>(row + H / 2 + H / 16);
-            const float divisor = fmt::nvfp4_block_divisor(static_cast<uint8_t>(row[H / 2 + c]), g);
-            for (int m = 0; m < 2; ++m) {
-              const uint32_t q = qw[m];
-              for (int b = 0; b < 8; ++b)
-                acc[8 * m + b] = __fadd_rn(acc[8 * m + b],
-                                           fmt::mul_rn(fmt::e2m1_to_float(static_cast<uint8_t>((q >> (4 * b)) & 0xFu)), divisor));
-            }
+  int32_t my_id;
+  bool my_valid;
+  const uint32_t valid = warp_valid_slots(topk_ids + t * k, static_cast<int>(k), a.num_experts, lane, &my_id, &my_valid);
+  if constexpr (kFormat == kWsBf16) {
+    reduce_bf16_part(rows, wire, t, static_cast<int>(k), valid, y + t * H, H / 8, rb, re, lane);
+  } else {
+    for (int64_t c = lane; c < H / 16; c += 32) {
+      float acc[16];
+      for (int i = 0; i < 16; ++i) acc[i] = 0.f;
+      for (int j = 0; j < k; ++j) {
+        if (!(valid >> j & 1u)) continue;
+        const char* row = rows + (t * k + j) * wire;
+        if constexpr (kFormat == kWsMxfp8) {
+          const uint32_t* qw = reinterpret_cast<const uint32_t*>(row + c * 16);
+          const float sc = fmt::e8m0_to_float(static_cast<uint8_t>(row[H + c / 2]));
+          for (int m = 0; m < 4; ++m) {
+            const uint32_t q = qw[m];
+            for (int b = 0; b < 4; ++b)
+              acc[4 * m + b] = __fadd_rn(acc[4 * m + b],
+                                         fmt::mul_rn(fmt::e4m3_to_float(static_cast<uint8_t>(q >> (8 * b))), sc));
+          }
+        } else {
+          const uint32_t* qw = reinterpret_cast<const uint32_t*>(row + c * 8);
+          const float g = *reinterpret_cast<const float*>(row + H / 2 + H / 16);
+          const float divisor = fmt::nvfp4_block_divisor(static_cast<uint8_t>(row[H / 2 + c]), g);
+          for (int m = 0; m < 2; ++m) {
+            const uint32_t q = qw[m];
+            for (int b = 0; b < 8; ++b)
+              acc[8 * m + b] = __fadd_rn(acc[8 * m + b],
+                                         fmt::mul_rn(fmt::e2m1_to_float(static_cast<uint8_t>((q >> (4 * b)) & 0xFu)), divisor));
           }
         }
-        uint32_t o[8];
-        for (int m = 0; m < 8; ++m)
-          o[m] = fmt::float_to_bf16(acc[2 * m]) | (static_cast<uint32_t>(fmt::float_to_bf16(acc[2 * m + 1])) << 16);
-        st_v4(y + t * H + c * 16, make_uint4(o[0], o[1], o[2], o[3]));
-        st_v4(y + t * H + c * 16 + 8, make_uint4(o[4], o[5], o[6], o[7]));
       }
+      uint32_t o[8];
+      for (int m = 0; m < 8; ++m)
+        o[m] = fmt::float_to_bf16(acc[2 * m]) | (static_cast<uint32_t>(fmt::float_to_bf16(acc[2 * m + 1])) << 16);
+      st_v4(y + t * H + c * 16, make_uint4(o[0], o[1], o[2], o[3]));
+      st_v4(y + t * H + c * 16 + 8, make_uint4(o[4], o[5], o[6], o[7]));
     }
   }
 }
 
+// Every token, as (token, part) items over the grid's warps (bf16; mxfp8 / nvfp4: parts == 1).
+template <int kFormat>
+__device__ __forceinline__ void combine_reduce_tokens(const TransportArgs& a, const int32_t* __restrict__ topk_ids,
+                                                      uint16_t* __restrict__ y, int parts) {
+  const int lane = threadIdx.x & 31;
+  const int64_t rounds = (a.hidden() / 8 + 31) / 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  for (int64_t item = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; item < a.num_tokens * parts; item += warps) {
+    const int64_t t = item / parts;
+    const int part = static_cast<int>(item % parts);
+    reduce_token<kFormat>(a, topk_ids, y, t, rounds * part / parts, rounds * (part + 1) / parts, lane);
+  }
+}
+
+// Progress cell values (see the top of this file).
+constexpr int kCombineBoundBits = 20;
+constexpr uint64_t kCombineAllRows = (uint64_t(1) << kCombineBoundBits) - 1;  // > any recv row (T_max <= 65535)
+__device__ __forceinline__ uint64_t combine_progress(uint64_t epoch, uint64_t bound) {
+  return epoch << kCombineBoundBits | bound;
+}
+
+// Raises [me][kSlotCombine] in every rank's copy to (epoch, bound(s)) for source s. Callers fenced.
+template <typename Bound>
+__device__ __forceinline__ void publish_combine(const SignalCtx& sig, uint64_t epoch, Bound bound) {
+  for (int s = 0; s < sig.num_ranks; ++s)
+    red_max_release_sys(sig.peer_cell(s, sig.rank, kSlotCombine), combine_progress(epoch, bound(s)));
+}
+
+// Until owner r has published at least `bound` for this rank (this epoch). One thread.
+__device__ __forceinline__ bool wait_combine(const SignalCtx& sig, int r, uint64_t epoch, uint64_t bound,
+                                             uint32_t sleep_ns = 0) {
+  return wait_for_range(sig, sig.own_cell(r, kSlotCombine), combine_progress(epoch, bound),
+                        combine_progress(epoch + 1, 0), kStageCombineDone, r, kCombineBoundBits, sleep_ns);
+}
+
+__device__ __forceinline__ bool wait_combine_all(const SignalCtx& sig, uint64_t epoch) {
+  for (int r = 0; r < sig.num_ranks; ++r)
+    if (!wait_combine(sig, r, epoch, kCombineAllRows)) return false;
+  return true;
+}
+
 // After rows written by earlier kernels (combine_send_kernel, or FC2's epilogue): CTA 0 fences and
-// publishes the epoch, every CTA waits (bounded) for every rank's, then reduces.
+// publishes all rows, every CTA waits (bounded) for every rank's, then reduces.
 template <int kFormat>
 __global__ void __launch_bounds__(kCombineThreads)
     combine_reduce_kernel(TransportArgs a, const int32_t* __restrict__ topk_ids, uint16_t* __restrict__ y, int parts) {
@@ -329,42 +401,149 @@ __global__ void __launch_bounds__(kCombineThreads)
     const uint64_t epoch = sig.local_epoch();
     if (blockIdx.x == 0) {
       fence_acq_rel_sys();  // the rows this rank sent (earlier kernels)
-      signal_all_ranks(sig, kSlotCombine, epoch);
+      publish_combine(sig, epoch, [](int) { return kCombineAllRows; });
     }
-    s_ok = wait_all_ranks(sig, kSlotCombine, epoch, kStageCombineDone);
+    s_ok = wait_combine_all(sig, epoch);
   }
   __syncthreads();
   if (!s_ok) return;
   combine_reduce_tokens<kFormat>(a, topk_ids, y, parts);
 }
 
-// Send and reduce in one launch: each CTA sends its rows, fences and takes a ticket; the last one
-// publishes the epoch (so the peers' reduce starts as soon as this rank's last row is out, with no
-// kernel boundary in between); every CTA then waits for every rank's epoch and reduces.
-// invariant: every CTA takes exactly one ticket; the last resets it (the next launch is stream-ordered).
-// invariant: the grid is co-resident (the launcher caps it at the occupancy limit): CTAs that took
-// their ticket spin until the last one has sent, so a CTA that never got an SM would hang the group
-// (the bounded wait would report it as a timeout).
+
+// Host-chosen shape of one combine_kernel launch.
+struct CombineShape {
+  int send_parts, reduce_parts;  // bf16 items per row / per token (one group)
+  int groups;                    // recv-row groups, 1 .. kMaxCombineGroups
+  int reducers;                  // groups > 1: CTAs that only reduce (the last ones of the grid)
+};
+
+// Send and reduce in one launch.
+// One group: each CTA sends its rows, fences and takes a ticket; the last publishes all rows (the
+//   peers' reduce starts as soon as this rank's last row is out, with no kernel boundary in between);
+//   every CTA then waits for every rank's and reduces, (token, part) items over the grid.
+// G groups: the sending CTAs (all but the last `reducers`) send the rows of recv-row group g =
+//   i * G / count_s (i: the row within source s's region, count_s its rows) for g = 0, 1, ..., each
+//   CTA fencing and taking group g's ticket after it; the last taker publishes bound
+//   ceil((g + 1) * count_s / G) to each source s (all rows after the last group). Reducing warps
+//   (the reducers' from the start, the senders' once they are done) take tokens in order from a
+//   counter, wait until every owner of the token's rows (token_rows, from dispatch) has published a
+//   bound above its row, and sum the token. Rows at an owner are in token order, so early tokens
+//   complete first and the reduce runs behind the sends instead of after them.
+// invariant: every sending CTA takes exactly one ticket per group and every CTA one `done` ticket;
+//   the last taker of each counter returns it to zero (the next launch is stream-ordered).
+// invariant: the grid is co-resident (the launcher caps it at the occupancy limit): waiting CTAs
+//   spin until CTAs of this and the other ranks have sent, so a CTA that never got an SM would hang
+//   the group (the bounded wait would report it as a timeout).
 template <int kFormat, typename InT>
 __global__ void __launch_bounds__(kCombineThreads)
     combine_kernel(TransportArgs a, const InT* __restrict__ expert_out, const int32_t* __restrict__ topk_ids,
-                   uint16_t* __restrict__ y, int send_parts, int reduce_parts) {
+                   uint16_t* __restrict__ y, CombineShape shape) {
   __shared__ bool s_ok;
-  combine_send_rows<kFormat, InT>(a, expert_out, send_parts);  // ends with a barrier; thread 0 fenced
-  if (threadIdx.x == 0) {
-    const SignalCtx sig = a.sig;
-    const uint64_t epoch = sig.local_epoch();
-    uint64_t* ticket = sig.own_cell(sig.rank, kLocalCombineTicket);
-    // acq_rel: the last taker's release to the peers carries every CTA's fenced rows.
-    if (atomic_add_acq_rel_gpu(ticket, 1) + 1 == gridDim.x) {
-      *ticket = 0;
-      signal_all_ranks(sig, kSlotCombine, epoch);
+  if (shape.groups <= 1) {
+    combine_send_rows<kFormat, InT>(a, expert_out, shape.send_parts);  // ends with a barrier; thread 0 fenced
+    if (threadIdx.x == 0) {
+      const SignalCtx sig = a.sig;
+      const uint64_t epoch = sig.local_epoch();
+      uint64_t* ticket = sig.own_cell(sig.rank, kLocalCombineTicket);
+      // acq_rel: the last taker's release to the peers carries every CTA's fenced rows.
+      if (atomic_add_acq_rel_gpu(ticket, 1) + 1 == gridDim.x) {
+        *ticket = 0;
+        publish_combine(sig, epoch, [](int) { return kCombineAllRows; });
+      }
+      s_ok = wait_combine_all(sig, epoch);
     }
-    s_ok = wait_all_ranks(sig, kSlotCombine, epoch, kStageCombineDone);
+    __syncthreads();
+    if (!s_ok) return;
+    combine_reduce_tokens<kFormat>(a, topk_ids, y, shape.reduce_parts);
+    return;
   }
+
+  __shared__ char* s_peer_base[kMaxTransportRanks];
+  __shared__ uint8_t s_scales[8][32];
+  const int R = a.sig.num_ranks, G = shape.groups;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  if (threadIdx.x < R) s_peer_base[threadIdx.x] = a.sig.peer_ptr(threadIdx.x, a.layout.combine.offset);
   __syncthreads();
-  if (!s_ok) return;
-  combine_reduce_tokens<kFormat>(a, topk_ids, y, reduce_parts);
+  const uint64_t epoch = a.sig.local_epoch();
+  const int64_t k = a.top_k(), El = a.experts_per_rank(), H = a.hidden(), wire = a.layout.wire_row_bytes;
+  const int64_t rounds = (H / 8 + 31) / 32;
+  const int32_t* counts = a.own<int32_t>(a.layout.recv_token_counts);  // [s]: rows source s sent here
+  CombineCounters* cc = a.combine_counters;
+  const int senders = static_cast<int>(gridDim.x) - shape.reducers;
+  if (static_cast<int>(blockIdx.x) < senders) {
+    const int64_t pool_end = a.own<int32_t>(a.layout.expert_offsets)[El];
+    const int64_t warp_id = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + warp;
+    const int64_t warps = static_cast<int64_t>(senders) * (blockDim.x / 32);
+    for (int g = 0; g < G; ++g) {
+      // 32 pool rows per warp step, one per lane, strided over the sending warps (rows next to each
+      // other are mostly in the same group: blocks of consecutive rows left a few warps with a whole
+      // group each and the group's publish waited for them); the warp sends the step's rows of
+      // group g together.
+      for (int64_t step = 0; warp_id + step * warps < pool_end; step += 32) {
+        RowTarget rt;
+        const int64_t p = warp_id + (step + lane) * warps;
+        bool mine = p < pool_end && row_target(a, p, &rt);
+        // (a row past its source's count, inconsistent peers, goes with the last group: still sent)
+        if (mine) mine = min(rt.i * G / max(counts[rt.s], 1), static_cast<int64_t>(G - 1)) == g;
+        uint32_t todo = __ballot_sync(0xFFFFFFFFu, mine);
+        while (todo != 0) {
+          const int l = __ffs(todo) - 1;
+          todo &= todo - 1;
+          const int64_t row_p = __shfl_sync(0xFFFFFFFFu, p, l);
+          const int s = __shfl_sync(0xFFFFFFFFu, rt.s, l);
+          const int64_t t = __shfl_sync(0xFFFFFFFFu, rt.t, l), j = __shfl_sync(0xFFFFFFFFu, rt.j, l);
+          const float w = __shfl_sync(0xFFFFFFFFu, rt.w, l);
+          send_row<kFormat, InT>(a, expert_out + row_p * H, s_peer_base[s] + (t * k + j) * wire, w, 0, rounds, lane,
+                                 s_scales[warp]);
+        }
+      }
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        fence_acq_rel_sys();  // this CTA's group-g rows, before its ticket
+        if (atomic_add_acq_rel_gpu(&cc->group_ticket[g], 1) + 1 == static_cast<uint64_t>(senders)) {
+          cc->group_ticket[g] = 0;
+          const SignalCtx sig = a.sig;
+          const bool last = g == G - 1;
+          publish_combine(sig, epoch, [&](int s) {
+            return last ? kCombineAllRows : static_cast<uint64_t>(((g + 1) * static_cast<int64_t>(counts[s]) + G - 1) / G);
+          });
+        }
+      }
+    }
+  }
+  // Reduce: batches of kWarps tokens in order, one token per warp. Thread 0 alone waits for the
+  // batch's rows (the highest row at each owner), sleeping between polls, so the cells see one
+  // poller per CTA.
+  constexpr int kWarps = kCombineThreads / 32;
+  __shared__ unsigned long long s_t0;
+  for (;;) {
+    if (threadIdx.x == 0) {
+      const unsigned long long t0 = atomicAdd(&cc->next_token, static_cast<unsigned long long>(kWarps));
+      s_t0 = t0;
+      s_ok = true;
+      if (t0 < static_cast<unsigned long long>(a.num_tokens)) {
+        const int64_t t1 = min(static_cast<int64_t>(t0) + kWarps, a.num_tokens);
+        const SignalCtx sig = a.sig;
+        for (int r = 0; r < R && s_ok; ++r) {
+          int32_t need = 0;  // rows at r below `need` hold every partial of the batch
+          for (int64_t t = static_cast<int64_t>(t0); t < t1; ++t) need = max(need, a.token_rows[t * R + r] + 1);
+          if (need > 0) s_ok = wait_combine(sig, r, epoch, static_cast<uint64_t>(need), 200);
+        }
+      }
+    }
+    __syncthreads();
+    const int64_t t = static_cast<int64_t>(s_t0) + warp;
+    const bool done = s_t0 >= static_cast<unsigned long long>(a.num_tokens) || !s_ok;
+    if (!done && t < a.num_tokens) reduce_token<kFormat>(a, topk_ids, y, t, 0, rounds, lane);
+    __syncthreads();  // s_t0 / s_ok are rewritten
+    if (done) break;
+  }
+  // acq_rel: the last taker sees every other CTA's last next_token increment before it resets it.
+  if (threadIdx.x == 0 && atomic_add_acq_rel_gpu(reinterpret_cast<uint64_t*>(&cc->done), 1) + 1 == gridDim.x) {
+    cc->next_token = 0;
+    cc->done = 0;
+  }
 }
 
 }  // namespace kernels

@@ -215,6 +215,7 @@ __device__ __forceinline__ void dispatch_layout(const TransportArgs& a, const in
         row = static_cast<int32_t>(base);
       }
       s.rows[tid][r] = row;
+      if (r < a.sig.num_ranks) a.token_rows[t * a.sig.num_ranks + r] = row;  // the fused combine's waits
     }
   }
 

@@ -62,6 +62,15 @@ struct DispatchAccum {
   int32_t pad;
 };
 
+// Combine progress (fused combine, sm90_combine.cuh): what the sending CTAs of one launch count, in
+// device scratch (zero between launches: the last taker of each counter returns it to zero).
+constexpr int kMaxCombineGroups = 8;
+struct CombineCounters {
+  uint64_t group_ticket[kMaxCombineGroups];  // sending CTAs done with group g
+  unsigned long long next_token;             // the next token a reducing warp takes
+  unsigned long long done;                   // CTAs finished
+};
+
 struct SignalParams {
   ncclWindow_t window;    // the symmetric workspace window
   char* own_base;         // this rank's copy of the workspace (local pointer)
@@ -91,6 +100,8 @@ struct TransportParams {
   InputStatus* input_status;
   int32_t* dispatch_hist;        // [E] per-expert counts summed over the dispatch CTAs (zero between launches)
   DispatchAccum* dispatch_accum;
+  int32_t* token_rows;           // [T_max, R] this rank's token t's recv row at owner r (-1: none), by dispatch
+  CombineCounters* combine_counters;
 };
 
 // Dispatch: one fused layout + copy kernel for `mode`, shaped for `num_sms` SMs.
@@ -105,9 +116,11 @@ Status launch_combine_send(const TransportParams& params, const void* expert_out
                            cudaStream_t stream);
 Status launch_combine_reduce(const TransportParams& params, const int32_t* topk_ids, uint16_t* y, int num_sms,
                              cudaStream_t stream);
-// Both in one kernel (combine_kernel): send, publish once the last CTA's rows are out, wait, reduce.
+// Both in one kernel (combine_kernel): send, publish progress, wait, reduce. groups > 1: the rows go
+// out in `groups` recv-row groups, each published as it completes, and a quarter of the CTAs reduce
+// the tokens whose rows have all arrived while the others still send (see combine_kernel).
 Status launch_combine(const TransportParams& params, const void* expert_out, bool out_is_fp32, const int32_t* topk_ids,
-                      uint16_t* y, int num_sms, cudaStream_t stream);
+                      uint16_t* y, int groups, int num_sms, cudaStream_t stream);
 
 }  // namespace kernels
 }  // namespace megamoe

@@ -25,6 +25,8 @@ struct TransportArgs {
   InputStatus* input_status;
   int32_t* dispatch_hist;
   DispatchAccum* dispatch_accum;
+  int32_t* token_rows;
+  CombineCounters* combine_counters;
 
   static TransportArgs from(const TransportParams& p) {
     TransportArgs a;
@@ -41,6 +43,8 @@ struct TransportArgs {
     a.input_status = p.input_status;
     a.dispatch_hist = p.dispatch_hist;
     a.dispatch_accum = p.dispatch_accum;
+    a.token_rows = p.token_rows;
+    a.combine_counters = p.combine_counters;
     return a;
   }
 

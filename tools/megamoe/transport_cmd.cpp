@@ -193,6 +193,9 @@ struct PointResult {
   // per-forward phase medians from event nodes, and whole-graph µs per forward / per dispatch.
   Stats g_dispatch, g_pool, g_combine;
   double g_forward_us = 0, g_dispatch_only_us = 0;
+  // The same without event nodes (each costs a few us at small T): whole forwards, and dispatch +
+  // pool build; combine = their difference, d+c = dispatch-only + that.
+  double g_clean_forward_us = 0, g_dispatch_pool_us = 0;
   double dispatch_bytes = 0, combine_bytes = 0;  // rank 0 -> peers, per direction (max over peers)
   std::string error;
 };
@@ -413,24 +416,45 @@ void bench_point(const BenchOptions& o, std::shared_ptr<Communicator> comm, int6
     BENCH_CUDA(cudaStreamEndCapture(stream, &gd));
     BENCH_CHECK(cap);
     BENCH_CUDA(cudaGraphInstantiate(&xd, gd, 0));
-    std::vector<double> fwd, disp_only, gdisp, gpool, gcomb;
+    // Without event nodes: N forwards, and N x (dispatch + pool build).
+    cudaGraph_t gc = nullptr, gdp = nullptr;
+    cudaGraphExec_t xc = nullptr, xdp = nullptr;
+    for (int which = 0; which < 2; ++which) {
+      BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      for (int i = 0; i < N && cap.is_ok(); ++i) {
+        cap = tr->dispatch(vx, TensorView(), vids, vw, stream);
+        if (cap.is_ok()) cap = tr->build_expert_pool(stream);
+        if (cap.is_ok() && which == 0) cap = combine_phase(o, tr.get(), vout, vids, vy, stream);
+      }
+      BENCH_CUDA(cudaStreamEndCapture(stream, which == 0 ? &gc : &gdp));
+      BENCH_CHECK(cap);
+      BENCH_CUDA(cudaGraphInstantiate(which == 0 ? &xc : &xdp, which == 0 ? gc : gdp, 0));
+    }
+    std::vector<double> fwd, disp_only, clean_fwd, disp_pool, gdisp, gpool, gcomb;
+    // One graph launched right after a host barrier; µs per forward (the barrier's skew paid once).
+    auto time_graph = [&](cudaGraphExec_t x, std::vector<double>* out) -> bool {
+      sync();
+      if (cudaEventRecord(ev[0], stream) != cudaSuccess || cudaGraphLaunch(x, stream) != cudaSuccess ||
+          cudaEventRecord(ev[1], stream) != cudaSuccess || cudaStreamSynchronize(stream) != cudaSuccess)
+        return false;
+      float ms = 0;
+      if (cudaEventElapsedTime(&ms, ev[0], ev[1]) != cudaSuccess) return false;
+      out->push_back(ms * 1e3 / N);
+      return true;
+    };
     for (int rep = 0; rep < o.graph_reps + 1; ++rep) {  // the first rep warms up
-      sync();
-      BENCH_CUDA(cudaEventRecord(ev[0], stream));
-      BENCH_CUDA(cudaGraphLaunch(xf, stream));
-      BENCH_CUDA(cudaEventRecord(ev[1], stream));
-      BENCH_CUDA(cudaStreamSynchronize(stream));
-      sync();
-      BENCH_CUDA(cudaEventRecord(ev[2], stream));
-      BENCH_CUDA(cudaGraphLaunch(xd, stream));
-      BENCH_CUDA(cudaEventRecord(ev[3], stream));
-      BENCH_CUDA(cudaStreamSynchronize(stream));
-      if (rep == 0) continue;
-      float f = 0, d = 0;
-      BENCH_CUDA(cudaEventElapsedTime(&f, ev[0], ev[1]));
-      BENCH_CUDA(cudaEventElapsedTime(&d, ev[2], ev[3]));
-      fwd.push_back(f * 1e3 / N);
-      disp_only.push_back(d * 1e3 / N);
+      if (!time_graph(xf, &fwd) || !time_graph(xd, &disp_only) || !time_graph(xc, &clean_fwd) ||
+          !time_graph(xdp, &disp_pool)) {
+        res->error = std::string("amortised graphs: ") + cudaGetErrorString(cudaGetLastError());
+        return;
+      }
+      if (rep == 0) {
+        fwd.clear();
+        disp_only.clear();
+        clean_fwd.clear();
+        disp_pool.clear();
+        continue;
+      }
       for (int i = 1; i < N; ++i) {  // forward 0 absorbs the launch skew
         float a = 0, b = 0, c = 0;
         if (cudaEventElapsedTime(&a, pe[4 * i], pe[4 * i + 1]) != cudaSuccess ||
@@ -447,13 +471,19 @@ void bench_point(const BenchOptions& o, std::shared_ptr<Communicator> comm, int6
     BENCH_CHECK(tr->check_error(stream));
     res->g_forward_us = stats_of(fwd).med;
     res->g_dispatch_only_us = stats_of(disp_only).med;
+    res->g_clean_forward_us = stats_of(clean_fwd).med;
+    res->g_dispatch_pool_us = stats_of(disp_pool).med;
     res->g_dispatch = stats_of(gdisp);
     res->g_pool = stats_of(gpool);
     res->g_combine = stats_of(gcomb);
     cudaGraphExecDestroy(xf);
     cudaGraphExecDestroy(xd);
+    cudaGraphExecDestroy(xc);
+    cudaGraphExecDestroy(xdp);
     cudaGraphDestroy(gf);
     cudaGraphDestroy(gd);
+    cudaGraphDestroy(gc);
+    cudaGraphDestroy(gdp);
     for (auto& e : pe) cudaEventDestroy(e);
   }
 
@@ -487,18 +517,22 @@ void print_header(const BenchOptions& o, int R) {
 
 void print_graph_header() {
   std::printf("# amortised: graph of N back-to-back forwards per rank (dispatch | pool | combine), per-forward phase medians from event nodes (forward 0 excluded), and whole graphs / N\n");
-  std::printf("%8s | %26s %8s | %9s | %26s %8s | %9s | %10s | %12s\n", "tokens", "dispatch us med/min/max", "GB/s",
-              "pool us", "combine us med/min/max", "GB/s", "d+c us", "fwd us/N", "disp-only us/N");
+  std::printf("# no-event columns: graphs without event nodes, / N: F = forwards, D = dispatches, DP = dispatch + pool; combine = F - DP, d+c = D + F - DP\n");
+  std::printf("%8s | %26s %8s | %9s | %26s %8s | %9s | %10s | %12s || %9s %9s %9s | %10s %9s\n", "tokens",
+              "dispatch us med/min/max", "GB/s", "pool us", "combine us med/min/max", "GB/s", "d+c us", "fwd us/N",
+              "disp-only us/N", "F us/N", "DP us/N", "c us", "c GB/s", "d+c us");
   std::fflush(stdout);
 }
 
 void print_graph_row(int64_t T, const PointResult& r) {
   auto gbs = [](double bytes, double us) { return us > 0 ? bytes / (us * 1e3) : 0.0; };
-  std::printf("%8lld | %8.1f %8.1f %8.1f %8.1f | %9.1f | %8.1f %8.1f %8.1f %8.1f | %9.1f | %10.1f | %12.1f\n",
+  const double c = r.g_clean_forward_us - r.g_dispatch_pool_us;
+  std::printf("%8lld | %8.1f %8.1f %8.1f %8.1f | %9.1f | %8.1f %8.1f %8.1f %8.1f | %9.1f | %10.1f | %12.1f || %9.1f %9.1f %9.1f | %10.1f %9.1f\n",
               static_cast<long long>(T), r.g_dispatch.med, r.g_dispatch.min, r.g_dispatch.max,
               gbs(r.dispatch_bytes, r.g_dispatch.med), r.g_pool.med, r.g_combine.med, r.g_combine.min,
               r.g_combine.max, gbs(r.combine_bytes, r.g_combine.med), r.g_dispatch.med + r.g_combine.med,
-              r.g_forward_us, r.g_dispatch_only_us);
+              r.g_forward_us, r.g_dispatch_only_us, r.g_clean_forward_us, r.g_dispatch_pool_us, c,
+              gbs(r.combine_bytes, c), r.g_dispatch_only_us + c);
   std::fflush(stdout);
 }
 

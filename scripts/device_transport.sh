@@ -2,7 +2,7 @@
 # EP transport on the H200 machine: GPU tests, compute-sanitizer passes, benchmark.
 # Build here first (see docs/TRANSPORT.md), copy the binaries to dev-bin/, then on the device:
 #   bash scripts/device_transport.sh tests|sanitize|bench|launch|perf|all      (logs go to $OUT)
-# perf = tests + bench (gated and graph-amortised tables) [+ the same bench of $BIN/megamoe_transport_before
+# perf = tests + bench (gated and graph-amortised tables) [+ the same bench of $BIN/megamoe_before
 # when that binary exists: an earlier build to compare against in the same lease].
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,7 +13,7 @@ export LD_LIBRARY_PATH=${NCCL_LIB}:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export NCCL_NVLS_ENABLE=0
 BIN=${BIN:-dev-bin}
 TESTS="$BIN/megamoe_gpu_tests --gtest_filter=Sm90Transport.*"
-TOOL="$BIN/megamoe_transport"   # the transport subcommands (megamoe launch / bench-transport)
+TOOL=${TOOL:-$BIN/megamoe}   # the tool (megamoe launch / bench-transport)
 what=${1:-all}
 rc=0
 nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
@@ -30,8 +30,8 @@ fi
 if [[ $what == perf ]]; then
   timeout 75 $TOOL bench-transport $BENCH_ARGS --iters 10 --warmup 2 --graph-iters 32 --graph-reps 3 \
     2>&1 | tee "$OUT/bench_fp8_bf16.log"; rc=$((rc | PIPESTATUS[0]))
-  if [[ -x $BIN/megamoe_transport_before ]]; then
-    timeout 75 $BIN/megamoe_transport_before bench-transport $BENCH_ARGS --iters 10 --warmup 2 --graph-iters 32 --graph-reps 3 \
+  if [[ -x $BIN/megamoe_before ]]; then
+    timeout 75 $BIN/megamoe_before bench-transport $BENCH_ARGS --iters 10 --warmup 2 --graph-iters 32 --graph-reps 3 \
       > "$OUT/bench_before.log" 2>&1; echo "before: exit $?"; grep -A9 amortised "$OUT/bench_before.log"
   fi
 fi

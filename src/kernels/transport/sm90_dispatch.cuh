@@ -426,17 +426,10 @@ __global__ void __launch_bounds__(kDispatchThreads, 2)
                     const int32_t* __restrict__ topk_ids, const float* __restrict__ topk_weights) {
   __shared__ DispatchSmem s;
   extern __shared__ int32_t hist[];  // [E], CTA 0 only
-#if defined(MEGAMOE_DISPATCH_STAMPS)
-  uint64_t st[6];
-  st[0] = globaltimer_ns();
-#endif
   if (threadIdx.x < a.sig.num_ranks) s.peer_base[threadIdx.x] = a.sig.peer_ptr(threadIdx.x, 0);
   const int64_t t_lo = static_cast<int64_t>(blockIdx.x) * shape.tokens_per_cta;
   const int64_t t_hi = min(a.num_tokens, t_lo + shape.tokens_per_cta);
   dispatch_layout(a, topk_ids, s, hist, t_lo, t_hi);  // ends with a CTA barrier
-#if defined(MEGAMOE_DISPATCH_STAMPS)
-  st[1] = globaltimer_ns();
-#endif
 
   const int lane = threadIdx.x & 31;
   const int items = (t_hi > t_lo ? static_cast<int>(t_hi - t_lo) : 0) * shape.parts;

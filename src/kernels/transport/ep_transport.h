@@ -71,8 +71,9 @@ class EpTransport {
   Status combine_send(const TensorView& expert_out, cudaStream_t stream);
   // topk_ids as given to dispatch(); y [T, H] bf16.
   Status combine(const TensorView& topk_ids, const TensorView& y, cudaStream_t stream);
-  // combine_send() + combine() in one kernel, the same bits: the epoch is published as soon as the
-  // last row is out and the reduce needs no second launch (the backends with a local FC2 output).
+  // combine_send() + combine() in one kernel, the same bits: progress is published as soon as the
+  // rows are out (per recv-row group with combine_groups > 1, so the reduce runs behind the sends)
+  // and the reduce needs no second launch (the backends with a local FC2 output).
   Status send_and_combine(const TensorView& expert_out, const TensorView& topk_ids, const TensorView& y,
                           cudaStream_t stream);
 

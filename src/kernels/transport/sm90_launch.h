@@ -117,7 +117,7 @@ Status launch_combine_send(const TransportParams& params, const void* expert_out
 Status launch_combine_reduce(const TransportParams& params, const int32_t* topk_ids, uint16_t* y, int num_sms,
                              cudaStream_t stream);
 // Both in one kernel (combine_kernel): send, publish progress, wait, reduce. groups > 1: the rows go
-// out in `groups` recv-row groups, each published as it completes, and a quarter of the CTAs reduce
+// out in `groups` recv-row groups, each published as it completes, and an eighth of the CTAs reduce
 // the tokens whose rows have all arrived while the others still send (see combine_kernel).
 Status launch_combine(const TransportParams& params, const void* expert_out, bool out_is_fp32, const int32_t* topk_ids,
                       uint16_t* y, int groups, int num_sms, cudaStream_t stream);

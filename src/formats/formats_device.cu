@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include "formats/formats_device.h"
+#include "kernels/common/sm90_quant.cuh"
 #include "megamoe/formats.h"
 
 namespace megamoe {
@@ -38,6 +39,14 @@ __global__ void decode_all_codes_kernel(float* e4m3_values, float* e2m1_values, 
   e4m3_values[code] = e4m3_to_float(static_cast<uint8_t>(code));
   e8m0_values[code] = e8m0_to_float(static_cast<uint8_t>(code));
   if (code < 16) e2m1_values[code] = e2m1_to_float(static_cast<uint8_t>(code));
+}
+
+// Code pairs (c, 255 - c) through the hardware conversion the kernels use (e4m3x2_to_float2).
+__global__ void decode_e4m3_cvt_kernel(float* values) {
+  const int c = threadIdx.x;  // 256 threads
+  const float2 v = kernels::e4m3x2_to_float2(static_cast<uint16_t>(c | (255 - c) << 8));
+  values[c] = v.x;
+  values[256 + c] = v.y;
 }
 
 __global__ void encode_elements_kernel(const float* x, int64_t n, uint8_t* e4m3, uint8_t* e2m1, uint16_t* bf16) {
@@ -138,6 +147,12 @@ bool bad_size(int64_t n, int64_t block) { return n < 0 || n % block != 0; }
 cudaError_t decode_all_codes(float* e4m3_values, float* e2m1_values, float* e8m0_values, cudaStream_t stream) {
   if (!e4m3_values || !e2m1_values || !e8m0_values) return cudaErrorInvalidValue;
   decode_all_codes_kernel<<<1, 256, 0, stream>>>(e4m3_values, e2m1_values, e8m0_values);
+  return cudaGetLastError();
+}
+
+cudaError_t decode_e4m3_cvt(float* values, cudaStream_t stream) {
+  if (!values) return cudaErrorInvalidValue;
+  decode_e4m3_cvt_kernel<<<1, 256, 0, stream>>>(values);
   return cudaGetLastError();
 }
 

@@ -22,6 +22,10 @@ namespace device {
 // e4m3_values[256], e2m1_values[16], e8m0_values[256]: the decoded value of every code.
 cudaError_t decode_all_codes(float* e4m3_values, float* e2m1_values, float* e8m0_values, cudaStream_t stream);
 
+// values[512]: the hardware decode of e4m3 code pairs (c, 255 - c): values[c] from the low byte c,
+// values[256 + c] from the high byte 255 - c.
+cudaError_t decode_e4m3_cvt(float* values, cudaStream_t stream);
+
 // Element-wise encoders of x[n] with the header codecs; any output may be null (not written).
 cudaError_t encode_elements(const float* x, int64_t n, uint8_t* e4m3, uint8_t* e2m1, uint16_t* bf16,
                             cudaStream_t stream);

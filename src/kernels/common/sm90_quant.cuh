@@ -18,6 +18,19 @@ __device__ __forceinline__ uint16_t cvt_e4m3x2(float lo, float hi) {
   return r;
 }
 
+// fp32 values of two e4m3 codes (the low byte first) through the hardware conversion (e4m3 -> f16 is
+// exact, f16 -> f32 too): fmt::e4m3_to_float's value for every code but the two NaNs, which give a
+// NaN (a mul_rn of it is the canonical NaN either way; tests/gpu/test_formats_device.cpp).
+__device__ __forceinline__ float2 e4m3x2_to_float2(uint16_t codes) {
+  uint32_t h;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h) : "h"(codes));
+  float2 f;
+  asm("{\n .reg .f16 lo, hi;\n mov.b32 {lo, hi}, %2;\n cvt.f32.f16 %0, lo;\n cvt.f32.f16 %1, hi;\n}\n"
+      : "=f"(f.x), "=f"(f.y)
+      : "r"(h));
+  return f;
+}
+
 // e4m3 codes of (v0 / s, v1 / s), v0 in the low byte, bit-identical to
 // fmt::float_to_e4m3(fmt::div_rn(v, s)). q = RN(v * inv), inv = RN(1 / s), is within 3 ulp of
 // RN(v / s) (relative error <= 1.5 * 2^-23; fp32 subnormal results are within 2 ulp), and the encoder

@@ -13,19 +13,40 @@ template <typename InT>
 void send_as(const TransportArgs& args, const void* out, int ctas, int parts, cudaStream_t stream) {
   const InT* in = static_cast<const InT*>(out);
   switch (args.layout.params.combine_format) {
-    case kWsMxfp8: combine_send_kernel<kWsMxfp8, InT><<<ctas, kCombineThreads, 0, stream>>>(args, in, 1); break;
-    case kWsNvfp4: combine_send_kernel<kWsNvfp4, InT><<<ctas, kCombineThreads, 0, stream>>>(args, in, 1); break;
+    case kWsMxfp8: combine_send_kernel<kWsMxfp8, InT><<<ctas, kCombineThreads, 0, stream>>>(args, in, parts); break;
+    case kWsNvfp4: combine_send_kernel<kWsNvfp4, InT><<<ctas, kCombineThreads, 0, stream>>>(args, in, parts); break;
     default: combine_send_kernel<kWsBf16, InT><<<ctas, kCombineThreads, 0, stream>>>(args, in, parts); break;
   }
 }
 
-// Parts per bf16 row: enough work items (row or token, part) to fill `ctas` CTAs at small T
-// (decode: 8 rows of 28 rounds at T = 1 become 7 parts of 4 rounds); 1 when rows alone fill them.
-int bf16_parts(int64_t rows, int64_t items_wanted, int64_t hidden, int64_t max_parts) {
-  const int64_t rounds = std::max<int64_t>(1, (hidden / 8 + 31) / 32);
+// Parts per row (or token) of `rounds` rounds: enough work items (row or token, part) to reach
+// items_wanted at small T (decode: 8 bf16 rows of 28 rounds at T = 1 become 7 parts of 4 rounds); 1
+// when rows alone reach it.
+int row_parts(int64_t rows, int64_t items_wanted, int64_t rounds, int64_t max_parts) {
   const int64_t want = (items_wanted + std::max<int64_t>(rows, 1) - 1) / std::max<int64_t>(rows, 1);
-  return static_cast<int>(std::max<int64_t>(1, std::min({want, rounds, max_parts})));
+  return static_cast<int>(std::max<int64_t>(1, std::min({want, std::max<int64_t>(rounds, 1), max_parts})));
 }
+
+// The send's shape, shared by the two-kernel and the fused path: 2 CTAs per SM, fewer when the pool
+// is small (rows ~ T * k, about what a rank owns); parts to give ~4 items per warp.
+struct SendShape {
+  int ctas, parts;
+};
+SendShape send_shape(const TransportArgs& args, int64_t sms) {
+  const int64_t warps_per_cta = kCombineThreads / 32;
+  SendShape sh;
+  sh.ctas = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((args.layout.pool_rows + 7) / 8, 2 * sms)));
+  sh.parts = row_parts(args.num_tokens * args.top_k(), 2 * sms * warps_per_cta * 2,
+                       combine_send_rounds(args.layout.params.combine_format, args.layout.params.hidden), 7);
+  return sh;
+}
+
+// Parts per token of the reduce: ~2048 (token, part) items at small T (decode spreads a token over
+// many warps).
+int reduce_parts(const TransportArgs& args) {
+  return row_parts(args.num_tokens, 2048, combine_reduce_rounds(args.layout.params.combine_format, args.layout.params.hidden), 64);
+}
+
 __global__ void resolve_peer_pointers_kernel(TransportArgs a, int64_t offset, char** out) {
   const int r = threadIdx.x;
   if (r < a.sig.num_ranks) out[r] = a.sig.peer_ptr(r, offset);
@@ -55,8 +76,8 @@ Status fused_as(const TransportArgs& args, const void* out, const int32_t* topk_
                 CombineShape shape, cudaStream_t stream) {
   const InT* in = static_cast<const InT*>(out);
   switch (args.layout.params.combine_format) {
-    case kWsMxfp8: shape.send_parts = shape.reduce_parts = 1; return launch_fused<kWsMxfp8, InT>(args, in, topk_ids, y, want_ctas, shape, stream);
-    case kWsNvfp4: shape.send_parts = shape.reduce_parts = 1; return launch_fused<kWsNvfp4, InT>(args, in, topk_ids, y, want_ctas, shape, stream);
+    case kWsMxfp8: return launch_fused<kWsMxfp8, InT>(args, in, topk_ids, y, want_ctas, shape, stream);
+    case kWsNvfp4: return launch_fused<kWsNvfp4, InT>(args, in, topk_ids, y, want_ctas, shape, stream);
     default: return launch_fused<kWsBf16, InT>(args, in, topk_ids, y, want_ctas, shape, stream);
   }
 }
@@ -78,13 +99,9 @@ Status resolve_peer_pointers(const TransportParams& params, int64_t offset, void
 Status launch_combine_send(const TransportParams& params, const void* expert_out, bool out_is_fp32, int num_sms,
                            cudaStream_t stream) {
   const TransportArgs args = TransportArgs::from(params);
-  // Grid: 2 CTAs per SM, fewer when the pool is small; rows ~ T * k (about what a rank owns).
-  const int64_t sms = std::max(num_sms, 1);
-  const int ctas = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((args.layout.pool_rows + 7) / 8, 2 * sms)));
-  const int parts = bf16_parts(args.num_tokens * args.top_k(), 2 * sms * (kCombineThreads / 32) * 2,
-                               args.layout.params.hidden, 7);
-  if (out_is_fp32) send_as<float>(args, expert_out, ctas, parts, stream);
-  else send_as<uint16_t>(args, expert_out, ctas, parts, stream);
+  const SendShape sh = send_shape(args, std::max(num_sms, 1));
+  if (out_is_fp32) send_as<float>(args, expert_out, sh.ctas, sh.parts, stream);
+  else send_as<uint16_t>(args, expert_out, sh.ctas, sh.parts, stream);
   MEGAMOE_CUDA_CHECK_LAUNCH();
   return Status::ok();
 }
@@ -93,13 +110,11 @@ Status launch_combine_reduce(const TransportParams& params, const int32_t* topk_
                              cudaStream_t stream) {
   const TransportArgs args = TransportArgs::from(params);
   const int64_t sms = std::max(num_sms, 1), T = args.num_tokens, warps_per_cta = kCombineThreads / 32;
-  // bf16: (token, part) items, ~2048 of them at small T (decode spreads a token over many warps).
-  const bool bf16 = args.layout.params.combine_format == kWsBf16;
-  const int parts = bf16 ? bf16_parts(T, 2048, args.layout.params.hidden, 64) : 1;
+  const int parts = reduce_parts(args);
   const int ctas = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((T * parts + warps_per_cta - 1) / warps_per_cta, 2 * sms)));
   switch (args.layout.params.combine_format) {
-    case kWsMxfp8: combine_reduce_kernel<kWsMxfp8><<<ctas, kCombineThreads, 0, stream>>>(args, topk_ids, y, 1); break;
-    case kWsNvfp4: combine_reduce_kernel<kWsNvfp4><<<ctas, kCombineThreads, 0, stream>>>(args, topk_ids, y, 1); break;
+    case kWsMxfp8: combine_reduce_kernel<kWsMxfp8><<<ctas, kCombineThreads, 0, stream>>>(args, topk_ids, y, parts); break;
+    case kWsNvfp4: combine_reduce_kernel<kWsNvfp4><<<ctas, kCombineThreads, 0, stream>>>(args, topk_ids, y, parts); break;
     default: combine_reduce_kernel<kWsBf16><<<ctas, kCombineThreads, 0, stream>>>(args, topk_ids, y, parts); break;
   }
   MEGAMOE_CUDA_CHECK_LAUNCH();
@@ -114,11 +129,11 @@ Status launch_combine(const TransportParams& params, const void* expert_out, boo
   shape.groups = std::max(1, std::min(groups, kMaxCombineGroups));
   // One group: the send's shape (as launch_combine_send), widened when the reduce wants more CTAs.
   // Groups: every SM twice (senders and reducers).
-  const int64_t send_ctas = std::max<int64_t>(1, std::min<int64_t>((args.layout.pool_rows + 7) / 8, 2 * sms));
-  shape.send_parts = bf16_parts(T * args.top_k(), 2 * sms * warps_per_cta * 2, args.layout.params.hidden, 7);
-  shape.reduce_parts = bf16_parts(T, 2048, args.layout.params.hidden, 64);
+  const SendShape sh = send_shape(args, sms);
+  shape.send_parts = sh.parts;
+  shape.reduce_parts = reduce_parts(args);
   const int64_t reduce_ctas = std::min<int64_t>((T * shape.reduce_parts + warps_per_cta - 1) / warps_per_cta, 2 * sms);
-  const int64_t want = shape.groups > 1 ? 2 * sms : std::max(send_ctas, reduce_ctas);
+  const int64_t want = shape.groups > 1 ? 2 * sms : std::max<int64_t>(sh.ctas, reduce_ctas);
   if (out_is_fp32) return fused_as<float>(args, expert_out, topk_ids, y, want, shape, stream);
   return fused_as<uint16_t>(args, expert_out, topk_ids, y, want, shape, stream);
 }

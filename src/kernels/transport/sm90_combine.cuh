@@ -9,15 +9,15 @@
 //   FC2 writes a local [pool_rows, H] buffer): partial = weight * out[p] (one fp32 multiply, weight
 //   from recv_meta) for every real pool row p, encoded in the combine wire format (bf16 | mxfp8 |
 //   nvfp4, fmt:: codecs) and stored through the LSA pointer into row t*k+j of the source rank's
-//   combine region. bf16 wire: work item = (pool row, part of the row), a lane loads
-//   kCombineLoadRounds 16-byte chunks before it stores them (small T still fills the GPU); mxfp8 /
-//   nvfp4: a warp per row. No signal here: progress is published by combine_reduce_kernel, which
+//   combine region. Work item = (pool row, part of the row), so a small T still fills the GPU (bf16:
+//   a lane loads kCombineLoadRounds 16-byte chunks before it stores them; mxfp8 / nvfp4: a lane
+//   encodes one block, e4m3 by the cvt instruction). No signal here: progress is published by combine_reduce_kernel, which
 //   follows in stream order (so an FC2 epilogue that writes the rows itself needs nothing else).
 // combine_reduce_kernel (source): CTA 0 fences and publishes "all rows" in every rank's
 //   [me][kSlotCombine] cell; every CTA waits (bounded) until all ranks have published it here; then
 //   the valid slots of each token are summed in slot order in fp32 (acc starts at +0) and written as
-//   bf16 (RNE). bf16 wire: work item = (token, part of the row), up to 8 slots' chunks loaded before
-//   they are summed; mxfp8 / nvfp4: a warp per token. Slots with ids outside [0, E) or repeated are
+//   bf16 (RNE). Work item = (token, part of the row), up to 8 slots' chunks loaded before they are
+//   summed. Slots with ids outside [0, E) or repeated are
 //   skipped, as in dispatch.
 // combine_kernel (both in one launch, for callers with a local FC2 output; see there): with one
 //   group, send, a ticket per CTA, the last publishes all rows, every CTA waits and reduces; with
@@ -25,6 +25,7 @@
 //   sending CTA is done, and reducing warps take the tokens in order as their rows arrive.
 #pragma once
 
+#include "kernels/common/sm90_quant.cuh"
 #include "kernels/transport/sm90_transport_args.cuh"
 
 namespace megamoe {
@@ -107,29 +108,51 @@ __device__ __forceinline__ void send_bf16_part(const InT* __restrict__ in, char*
   }
 }
 
-// mxfp8 wire, the whole row by one warp; `scales` is the warp's 32-byte staging row.
+// Rounds a combine row splits into for the send (32 bf16 8-element chunks | 32 mxfp8 blocks of 32 |
+// 32 nvfp4 blocks of 16 per round) and for the reduce (32 chunks of 8 (bf16) or 16 elements).
+__host__ __device__ __forceinline__ int64_t combine_send_rounds(int32_t format, int64_t hidden) {
+  const int64_t per_round = 32 * (format == kWsBf16 ? 8 : format == kWsMxfp8 ? fmt::kMxfp8BlockSize : fmt::kNvfp4BlockSize);
+  return (hidden + per_round - 1) / per_round;
+}
+__host__ __device__ __forceinline__ int64_t combine_reduce_rounds(int32_t format, int64_t hidden) {
+  const int64_t per_round = 32 * (format == kWsBf16 ? 8 : 16);
+  return (hidden + per_round - 1) / per_round;
+}
+
+// mxfp8 wire, rounds [rb, re) of 32 blocks, one block of 32 elements per lane; `scales` is the warp's
+// 32-byte staging row.
 template <typename InT>
-__device__ __forceinline__ void send_mxfp8_row(const InT* __restrict__ in, char* dst, float w, int64_t H, int64_t wire,
-                                               int lane, uint8_t* scales) {
+__device__ __forceinline__ void send_mxfp8_part(const InT* __restrict__ in, char* dst, float w, int64_t H, int64_t wire,
+                                                int64_t rb, int64_t re, int lane, uint8_t* scales) {
   const int64_t nb = H / fmt::kMxfp8BlockSize;
-  for (int64_t base = 0; base < nb; base += 32) {
+  for (int64_t base = rb * 32; base < nb && base < re * 32; base += 32) {
     const int64_t c = base + lane;
     if (c < nb) {
       float v[32];
       load_row_values<InT>(in, c * 32, v, 32);
       float amax = 0.f;
+#pragma unroll
       for (int i = 0; i < 32; ++i) {
         v[i] = fmt::mul_rn(w, v[i]);
         amax = fmaxf(amax, fmt::finite_abs(v[i]));
       }
       const uint8_t code = fmt::mxfp8_scale_code(amax);
       const float sc = fmt::e8m0_to_float(code);
-      const bool use_inv = code >= 1 && code <= 253;
-      const float inv = use_inv ? __frcp_rn(sc) : 0.f;
       uint32_t q[8];
-      for (int m = 0; m < 8; ++m)
-        q[m] = mx_encode(v[4 * m], sc, inv, use_inv) | (mx_encode(v[4 * m + 1], sc, inv, use_inv) << 8) |
-               (mx_encode(v[4 * m + 2], sc, inv, use_inv) << 16) | (mx_encode(v[4 * m + 3], sc, inv, use_inv) << 24);
+      if (code >= 1 && code <= 253) {
+        // s = 2^(code - 127) and 1 / s are exact, so v * (1 / s) is the correctly rounded v / s; the
+        // instruction gives float_to_e4m3's code for every non-NaN value, and v is a mul_rn product,
+        // whose NaN is the positive canonical one: code 0x7F, as the codec's.
+        const float inv = __frcp_rn(sc);
+#pragma unroll
+        for (int m = 0; m < 8; ++m)
+          q[m] = static_cast<uint32_t>(cvt_e4m3x2(__fmul_rn(v[4 * m], inv), __fmul_rn(v[4 * m + 1], inv))) |
+                 (static_cast<uint32_t>(cvt_e4m3x2(__fmul_rn(v[4 * m + 2], inv), __fmul_rn(v[4 * m + 3], inv))) << 16);
+      } else {
+        for (int m = 0; m < 8; ++m)
+          q[m] = mx_encode(v[4 * m], sc, 0.f, false) | (mx_encode(v[4 * m + 1], sc, 0.f, false) << 8) |
+                 (mx_encode(v[4 * m + 2], sc, 0.f, false) << 16) | (mx_encode(v[4 * m + 3], sc, 0.f, false) << 24);
+      }
       if (wire % 16 == 0) {  // rows 16-byte aligned (H % 512 == 0): two vector stores
         st_v4(dst + c * 32, make_uint4(q[0], q[1], q[2], q[3]));
         st_v4(dst + c * 32 + 16, make_uint4(q[4], q[5], q[6], q[7]));
@@ -146,20 +169,59 @@ __device__ __forceinline__ void send_mxfp8_row(const InT* __restrict__ in, char*
   }
 }
 
-// nvfp4 wire, the whole row by one warp; `scales` is the warp's 32-byte staging row.
+// Max |x| over the finite values of a row of H (a multiple of 8), by the whole warp: compared as
+// integer bits (the order of non-negative floats), 4 16-byte loads in flight per lane.
 template <typename InT>
-__device__ __forceinline__ void send_nvfp4_row(const InT* __restrict__ in, char* dst, float w, int64_t H, int lane,
-                                               uint8_t* scales) {
-  float amax = 0.f;
-  for (int64_t c = lane; c < H / 8; c += 32) {
-    float v[8];
-    load_row_values<InT>(in, c * 8, v, 8);
-    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fmt::finite_abs(fmt::mul_rn(w, v[i])));
+__device__ __forceinline__ float row_finite_amax(const InT* __restrict__ in, int64_t H, int lane) {
+  constexpr int kPerVec = 16 / sizeof(InT);
+  constexpr int kUnroll = 4;
+  const int64_t vecs = H / kPerVec;
+  uint32_t m = 0;
+  for (int64_t v0 = lane; v0 < vecs; v0 += 32 * kUnroll) {
+    uint4 q[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      q[u] = v0 + 32 * u < vecs ? ld_nc_v4(in + (v0 + 32 * u) * kPerVec) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint32_t w4[4] = {q[u].x, q[u].y, q[u].z, q[u].w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        if constexpr (sizeof(InT) == 2) {  // bf16 pairs: 0x7F80 and above is inf / NaN
+          const uint32_t lo = w4[i] & 0x7FFFu, hi = (w4[i] >> 16) & 0x7FFFu;
+          m = max(m, max(lo < 0x7F80u ? lo : 0u, hi < 0x7F80u ? hi : 0u));
+        } else {
+          const uint32_t a = w4[i] & 0x7FFFFFFFu;
+          m = max(m, a < 0x7F800000u ? a : 0u);
+        }
+      }
+    }
   }
-  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+  m = __reduce_max_sync(0xFFFFFFFFu, m);
+  return __uint_as_float(sizeof(InT) == 2 ? m << 16 : m);
+}
+
+// nvfp4 wire, rounds [rb, re) of 32 blocks of 16, one block per lane; `scales` is the warp's 32-byte
+// staging row. Every part reads the whole row for its global amax (parts > 1 only at small T).
+template <typename InT>
+__device__ __forceinline__ void send_nvfp4_part(const InT* __restrict__ in, char* dst, float w, int64_t H, int64_t rb,
+                                                int64_t re, int lane, uint8_t* scales) {
+  // The global amax, max over the finite partials |w * x|: RN is monotone and odd, so it is
+  // RN(|w| * max finite |x|) from the raw values, whenever that product is finite (it is not when w
+  // is inf / NaN or the product overflows: then the partials themselves, as the codec does).
+  float amax = fmt::mul_rn(fabsf(w), row_finite_amax<InT>(in, H, lane));
+  if (!(amax <= 3.402823466e38f)) {  // warp-uniform
+    amax = 0.f;
+    for (int64_t c = lane; c < H / 8; c += 32) {
+      float v[8];
+      load_row_values<InT>(in, c * 8, v, 8);
+      for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fmt::finite_abs(fmt::mul_rn(w, v[i])));
+    }
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+  }
   const float g = fmt::nvfp4_global_scale(amax);
   const int64_t nb = H / fmt::kNvfp4BlockSize;
-  for (int64_t base = 0; base < nb; base += 32) {
+  for (int64_t base = rb * 32; base < nb && base < re * 32; base += 32) {
     const int64_t c = base + lane;
     if (c < nb) {
       float v[16];
@@ -184,18 +246,17 @@ __device__ __forceinline__ void send_nvfp4_row(const InT* __restrict__ in, char*
     if (lane * 4 < n) reinterpret_cast<uint32_t*>(dst + H / 2 + base)[lane] = reinterpret_cast<uint32_t*>(scales)[lane];
     __syncwarp();
   }
-  if (lane == 0) *reinterpret_cast<float*>(dst + H / 2 + H / 16) = g;
+  if (lane == 0 && rb == 0) *reinterpret_cast<float*>(dst + H / 2 + H / 16) = g;
 }
 
-// Rounds [rb, re) of pool row `in`'s partial (weight w) -> `dst` in the wire format (mxfp8 / nvfp4:
-// always the whole row).
+// Rounds [rb, re) (combine_send_rounds) of pool row `in`'s partial (weight w) -> `dst` in the wire format.
 template <int kFormat, typename InT>
 __device__ __forceinline__ void send_row(const TransportArgs& a, const InT* __restrict__ in, char* dst, float w,
                                          int64_t rb, int64_t re, int lane, uint8_t* scales) {
   const int64_t H = a.hidden();
   if constexpr (kFormat == kWsBf16) send_bf16_part<InT>(in, dst, w, H / 8, rb, re, lane);
-  else if constexpr (kFormat == kWsMxfp8) send_mxfp8_row<InT>(in, dst, w, H, a.layout.wire_row_bytes, lane, scales);
-  else send_nvfp4_row<InT>(in, dst, w, H, lane, scales);
+  else if constexpr (kFormat == kWsMxfp8) send_mxfp8_part<InT>(in, dst, w, H, a.layout.wire_row_bytes, rb, re, lane, scales);
+  else send_nvfp4_part<InT>(in, dst, w, H, rb, re, lane, scales);
 }
 
 // Where pool row p's partial goes, from pool_src and its recv row's metadata: false for padding
@@ -238,8 +299,8 @@ __device__ __forceinline__ void combine_send_rows(const TransportArgs& a, const 
   const int64_t wire = a.layout.wire_row_bytes;
   const int64_t pool_end = a.own<int32_t>(a.layout.expert_offsets)[El];
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
-  // bf16: items (row, part); mxfp8 / nvfp4: parts == 1.
-  const int64_t rounds = (H / 8 + 31) / 32;
+  // items (row, part)
+  const int64_t rounds = combine_send_rounds(kFormat, H);
   for (int64_t item = blockIdx.x * (blockDim.x / 32) + warp; item < pool_end * parts; item += warps) {
     const int64_t p = item / parts;
     const int part = static_cast<int>(item % parts);
@@ -299,9 +360,9 @@ __device__ __forceinline__ void reduce_bf16_part(const char* rows, int64_t wire,
   }
 }
 
-// Token t's valid slots summed in slot order (fp32) into y: rounds [rb, re) of 32 8-element chunks
-// (bf16 wire), or the whole row (mxfp8 / nvfp4). Every rank's partials of the token must have
-// arrived (the caller waited). All 32 lanes call it.
+// Token t's valid slots summed in slot order (fp32) into y: rounds [rb, re) (combine_reduce_rounds)
+// of the row. Every rank's partials of the token must have arrived (the caller waited). All 32 lanes
+// call it.
 template <int kFormat>
 __device__ __forceinline__ void reduce_token(const TransportArgs& a, const int32_t* __restrict__ topk_ids,
                                              uint16_t* __restrict__ y, int64_t t, int64_t rb, int64_t re, int lane) {
@@ -313,34 +374,66 @@ __device__ __forceinline__ void reduce_token(const TransportArgs& a, const int32
   if constexpr (kFormat == kWsBf16) {
     reduce_bf16_part(rows, wire, t, static_cast<int>(k), valid, y + t * H, H / 8, rb, re, lane);
   } else {
-    for (int64_t c = lane; c < H / 16; c += 32) {
+    // 16-element chunks c of rounds [rb, re); up to 8 slots' codes and scales loaded before they are
+    // summed in slot order (one slot at a time was a chain of dependent loads: 174 us for one token).
+    constexpr int kSlotBatch = 8;
+    const int64_t chunks = H / 16, c_end = re * 32 < chunks ? re * 32 : chunks;
+    for (int64_t c = rb * 32 + lane; c < c_end; c += 32) {
       float acc[16];
+#pragma unroll
       for (int i = 0; i < 16; ++i) acc[i] = 0.f;
-      for (int j = 0; j < k; ++j) {
-        if (!(valid >> j & 1u)) continue;
-        const char* row = rows + (t * k + j) * wire;
-        if constexpr (kFormat == kWsMxfp8) {
-          const uint32_t* qw = reinterpret_cast<const uint32_t*>(row + c * 16);
-          const float sc = fmt::e8m0_to_float(static_cast<uint8_t>(row[H + c / 2]));
-          for (int m = 0; m < 4; ++m) {
-            const uint32_t q = qw[m];
-            for (int b = 0; b < 4; ++b)
-              acc[4 * m + b] = __fadd_rn(acc[4 * m + b],
-                                         fmt::mul_rn(fmt::e4m3_to_float(static_cast<uint8_t>(q >> (8 * b))), sc));
+      for (int j0 = 0; j0 < k; j0 += kSlotBatch) {
+        uint4 q[kSlotBatch];
+        float sc[kSlotBatch];
+#pragma unroll
+        for (int jj = 0; jj < kSlotBatch; ++jj) {
+          const int j = j0 + jj;
+          const bool on = j < k && (valid >> j & 1u);
+          const char* row = rows + (t * k + j) * wire;
+          q[jj] = make_uint4(0, 0, 0, 0);
+          sc[jj] = 0.f;
+          if (on) {
+            if constexpr (kFormat == kWsMxfp8) {
+              if (wire % 16 == 0) {  // rows 16-byte aligned (H % 512 == 0); else 4-byte aligned
+                q[jj] = *reinterpret_cast<const uint4*>(row + c * 16);
+              } else {
+                const uint32_t* p = reinterpret_cast<const uint32_t*>(row + c * 16);
+                q[jj] = make_uint4(p[0], p[1], p[2], p[3]);
+              }
+              sc[jj] = fmt::e8m0_to_float(static_cast<uint8_t>(row[H + c / 2]));
+            } else {  // nvfp4 rows (9H/16 + 4 bytes) are only 4-byte aligned
+              const uint32_t* p = reinterpret_cast<const uint32_t*>(row + c * 8);
+              q[jj].x = p[0];
+              q[jj].y = p[1];
+              sc[jj] = fmt::nvfp4_block_divisor(static_cast<uint8_t>(row[H / 2 + c]),
+                                                *reinterpret_cast<const float*>(row + H / 2 + H / 16));
+            }
           }
-        } else {
-          const uint32_t* qw = reinterpret_cast<const uint32_t*>(row + c * 8);
-          const float g = *reinterpret_cast<const float*>(row + H / 2 + H / 16);
-          const float divisor = fmt::nvfp4_block_divisor(static_cast<uint8_t>(row[H / 2 + c]), g);
-          for (int m = 0; m < 2; ++m) {
-            const uint32_t q = qw[m];
-            for (int b = 0; b < 8; ++b)
-              acc[8 * m + b] = __fadd_rn(acc[8 * m + b],
-                                         fmt::mul_rn(fmt::e2m1_to_float(static_cast<uint8_t>((q >> (4 * b)) & 0xFu)), divisor));
+        }
+#pragma unroll
+        for (int jj = 0; jj < kSlotBatch; ++jj) {
+          const int j = j0 + jj;
+          if (j >= k || !(valid >> j & 1u)) continue;  // in slot order; skipped slots add nothing
+          const uint32_t w[4] = {q[jj].x, q[jj].y, q[jj].z, q[jj].w};
+          if constexpr (kFormat == kWsMxfp8) {
+#pragma unroll
+            for (int m = 0; m < 8; ++m) {  // e4m3x2_to_float2: the codec's values (NaN: mul_rn canonicalises)
+              const float2 f = e4m3x2_to_float2(static_cast<uint16_t>(w[m / 2] >> (16 * (m & 1))));
+              acc[2 * m] = __fadd_rn(acc[2 * m], fmt::mul_rn(f.x, sc[jj]));
+              acc[2 * m + 1] = __fadd_rn(acc[2 * m + 1], fmt::mul_rn(f.y, sc[jj]));
+            }
+          } else {
+#pragma unroll
+            for (int m = 0; m < 2; ++m)
+#pragma unroll
+              for (int b = 0; b < 8; ++b)
+                acc[8 * m + b] = __fadd_rn(acc[8 * m + b],
+                                           fmt::mul_rn(fmt::e2m1_to_float(static_cast<uint8_t>((w[m] >> (4 * b)) & 0xFu)), sc[jj]));
           }
         }
       }
       uint32_t o[8];
+#pragma unroll
       for (int m = 0; m < 8; ++m)
         o[m] = fmt::float_to_bf16(acc[2 * m]) | (static_cast<uint32_t>(fmt::float_to_bf16(acc[2 * m + 1])) << 16);
       st_v4(y + t * H + c * 16, make_uint4(o[0], o[1], o[2], o[3]));
@@ -349,12 +442,12 @@ __device__ __forceinline__ void reduce_token(const TransportArgs& a, const int32
   }
 }
 
-// Every token, as (token, part) items over the grid's warps (bf16; mxfp8 / nvfp4: parts == 1).
+// Every token, as (token, part) items over the grid's warps.
 template <int kFormat>
 __device__ __forceinline__ void combine_reduce_tokens(const TransportArgs& a, const int32_t* __restrict__ topk_ids,
                                                       uint16_t* __restrict__ y, int parts) {
   const int lane = threadIdx.x & 31;
-  const int64_t rounds = (a.hidden() / 8 + 31) / 32;
+  const int64_t rounds = combine_reduce_rounds(kFormat, a.hidden());
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
   for (int64_t item = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; item < a.num_tokens * parts; item += warps) {
     const int64_t t = item / parts;
@@ -413,7 +506,7 @@ __global__ void __launch_bounds__(kCombineThreads)
 
 // Host-chosen shape of one combine_kernel launch.
 struct CombineShape {
-  int send_parts, reduce_parts;  // bf16 items per row / per token (one group)
+  int send_parts, reduce_parts;  // work items per row / per token (one group)
   int groups;                    // recv-row groups, 1 .. kMaxCombineGroups
   int reducers;                  // groups > 1: CTAs that only reduce (the last ones of the grid)
 };
@@ -467,7 +560,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   __syncthreads();
   const uint64_t epoch = a.sig.local_epoch();
   const int64_t k = a.top_k(), El = a.experts_per_rank(), H = a.hidden(), wire = a.layout.wire_row_bytes;
-  const int64_t rounds = (H / 8 + 31) / 32;
+  const int64_t rounds = combine_send_rounds(kFormat, H);
   const int32_t* counts = a.own<int32_t>(a.layout.recv_token_counts);  // [s]: rows source s sent here
   CombineCounters* cc = a.combine_counters;
   const int senders = static_cast<int>(gridDim.x) - shape.reducers;
@@ -535,7 +628,7 @@ __global__ void __launch_bounds__(kCombineThreads)
     __syncthreads();
     const int64_t t = static_cast<int64_t>(s_t0) + warp;
     const bool done = s_t0 >= static_cast<unsigned long long>(a.num_tokens) || !s_ok;
-    if (!done && t < a.num_tokens) reduce_token<kFormat>(a, topk_ids, y, t, 0, rounds, lane);
+    if (!done && t < a.num_tokens) reduce_token<kFormat>(a, topk_ids, y, t, 0, combine_reduce_rounds(kFormat, H), lane);
     __syncthreads();  // s_t0 / s_ok are rewritten
     if (done) break;
   }

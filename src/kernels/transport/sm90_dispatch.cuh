@@ -15,7 +15,8 @@
 //            so a small T still spreads over many warps. Each lane loads kLoadRounds rounds before it
 //            stores (latency hiding), and sends the token once per destination rank (not once per
 //            expert) to row me*T_max + i of the owner's recv_tokens (+ recv_scales, + recv_meta):
-//            16-byte stores for rows, scales (4 blocks gathered into one float4) and metadata.
+//            16-byte stores for rows and metadata; a round's 4 block scales gathered into a float4
+//            that one lane keeps, so a row's scales go out as one coalesced warp store.
 //            bf16 -> e4m3 1x128 on the fly: q = x * (1/s), checked exact (see quantize_e4m3_pair).
 //   signal   each CTA fences its stores and takes a ticket; the last one publishes the summed counts
 //            (above kDirectCountTokens), bumps the launch epoch,
@@ -273,6 +274,18 @@ __device__ __forceinline__ void dispatch_part(const TransportArgs& a, char* cons
   if constexpr (kMode == kBf16ToFp8) {
     const char* src = static_cast<const char*>(x) + t * H * 2;
     const bool pow2 = a.pow2_scales;
+    // Scales (H % 512 == 0): lane i keeps the float4 of round win + i; a window of up to 32 rounds
+    // goes out as one coalesced store per destination (a 16-byte store per round per destination was
+    // 14 small NVLink writes per token at H = 7168).
+    float4 my_sc = make_float4(0.f, 0.f, 0.f, 0.f);
+    int64_t win = rb;
+    const auto flush_scales = [&](int64_t end) {
+      if (lane < end - win)
+        for_each_dest(rows, R, row0, [&](int r, int64_t row) {
+          *reinterpret_cast<float4*>(reinterpret_cast<float*>(peer_base[r] + scale_off) + row * scale_cols + (win + lane) * 4) = my_sc;
+        });
+      win = end;
+    };
     for (int64_t r0 = rb; r0 < re; r0 += kLoadRounds) {
       uint4 in[kLoadRounds][2];
 #pragma unroll
@@ -316,22 +329,24 @@ __device__ __forceinline__ void dispatch_part(const TransportArgs& a, char* cons
                     s3 = __shfl_sync(0xFFFFFFFFu, s, 24);
         const int64_t block0 = (r0 + u) * 4;  // first 128-block of the round
         const int64_t nb = scale_cols - block0 < 4 ? scale_cols - block0 : 4;
+        if (scales_v4) {
+          const float s0 = __shfl_sync(0xFFFFFFFFu, s, 0);
+          if (lane == r0 + u - win) my_sc = make_float4(s0, s1, s2, s3);
+        }
         for_each_dest(rows, R, row0, [&](int r, int64_t row) {
           if (c < chunks) st_v4(peer_base[r] + tok_off + row * row_bytes + c * 16, out);
-          if (lane == 0) {
+          if (!scales_v4 && lane == 0) {
             float* d = reinterpret_cast<float*>(peer_base[r] + scale_off) + row * scale_cols + block0;
-            if (nb == 4 && scales_v4) {
-              *reinterpret_cast<float4*>(d) = make_float4(s, s1, s2, s3);
-            } else {
-              const float sv[4] = {s, s1, s2, s3};
+            const float sv[4] = {s, s1, s2, s3};
 #pragma unroll
-              for (int b = 0; b < 4; ++b)
-                if (b < nb) d[b] = sv[b];
-            }
+            for (int b = 0; b < 4; ++b)
+              if (b < nb) d[b] = sv[b];
           }
         });
+        if (scales_v4 && r0 + u + 1 - win == 32) flush_scales(r0 + u + 1);
       }
     }
+    if (scales_v4 && win < re) flush_scales(re);
   } else if constexpr (kMode == kFp8Copy || kMode == kBf16Copy) {
     const char* src = static_cast<const char*>(x) + t * row_bytes;
     for (int64_t r0 = rb; r0 < re; r0 += kLoadRounds) {

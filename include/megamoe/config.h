@@ -56,11 +56,14 @@ struct Knobs {
   int32_t block_m = 0;  // GEMM M tile: 0, 64 or 128
   int32_t block_n = 0;  // GEMM N tile: 0, 64, 128, 256 (GPU backends)
   int32_t num_sms = 0;  // SMs a persistent kernel may use: 0 = all (GPU backends)
+  // Recv-row groups of the one-kernel combine (routed backend, mxfp8 / nvfp4 wire), 1..8: the
+  // reduce of a group's tokens overlaps the later groups' sends. 0 = by the token count.
+  int32_t combine_groups = 0;
 
   Status validate() const;
   std::string to_string() const;
   bool operator==(const Knobs& o) const {
-    return block_m == o.block_m && block_n == o.block_n && num_sms == o.num_sms;
+    return block_m == o.block_m && block_n == o.block_n && num_sms == o.num_sms && combine_groups == o.combine_groups;
   }
 };
 

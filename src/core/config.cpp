@@ -76,12 +76,15 @@ Status Knobs::validate() const {
     return invalid_argument("knobs", "block_n", str(block_n), "must be 0 (heuristic), 64, 128 or 256");
   if (num_sms < 0 || num_sms > 1024)
     return invalid_argument("knobs", "num_sms", str(num_sms), "must be in [0, 1024] (0 = all SMs)");
+  if (combine_groups < 0 || combine_groups > 8)
+    return invalid_argument("knobs", "combine_groups", str(combine_groups), "must be in [0, 8] (0 = by the token count)");
   return Status::ok();
 }
 
 std::string Knobs::to_string() const {
   std::ostringstream os;
-  os << "Knobs(block_m=" << block_m << ", block_n=" << block_n << ", num_sms=" << num_sms << ")";
+  os << "Knobs(block_m=" << block_m << ", block_n=" << block_n << ", num_sms=" << num_sms
+     << ", combine_groups=" << combine_groups << ")";
   return os.str();
 }
 

@@ -37,11 +37,12 @@ KnobKey h200_key(int64_t max_tokens) {
 }
 
 KnobEntry make_entry(int32_t block_m, int32_t block_n, int32_t num_sms, int64_t crossover, double us,
-                     const std::string& note) {
+                     const std::string& note, int32_t combine_groups = 0) {
   KnobEntry e;
   e.knobs.block_m = block_m;
   e.knobs.block_n = block_n;
   e.knobs.num_sms = num_sms;
+  e.knobs.combine_groups = combine_groups;
   e.mega_max_tokens_per_rank = crossover;
   e.measured_us = us;
   e.note = note;
@@ -68,7 +69,11 @@ json entry_json(const KnobKey& k, const KnobEntry& e) {
               {"num_experts", k.num_experts},
               {"top_k", k.top_k},
               {"max_tokens", k.max_tokens},
-              {"knobs", {{"block_m", e.knobs.block_m}, {"block_n", e.knobs.block_n}, {"num_sms", e.knobs.num_sms}}},
+              {"knobs",
+               {{"block_m", e.knobs.block_m},
+                {"block_n", e.knobs.block_n},
+                {"num_sms", e.knobs.num_sms},
+                {"combine_groups", e.knobs.combine_groups}}},
               {"mega_max_tokens_per_rank", e.mega_max_tokens_per_rank},
               {"measured_us", e.measured_us},
               {"note", e.note}};
@@ -124,7 +129,7 @@ TEST_F(KnobCacheTest, RoundTrip_SaveLoad_PreservesEveryField) {
   c.ep_size = 1;
   c.combine_dtype = CombineDtype::kNvfp4;
   KnobEntry ea = make_entry(64, 128, 0, 256, 41.123456789012345, "autotune \"decode\" \u00b5s\n");
-  KnobEntry eb = make_entry(128, 256, 132, 0, 1234.5, "");
+  KnobEntry eb = make_entry(128, 256, 132, 0, 1234.5, "", /*combine_groups=*/4);
   KnobEntry ec = make_entry(0, 0, 66, 1024, 0.1, "cpu-side note");
   cache.put(a, ea);
   cache.put(b, eb);
@@ -163,6 +168,7 @@ TEST_F(KnobCacheTest, RoundTrip_SaveLoad_PreservesEveryField) {
     EXPECT_EQ(e["knobs"]["block_m"], 64);
     EXPECT_EQ(e["knobs"]["block_n"], 128);
     EXPECT_EQ(e["knobs"]["num_sms"], 0);
+    EXPECT_EQ(e["knobs"]["combine_groups"], 0);
     EXPECT_EQ(e["mega_max_tokens_per_rank"], 256);
   }
   EXPECT_TRUE(found_a);
@@ -439,6 +445,7 @@ INSTANTIATE_TEST_SUITE_P(
         BadFieldCase{"KnobsBlockNInvalid", "knobs", [](json* e) { (*e)["knobs"]["block_n"] = 100; }},
         BadFieldCase{"KnobsNegativeNumSms", "knobs.num_sms", [](json* e) { (*e)["knobs"]["num_sms"] = -1; }},
         BadFieldCase{"KnobsBlockMOverflow", "knobs.block_m", [](json* e) { (*e)["knobs"]["block_m"] = 1LL << 40; }},
+        BadFieldCase{"KnobsCombineGroupsTooMany", "combine_groups", [](json* e) { (*e)["knobs"]["combine_groups"] = 9; }},
         BadFieldCase{"NegativeCrossover", "mega_max_tokens_per_rank",
                      [](json* e) { (*e)["mega_max_tokens_per_rank"] = -5; }},
         BadFieldCase{"NegativeMeasuredUs", "measured_us", [](json* e) { (*e)["measured_us"] = -1.0; }},
@@ -611,6 +618,7 @@ KnobCache cache_with_tuned_entry() {
   e.knobs.block_m = 64;
   e.knobs.block_n = 256;
   e.knobs.num_sms = 120;
+  e.knobs.combine_groups = 8;
   cache.put(make_knob_key("NVIDIA H200", tuned_geometry(128), MoeConfig{}), e);
   return cache;
 }
@@ -622,7 +630,9 @@ TEST(ApplyTunedKnobs, FillsHeuristicFieldsFromTheBucket) {
   EXPECT_EQ(out.knobs.block_m, 64);  // bucket 128 is the smallest >= 100
   EXPECT_EQ(out.knobs.block_n, 256);
   EXPECT_EQ(out.knobs.num_sms, 120);
+  EXPECT_EQ(out.knobs.combine_groups, 8);
   EXPECT_NE(note.find("block_m=64"), std::string::npos) << note;
+  EXPECT_NE(note.find("combine_groups=8"), std::string::npos) << note;
 }
 
 TEST(ApplyTunedKnobs, CallerSetFieldsWin) {

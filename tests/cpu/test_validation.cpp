@@ -83,6 +83,8 @@ const BadConfigCase kBadConfigs[] = {
     {"block_m_odd", [](MoeGeometry&, MoeConfig& c) { c.knobs.block_m = 96; }, {"block_m=96", "64 or 128"}},
     {"block_n_odd", [](MoeGeometry&, MoeConfig& c) { c.knobs.block_n = 100; }, {"block_n=100", "64, 128 or 256"}},
     {"num_sms_negative", [](MoeGeometry&, MoeConfig& c) { c.knobs.num_sms = -2; }, {"num_sms=-2", "[0, 1024]"}},
+    {"combine_groups_too_many", [](MoeGeometry&, MoeConfig& c) { c.knobs.combine_groups = 9; },
+     {"combine_groups=9", "[0, 8]"}},
     {"backend_out_of_range", [](MoeGeometry&, MoeConfig& c) { c.backend = static_cast<Backend>(7); },
      {"backend=7", "auto, mega, routed or cpu"}},
     {"weight_format_out_of_range", [](MoeGeometry&, MoeConfig& c) { c.weight_format = static_cast<WeightFormat>(9); },

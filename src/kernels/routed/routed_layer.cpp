@@ -120,6 +120,7 @@ class RoutedMoeLayer final : public MoeLayer {
     opt.params = workspace_params(geometry_, config_);
     opt.pow2_scales = config_.pow2_scales;
     opt.num_sms = config_.knobs.num_sms;
+    opt.combine_groups = config_.knobs.combine_groups;
     MEGAMOE_RETURN_IF_ERROR(EpTransport::create(std::move(comm), opt, &transport_));
     return upload_weights();
   }

@@ -66,6 +66,14 @@ __global__ void encode_elements_cvt_kernel(const float* x, int64_t n, uint8_t* e
   }
 }
 
+// The raw IEEE multiply and add (no canonicalize_nan): out[2i] = a[i] * b[i], out[2i + 1] = a[i] + b[i].
+__global__ void raw_mul_add_kernel(const float* a, const float* b, int64_t n, float* out) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    out[2 * i] = __fmul_rn(a[i], b[i]);
+    out[2 * i + 1] = __fadd_rn(a[i], b[i]);
+  }
+}
+
 // fp8 1x128. Warp task = one block of 128; lane l holds elements l, l+32, l+64, l+96 (coalesced).
 // The loop over tasks is warp-uniform, so every shuffle has all 32 lanes.
 __global__ void quantize_fp8_1x128_kernel(const float* x, int64_t num_blocks, uint8_t* q, float* scales, bool pow2) {
@@ -168,6 +176,13 @@ cudaError_t encode_elements_cvt(const float* x, int64_t n, uint8_t* e4m3, uint16
   if (n < 0 || (n > 0 && !x)) return cudaErrorInvalidValue;
   if (n == 0) return cudaSuccess;
   encode_elements_cvt_kernel<<<ctas_for(n, kThreads), kThreads, 0, stream>>>(x, n, e4m3, bf16);
+  return cudaGetLastError();
+}
+
+cudaError_t raw_mul_add(const float* a, const float* b, int64_t n, float* out, cudaStream_t stream) {
+  if (n < 0 || (n > 0 && (!a || !b || !out))) return cudaErrorInvalidValue;
+  if (n == 0) return cudaSuccess;
+  raw_mul_add_kernel<<<ctas_for(n, kThreads), kThreads, 0, stream>>>(a, b, n, out);
   return cudaGetLastError();
 }
 

@@ -32,6 +32,10 @@ cudaError_t encode_elements(const float* x, int64_t n, uint8_t* e4m3, uint8_t* e
 // The same with the hardware conversion instructions (e4m3 satfinite, bf16 round-to-nearest).
 cudaError_t encode_elements_cvt(const float* x, int64_t n, uint8_t* e4m3, uint16_t* bf16, cudaStream_t stream);
 
+// out[2n]: __fmul_rn(a[i], b[i]) and __fadd_rn(a[i], b[i]) as the hardware gives them (no
+// canonicalize_nan): kernels that skip mul_rn's canonicalisation rely on their NaN being 0x7FFFFFFF.
+cudaError_t raw_mul_add(const float* a, const float* b, int64_t n, float* out, cudaStream_t stream);
+
 // fp8 1x128: q[n], scales[n / 128] fp32. One warp per block.
 cudaError_t quantize_fp8_1x128(const float* x, int64_t n, uint8_t* q, float* scales, bool pow2, cudaStream_t stream);
 cudaError_t dequantize_fp8_1x128(const uint8_t* q, const float* scales, int64_t n, float* out, cudaStream_t stream);

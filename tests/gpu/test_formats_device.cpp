@@ -163,6 +163,42 @@ TEST(FormatsDevice, HardwareE4m3DecodeAgreesWithCodec) {
   }
 }
 
+// The hardware multiply and add return the canonical NaN 0x7FFFFFFF for every NaN result (NaN
+// operands of either sign and any payload, inf * 0, inf - inf), as formats.h states: so a device
+// mul_rn / add needs no canonicalize_nan (the combine's mxfp8 loops rely on it).
+TEST(FormatsDevice, HardwareNaNResultsAreCanonical) {
+  REQUIRE_SM90();
+  const float inf = std::numeric_limits<float>::infinity();
+  const float others[] = {0.f, -0.f, 1.f, -3.5f, 1e-40f, 3e38f, inf, -inf};
+  std::vector<float> a, b;
+  std::mt19937 rng(7);
+  for (int i = 0; i < 4096; ++i) {
+    const uint32_t payload = 1u + (rng() & 0x3FFFFFu);  // non-zero: a NaN, quiet or signalling
+    const float nan = float_of((rng() & 0x80000000u) | 0x7F800000u | payload);
+    const float other = i % 3 == 0 ? float_of((rng() & 0x80000000u) | 0x7F800000u | (1u + (rng() & 0x3FFFFFu)))
+                                   : others[i % 8];
+    a.push_back(i % 2 ? nan : other);
+    b.push_back(i % 2 ? other : nan);
+  }
+  a.push_back(inf), b.push_back(0.f);   // inf * 0
+  a.push_back(inf), b.push_back(-inf);  // inf - inf (the add), inf * -inf = -inf (not NaN)
+  const int64_t n = static_cast<int64_t>(a.size());
+  DeviceBuffer<float> da(a), db(b), out(2 * n);
+  CUDA_OK(fmt::device::raw_mul_add(da.ptr, db.ptr, n, out.ptr, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  const std::vector<float> g = out.to_host();
+  int64_t nan_results = 0, bad = 0;
+  for (int64_t i = 0; i < 2 * n; ++i) {
+    if (!std::isnan(g[i])) continue;
+    ++nan_results;
+    if (bits_of(g[i]) != 0x7FFFFFFFu && ++bad <= 5)
+      ADD_FAILURE() << (i % 2 ? "add" : "mul") << " of " << std::hex << bits_of(a[i / 2]) << ", " << bits_of(b[i / 2])
+                    << " gave " << bits_of(g[i]);
+  }
+  EXPECT_GE(nan_results, 2 * 4096);
+  EXPECT_EQ(bad, 0);
+}
+
 TEST(FormatsDevice, EncodersBitExact) {
   REQUIRE_SM90();
   const std::vector<float> x = encoder_inputs();

@@ -18,6 +18,14 @@ __device__ __forceinline__ uint16_t cvt_e4m3x2(float lo, float hi) {
   return r;
 }
 
+// bf16 codes of (lo, hi), lo in the low half, round to nearest even: fmt::float_to_bf16's code for
+// every non-NaN input and for the canonical NaN 0x7FFFFFFF (0x7FFF both); other NaN payloads differ.
+__device__ __forceinline__ uint32_t cvt_bf16x2(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
 // fp32 values of two e4m3 codes (the low byte first) through the hardware conversion (e4m3 -> f16 is
 // exact, f16 -> f32 too): fmt::e4m3_to_float's value for every code but the two NaNs, which give a
 // NaN (a mul_rn of it is the canonical NaN either way; tests/gpu/test_formats_device.cpp).

@@ -63,6 +63,20 @@ __device__ __forceinline__ uint32_t mx_encode(float x, float s, float inv, bool 
   return fmt::float_to_e4m3(use_inv ? __fmul_rn(x, inv) : fmt::div_rn(x, s));
 }
 
+// kHwNaNNote: the hot loops below use the raw __fmul_rn / __fadd_rn where the codecs say mul_rn:
+// the hardware already returns the canonical NaN 0x7FFFFFFF for every NaN result, so the codec's
+// canonicalize_nan would change nothing (FormatsDevice.HardwareNaNResultsAreCanonical checks it),
+// and with only canonical NaNs, cvt.rn.bf16x2 gives float_to_bf16's codes (cvt_bf16x2).
+
+// max over the finite |v[i]| (fmt::finite_abs), for a block whose plain max hit an inf.
+template <int kN>
+__device__ __forceinline__ float finite_amax(const float (&v)[kN]) {
+  float m = 0.f;
+#pragma unroll
+  for (int i = 0; i < kN; ++i) m = fmaxf(m, fmt::finite_abs(v[i]));
+  return m;
+}
+
 constexpr int kCombineThreads = 256;
 constexpr int kCombineLoadRounds = 4;  // 32-chunk rounds a lane of combine_send loads before it stores
 
@@ -101,8 +115,7 @@ __device__ __forceinline__ void send_bf16_part(const InT* __restrict__ in, char*
       uint32_t o[4];
 #pragma unroll
       for (int m = 0; m < 4; ++m)
-        o[m] = fmt::float_to_bf16(fmt::mul_rn(w, v[2 * m])) |
-               (static_cast<uint32_t>(fmt::float_to_bf16(fmt::mul_rn(w, v[2 * m + 1]))) << 16);
+        o[m] = cvt_bf16x2(__fmul_rn(w, v[2 * m]), __fmul_rn(w, v[2 * m + 1]));  // see kHwNaNNote
       st_v4(dst + c * 16, make_uint4(o[0], o[1], o[2], o[3]));
     }
   }
@@ -133,9 +146,10 @@ __device__ __forceinline__ void send_mxfp8_part(const InT* __restrict__ in, char
       float amax = 0.f;
 #pragma unroll
       for (int i = 0; i < 32; ++i) {
-        v[i] = fmt::mul_rn(w, v[i]);
-        amax = fmaxf(amax, fmt::finite_abs(v[i]));
+        v[i] = __fmul_rn(w, v[i]);         // = fmt::mul_rn (kHwNaNNote)
+        amax = fmaxf(amax, fabsf(v[i]));  // fmaxf skips NaN
       }
+      if (amax == __int_as_float(0x7F800000)) amax = finite_amax(v);  // an inf: the finite-only max
       const uint8_t code = fmt::mxfp8_scale_code(amax);
       const float sc = fmt::e8m0_to_float(code);
       uint32_t q[8];
@@ -228,9 +242,10 @@ __device__ __forceinline__ void send_nvfp4_part(const InT* __restrict__ in, char
       load_row_values<InT>(in, c * 16, v, 16);
       float bamax = 0.f;
       for (int i = 0; i < 16; ++i) {
-        v[i] = fmt::mul_rn(w, v[i]);
-        bamax = fmaxf(bamax, fmt::finite_abs(v[i]));
+        v[i] = __fmul_rn(w, v[i]);           // = fmt::mul_rn (kHwNaNNote)
+        bamax = fmaxf(bamax, fabsf(v[i]));  // fmaxf skips NaN
       }
+      if (bamax == __int_as_float(0x7F800000)) bamax = finite_amax(v);  // an inf: the finite-only max
       const uint8_t code = fmt::nvfp4_block_scale_code(bamax, g);
       const float divisor = fmt::nvfp4_block_divisor(code, g);
       uint32_t q[2] = {0u, 0u};
@@ -355,7 +370,7 @@ __device__ __forceinline__ void reduce_bf16_part(const char* rows, int64_t wire,
     uint32_t o[4];
 #pragma unroll
     for (int m = 0; m < 4; ++m)
-      o[m] = fmt::float_to_bf16(acc[2 * m]) | (static_cast<uint32_t>(fmt::float_to_bf16(acc[2 * m + 1])) << 16);
+      o[m] = cvt_bf16x2(acc[2 * m], acc[2 * m + 1]);  // acc's NaN is canonical (kHwNaNNote)
     st_v4(y_row + c * 8, make_uint4(o[0], o[1], o[2], o[3]));
   }
 }
@@ -419,8 +434,8 @@ __device__ __forceinline__ void reduce_token(const TransportArgs& a, const int32
 #pragma unroll
             for (int m = 0; m < 8; ++m) {  // e4m3x2_to_float2: the codec's values (NaN: mul_rn canonicalises)
               const float2 f = e4m3x2_to_float2(static_cast<uint16_t>(w[m / 2] >> (16 * (m & 1))));
-              acc[2 * m] = __fadd_rn(acc[2 * m], fmt::mul_rn(f.x, sc[jj]));
-              acc[2 * m + 1] = __fadd_rn(acc[2 * m + 1], fmt::mul_rn(f.y, sc[jj]));
+              acc[2 * m] = __fadd_rn(acc[2 * m], __fmul_rn(f.x, sc[jj]));  // = fmt::mul_rn (kHwNaNNote)
+              acc[2 * m + 1] = __fadd_rn(acc[2 * m + 1], __fmul_rn(f.y, sc[jj]));
             }
           } else {
 #pragma unroll
@@ -428,14 +443,14 @@ __device__ __forceinline__ void reduce_token(const TransportArgs& a, const int32
 #pragma unroll
               for (int b = 0; b < 8; ++b)
                 acc[8 * m + b] = __fadd_rn(acc[8 * m + b],
-                                           fmt::mul_rn(fmt::e2m1_to_float(static_cast<uint8_t>((w[m] >> (4 * b)) & 0xFu)), sc[jj]));
+                                           __fmul_rn(fmt::e2m1_to_float(static_cast<uint8_t>((w[m] >> (4 * b)) & 0xFu)), sc[jj]));
           }
         }
       }
       uint32_t o[8];
 #pragma unroll
       for (int m = 0; m < 8; ++m)
-        o[m] = fmt::float_to_bf16(acc[2 * m]) | (static_cast<uint32_t>(fmt::float_to_bf16(acc[2 * m + 1])) << 16);
+        o[m] = cvt_bf16x2(acc[2 * m], acc[2 * m + 1]);  // acc's NaN is canonical (kHwNaNNote)
       st_v4(y + t * H + c * 16, make_uint4(o[0], o[1], o[2], o[3]));
       st_v4(y + t * H + c * 16 + 8, make_uint4(o[4], o[5], o[6], o[7]));
     }

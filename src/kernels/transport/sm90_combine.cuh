@@ -11,14 +11,14 @@
 //   nvfp4, fmt:: codecs) and stored through the LSA pointer into row t*k+j of the source rank's
 //   combine region. Work item = (pool row, part of the row), so a small T still fills the GPU (bf16:
 //   a lane loads kCombineLoadRounds 16-byte chunks before it stores them; mxfp8 / nvfp4: a lane
-//   encodes one block, e4m3 by the cvt instruction). No signal here: progress is published by combine_reduce_kernel, which
-//   follows in stream order (so an FC2 epilogue that writes the rows itself needs nothing else).
+//   encodes one block, e4m3 by the cvt instruction). No signal here: progress is published by
+//   combine_reduce_kernel, which follows in stream order (so an FC2 epilogue that writes the rows
+//   itself needs nothing else).
 // combine_reduce_kernel (source): CTA 0 fences and publishes "all rows" in every rank's
 //   [me][kSlotCombine] cell; every CTA waits (bounded) until all ranks have published it here; then
 //   the valid slots of each token are summed in slot order in fp32 (acc starts at +0) and written as
 //   bf16 (RNE). Work item = (token, part of the row), up to 8 slots' chunks loaded before they are
-//   summed. Slots with ids outside [0, E) or repeated are
-//   skipped, as in dispatch.
+//   summed. Slots with ids outside [0, E) or repeated are skipped, as in dispatch.
 // combine_kernel (both in one launch, for callers with a local FC2 output; see there): with one
 //   group, send, a ticket per CTA, the last publishes all rows, every CTA waits and reduces; with
 //   G > 1 groups of recv rows, the rows go out group by group, each group published as its last
@@ -57,11 +57,8 @@ __device__ __forceinline__ void load_row_values<uint16_t>(const uint16_t* row, i
   }
 }
 
-// e4m3 code of x / s for an mxfp8 block scale s = 2^(code - 127): a multiply by the exact reciprocal
-// where it is a normal float (the same correctly rounded quotient), the IEEE division elsewhere.
-__device__ __forceinline__ uint32_t mx_encode(float x, float s, float inv, bool use_inv) {
-  return fmt::float_to_e4m3(use_inv ? __fmul_rn(x, inv) : fmt::div_rn(x, s));
-}
+// e4m3 code of x / s by the codec (the mxfp8 blocks whose scale has no exact fp32 reciprocal path).
+__device__ __forceinline__ uint32_t mx_encode(float x, float s) { return fmt::float_to_e4m3(fmt::div_rn(x, s)); }
 
 // kHwNaNNote: the hot loops below use the raw __fmul_rn / __fadd_rn where the codecs say mul_rn:
 // the hardware already returns the canonical NaN 0x7FFFFFFF for every NaN result, so the codec's
@@ -164,8 +161,8 @@ __device__ __forceinline__ void send_mxfp8_part(const InT* __restrict__ in, char
                  (static_cast<uint32_t>(cvt_e4m3x2(__fmul_rn(v[4 * m + 2], inv), __fmul_rn(v[4 * m + 3], inv))) << 16);
       } else {
         for (int m = 0; m < 8; ++m)
-          q[m] = mx_encode(v[4 * m], sc, 0.f, false) | (mx_encode(v[4 * m + 1], sc, 0.f, false) << 8) |
-                 (mx_encode(v[4 * m + 2], sc, 0.f, false) << 16) | (mx_encode(v[4 * m + 3], sc, 0.f, false) << 24);
+          q[m] = mx_encode(v[4 * m], sc) | (mx_encode(v[4 * m + 1], sc) << 8) | (mx_encode(v[4 * m + 2], sc) << 16) |
+                 (mx_encode(v[4 * m + 3], sc) << 24);
       }
       if (wire % 16 == 0) {  // rows 16-byte aligned (H % 512 == 0): two vector stores
         st_v4(dst + c * 32, make_uint4(q[0], q[1], q[2], q[3]));
@@ -432,7 +429,7 @@ __device__ __forceinline__ void reduce_token(const TransportArgs& a, const int32
           const uint32_t w[4] = {q[jj].x, q[jj].y, q[jj].z, q[jj].w};
           if constexpr (kFormat == kWsMxfp8) {
 #pragma unroll
-            for (int m = 0; m < 8; ++m) {  // e4m3x2_to_float2: the codec's values (NaN: mul_rn canonicalises)
+            for (int m = 0; m < 8; ++m) {  // the codec's values (a NaN code: the product is the canonical NaN)
               const float2 f = e4m3x2_to_float2(static_cast<uint16_t>(w[m / 2] >> (16 * (m & 1))));
               acc[2 * m] = __fadd_rn(acc[2 * m], __fmul_rn(f.x, sc[jj]));  // = fmt::mul_rn (kHwNaNNote)
               acc[2 * m + 1] = __fadd_rn(acc[2 * m + 1], __fmul_rn(f.y, sc[jj]));

@@ -2,6 +2,7 @@
 #include <algorithm>
 
 #include "core/cuda_check.h"
+#include "kernels/common/pdl.cuh"
 #include "kernels/transport/sm90_combine.cuh"
 #include "kernels/transport/sm90_launch.h"
 
@@ -10,12 +11,12 @@ namespace kernels {
 
 namespace {
 template <typename InT>
-void send_as(const TransportArgs& args, const void* out, int ctas, int parts, cudaStream_t stream) {
+cudaError_t send_as(const TransportArgs& args, const void* out, int ctas, int parts, cudaStream_t stream) {
   const InT* in = static_cast<const InT*>(out);
   switch (args.layout.params.combine_format) {
-    case kWsMxfp8: combine_send_kernel<kWsMxfp8, InT><<<ctas, kCombineThreads, 0, stream>>>(args, in, parts); break;
-    case kWsNvfp4: combine_send_kernel<kWsNvfp4, InT><<<ctas, kCombineThreads, 0, stream>>>(args, in, parts); break;
-    default: combine_send_kernel<kWsBf16, InT><<<ctas, kCombineThreads, 0, stream>>>(args, in, parts); break;
+    case kWsMxfp8: return launch_pdl(combine_send_kernel<kWsMxfp8, InT>, ctas, kCombineThreads, 0, stream, pdl_wanted(args.num_tokens), args, in, parts);
+    case kWsNvfp4: return launch_pdl(combine_send_kernel<kWsNvfp4, InT>, ctas, kCombineThreads, 0, stream, pdl_wanted(args.num_tokens), args, in, parts);
+    default: return launch_pdl(combine_send_kernel<kWsBf16, InT>, ctas, kCombineThreads, 0, stream, pdl_wanted(args.num_tokens), args, in, parts);
   }
 }
 
@@ -66,8 +67,7 @@ Status launch_fused(const TransportArgs& args, const InT* in, const int32_t* top
   const int ctas = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want_ctas, static_cast<int64_t>(sms) * std::max(per_sm, 1))));
   if (ctas < 2) shape.groups = 1;  // groups need a sending and a reducing CTA
   shape.reducers = shape.groups > 1 ? std::max(1, ctas / 8) : 0;
-  combine_kernel<kFormat, InT><<<ctas, kCombineThreads, 0, stream>>>(args, in, topk_ids, y, shape);
-  MEGAMOE_CUDA_CHECK_LAUNCH();
+  MEGAMOE_CUDA_CHECK(launch_pdl(combine_kernel<kFormat, InT>, ctas, kCombineThreads, 0, stream, pdl_wanted(args.num_tokens), args, in, topk_ids, y, shape));
   return Status::ok();
 }
 
@@ -100,9 +100,8 @@ Status launch_combine_send(const TransportParams& params, const void* expert_out
                            cudaStream_t stream) {
   const TransportArgs args = TransportArgs::from(params);
   const SendShape sh = send_shape(args, std::max(num_sms, 1));
-  if (out_is_fp32) send_as<float>(args, expert_out, sh.ctas, sh.parts, stream);
-  else send_as<uint16_t>(args, expert_out, sh.ctas, sh.parts, stream);
-  MEGAMOE_CUDA_CHECK_LAUNCH();
+  MEGAMOE_CUDA_CHECK(out_is_fp32 ? send_as<float>(args, expert_out, sh.ctas, sh.parts, stream)
+                                 : send_as<uint16_t>(args, expert_out, sh.ctas, sh.parts, stream));
   return Status::ok();
 }
 
@@ -113,11 +112,10 @@ Status launch_combine_reduce(const TransportParams& params, const int32_t* topk_
   const int parts = reduce_parts(args);
   const int ctas = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((T * parts + warps_per_cta - 1) / warps_per_cta, 2 * sms)));
   switch (args.layout.params.combine_format) {
-    case kWsMxfp8: combine_reduce_kernel<kWsMxfp8><<<ctas, kCombineThreads, 0, stream>>>(args, topk_ids, y, parts); break;
-    case kWsNvfp4: combine_reduce_kernel<kWsNvfp4><<<ctas, kCombineThreads, 0, stream>>>(args, topk_ids, y, parts); break;
-    default: combine_reduce_kernel<kWsBf16><<<ctas, kCombineThreads, 0, stream>>>(args, topk_ids, y, parts); break;
+    case kWsMxfp8: MEGAMOE_CUDA_CHECK(launch_pdl(combine_reduce_kernel<kWsMxfp8>, ctas, kCombineThreads, 0, stream, pdl_wanted(args.num_tokens), args, topk_ids, y, parts)); break;
+    case kWsNvfp4: MEGAMOE_CUDA_CHECK(launch_pdl(combine_reduce_kernel<kWsNvfp4>, ctas, kCombineThreads, 0, stream, pdl_wanted(args.num_tokens), args, topk_ids, y, parts)); break;
+    default: MEGAMOE_CUDA_CHECK(launch_pdl(combine_reduce_kernel<kWsBf16>, ctas, kCombineThreads, 0, stream, pdl_wanted(args.num_tokens), args, topk_ids, y, parts)); break;
   }
-  MEGAMOE_CUDA_CHECK_LAUNCH();
   return Status::ok();
 }
 

@@ -25,6 +25,7 @@
 //   sending CTA is done, and reducing warps take the tokens in order as their rows arrive.
 #pragma once
 
+#include "kernels/common/pdl.cuh"
 #include "kernels/common/sm90_quant.cuh"
 #include "kernels/transport/sm90_transport_args.cuh"
 
@@ -330,6 +331,7 @@ __device__ __forceinline__ void combine_send_rows(const TransportArgs& a, const 
 template <int kFormat, typename InT>
 __global__ void __launch_bounds__(kCombineThreads)
     combine_send_kernel(TransportArgs a, const InT* __restrict__ expert_out, int parts) {
+  pdl_enter();  // launched with launch_pdl (sm90_combine.cu)
   combine_send_rows<kFormat, InT>(a, expert_out, parts);
 }
 
@@ -501,6 +503,7 @@ template <int kFormat>
 __global__ void __launch_bounds__(kCombineThreads)
     combine_reduce_kernel(TransportArgs a, const int32_t* __restrict__ topk_ids, uint16_t* __restrict__ y, int parts) {
   __shared__ bool s_ok;
+  pdl_enter();  // launched with launch_pdl (sm90_combine.cu)
   if (threadIdx.x == 0) {
     const SignalCtx sig = a.sig;  // a local copy: the wait is not inlined
     const uint64_t epoch = sig.local_epoch();
@@ -545,6 +548,7 @@ __global__ void __launch_bounds__(kCombineThreads)
     combine_kernel(TransportArgs a, const InT* __restrict__ expert_out, const int32_t* __restrict__ topk_ids,
                    uint16_t* __restrict__ y, CombineShape shape) {
   __shared__ bool s_ok;
+  pdl_enter();  // launched with launch_pdl (sm90_combine.cu); see pdl.cuh on co-residency
   if (shape.groups <= 1) {
     combine_send_rows<kFormat, InT>(a, expert_out, shape.send_parts);  // ends with a barrier; thread 0 fenced
     if (threadIdx.x == 0) {

@@ -25,6 +25,7 @@
 //            are complete.
 #pragma once
 
+#include "kernels/common/pdl.cuh"
 #include "kernels/common/sm90_quant.cuh"
 #include "kernels/transport/sm90_transport_args.cuh"
 
@@ -441,6 +442,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 2)
                     const int32_t* __restrict__ topk_ids, const float* __restrict__ topk_weights) {
   __shared__ DispatchSmem s;
   extern __shared__ int32_t hist[];  // [E], CTA 0 only
+  pdl_enter();  // launched with launch_pdl (sm90_dispatch.cu)
   if (threadIdx.x < a.sig.num_ranks) s.peer_base[threadIdx.x] = a.sig.peer_ptr(threadIdx.x, 0);
   const int64_t t_lo = static_cast<int64_t>(blockIdx.x) * shape.tokens_per_cta;
   const int64_t t_hi = min(a.num_tokens, t_lo + shape.tokens_per_cta);

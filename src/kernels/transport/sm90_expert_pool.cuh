@@ -20,6 +20,7 @@
 
 #include <cub/block/block_scan.cuh>
 
+#include "kernels/common/pdl.cuh"
 #include "kernels/transport/sm90_transport_args.cuh"
 
 namespace megamoe {
@@ -39,6 +40,7 @@ __device__ __forceinline__ int32_t meta_expert(const TransportArgs& a, const int
 
 template <int kK>
 __global__ void __launch_bounds__(256) pool_rank_kernel(TransportArgs a) {
+  pdl_enter();  // launched with launch_pdl (sm90_dispatch.cu)
   const int R = a.sig.num_ranks;
   const int64_t k = a.top_k(), El = a.experts_per_rank(), T_max = a.t_max(), chunks = a.num_chunks();
   const int lane = threadIdx.x & 31;
@@ -88,6 +90,7 @@ __global__ void __launch_bounds__(256) pool_rank_kernel(TransportArgs a) {
 }
 
 __global__ void __launch_bounds__(kPoolOffsetsThreads) pool_offsets_kernel(TransportArgs a) {
+  pdl_enter();  // launched with launch_pdl (sm90_dispatch.cu)
   using Scan = cub::BlockScan<int64_t, kPoolOffsetsThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
   __shared__ int64_t s_carry;
@@ -157,6 +160,7 @@ __global__ void __launch_bounds__(kPoolOffsetsThreads) pool_offsets_kernel(Trans
 }
 
 __global__ void __launch_bounds__(256) pool_scatter_kernel(TransportArgs a) {
+  pdl_enter();  // launched with launch_pdl (sm90_dispatch.cu)
   const int R = a.sig.num_ranks;
   const int64_t k = a.top_k(), El = a.experts_per_rank(), T_max = a.t_max(), chunks = a.num_chunks();
   const int64_t H = a.hidden();

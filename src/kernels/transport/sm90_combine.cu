@@ -13,10 +13,11 @@ namespace {
 template <typename InT>
 cudaError_t send_as(const TransportArgs& args, const void* out, int ctas, int parts, cudaStream_t stream) {
   const InT* in = static_cast<const InT*>(out);
+  const bool pdl = pdl_wanted(args.num_tokens);
   switch (args.layout.params.combine_format) {
-    case kWsMxfp8: return launch_pdl(combine_send_kernel<kWsMxfp8, InT>, ctas, kCombineThreads, 0, stream, pdl_wanted(args.num_tokens), args, in, parts);
-    case kWsNvfp4: return launch_pdl(combine_send_kernel<kWsNvfp4, InT>, ctas, kCombineThreads, 0, stream, pdl_wanted(args.num_tokens), args, in, parts);
-    default: return launch_pdl(combine_send_kernel<kWsBf16, InT>, ctas, kCombineThreads, 0, stream, pdl_wanted(args.num_tokens), args, in, parts);
+    case kWsMxfp8: return launch_pdl(combine_send_kernel<kWsMxfp8, InT>, ctas, kCombineThreads, 0, stream, pdl, args, in, parts);
+    case kWsNvfp4: return launch_pdl(combine_send_kernel<kWsNvfp4, InT>, ctas, kCombineThreads, 0, stream, pdl, args, in, parts);
+    default: return launch_pdl(combine_send_kernel<kWsBf16, InT>, ctas, kCombineThreads, 0, stream, pdl, args, in, parts);
   }
 }
 
@@ -67,7 +68,8 @@ Status launch_fused(const TransportArgs& args, const InT* in, const int32_t* top
   const int ctas = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want_ctas, static_cast<int64_t>(sms) * std::max(per_sm, 1))));
   if (ctas < 2) shape.groups = 1;  // groups need a sending and a reducing CTA
   shape.reducers = shape.groups > 1 ? std::max(1, ctas / 8) : 0;
-  MEGAMOE_CUDA_CHECK(launch_pdl(combine_kernel<kFormat, InT>, ctas, kCombineThreads, 0, stream, pdl_wanted(args.num_tokens), args, in, topk_ids, y, shape));
+  MEGAMOE_CUDA_CHECK(launch_pdl(combine_kernel<kFormat, InT>, ctas, kCombineThreads, 0, stream, pdl_wanted(args.num_tokens),
+                                args, in, topk_ids, y, shape));
   return Status::ok();
 }
 
@@ -111,10 +113,17 @@ Status launch_combine_reduce(const TransportParams& params, const int32_t* topk_
   const int64_t sms = std::max(num_sms, 1), T = args.num_tokens, warps_per_cta = kCombineThreads / 32;
   const int parts = reduce_parts(args);
   const int ctas = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((T * parts + warps_per_cta - 1) / warps_per_cta, 2 * sms)));
+  const bool pdl = pdl_wanted(T);
   switch (args.layout.params.combine_format) {
-    case kWsMxfp8: MEGAMOE_CUDA_CHECK(launch_pdl(combine_reduce_kernel<kWsMxfp8>, ctas, kCombineThreads, 0, stream, pdl_wanted(args.num_tokens), args, topk_ids, y, parts)); break;
-    case kWsNvfp4: MEGAMOE_CUDA_CHECK(launch_pdl(combine_reduce_kernel<kWsNvfp4>, ctas, kCombineThreads, 0, stream, pdl_wanted(args.num_tokens), args, topk_ids, y, parts)); break;
-    default: MEGAMOE_CUDA_CHECK(launch_pdl(combine_reduce_kernel<kWsBf16>, ctas, kCombineThreads, 0, stream, pdl_wanted(args.num_tokens), args, topk_ids, y, parts)); break;
+    case kWsMxfp8:
+      MEGAMOE_CUDA_CHECK(launch_pdl(combine_reduce_kernel<kWsMxfp8>, ctas, kCombineThreads, 0, stream, pdl, args, topk_ids, y, parts));
+      break;
+    case kWsNvfp4:
+      MEGAMOE_CUDA_CHECK(launch_pdl(combine_reduce_kernel<kWsNvfp4>, ctas, kCombineThreads, 0, stream, pdl, args, topk_ids, y, parts));
+      break;
+    default:
+      MEGAMOE_CUDA_CHECK(launch_pdl(combine_reduce_kernel<kWsBf16>, ctas, kCombineThreads, 0, stream, pdl, args, topk_ids, y, parts));
+      break;
   }
   return Status::ok();
 }

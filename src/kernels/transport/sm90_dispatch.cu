@@ -19,8 +19,8 @@ Status launch_dispatch_mode(const TransportArgs& args, DispatchShape shape, int 
   if (hist_bytes + sizeof(DispatchSmem) > 48 * 1024)
     MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(dispatch_kernel<kMode>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(hist_bytes)));
-  MEGAMOE_CUDA_CHECK(launch_pdl(dispatch_kernel<kMode>, grid, kDispatchThreads, hist_bytes, stream, pdl_wanted(args.num_tokens), args, shape, x, x_scale,
-                                topk_ids, topk_weights));
+  MEGAMOE_CUDA_CHECK(launch_pdl(dispatch_kernel<kMode>, grid, kDispatchThreads, hist_bytes, stream,
+                                pdl_wanted(args.num_tokens), args, shape, x, x_scale, topk_ids, topk_weights));
   return Status::ok();
 }
 }  // namespace
@@ -54,18 +54,19 @@ Status launch_expert_pool(const TransportParams& params, int num_sms, cudaStream
   const int64_t rank_warps = R * args.num_chunks();
   const int rank_ctas = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((rank_warps + 7) / 8, 8 * num_sms)));
   const int64_t k = args.top_k();
-  if (k <= 4) MEGAMOE_CUDA_CHECK(launch_pdl(pool_rank_kernel<4>, rank_ctas, 256, 0, stream, pdl_wanted(args.num_tokens), args));
-  else if (k <= 8) MEGAMOE_CUDA_CHECK(launch_pdl(pool_rank_kernel<8>, rank_ctas, 256, 0, stream, pdl_wanted(args.num_tokens), args));
-  else MEGAMOE_CUDA_CHECK(launch_pdl(pool_rank_kernel<kMaxTopK>, rank_ctas, 256, 0, stream, pdl_wanted(args.num_tokens), args));
+  const bool pdl = pdl_wanted(args.num_tokens);
+  if (k <= 4) MEGAMOE_CUDA_CHECK(launch_pdl(pool_rank_kernel<4>, rank_ctas, 256, 0, stream, pdl, args));
+  else if (k <= 8) MEGAMOE_CUDA_CHECK(launch_pdl(pool_rank_kernel<8>, rank_ctas, 256, 0, stream, pdl, args));
+  else MEGAMOE_CUDA_CHECK(launch_pdl(pool_rank_kernel<kMaxTopK>, rank_ctas, 256, 0, stream, pdl, args));
   const int64_t offset_warps = kPoolOffsetsThreads / 32;
   const int offsets_ctas = static_cast<int>(std::max<int64_t>(
       1, std::min<int64_t>((args.experts_per_rank() + offset_warps - 1) / offset_warps, 2 * num_sms)));
-  MEGAMOE_CUDA_CHECK(launch_pdl(pool_offsets_kernel, offsets_ctas, kPoolOffsetsThreads, 0, stream, pdl_wanted(args.num_tokens), args));
+  MEGAMOE_CUDA_CHECK(launch_pdl(pool_offsets_kernel, offsets_ctas, kPoolOffsetsThreads, 0, stream, pdl, args));
   // Warps cover the received rows and the padding rows (up to E_l * (BM - 1), zeroed here): sized by
   // the larger, so a small T with many padded expert segments does not zero megabytes on one CTA.
   const int64_t rows = std::max<int64_t>(R * args.t_max(), args.layout.pool_rows);
   const int scatter_ctas = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((rows + 7) / 8, 4 * num_sms)));
-  MEGAMOE_CUDA_CHECK(launch_pdl(pool_scatter_kernel, scatter_ctas, 256, 0, stream, pdl_wanted(args.num_tokens), args));
+  MEGAMOE_CUDA_CHECK(launch_pdl(pool_scatter_kernel, scatter_ctas, 256, 0, stream, pdl, args));
   return Status::ok();
 }
 

@@ -75,6 +75,19 @@ __device__ __forceinline__ float finite_amax(const float (&v)[kN]) {
   return m;
 }
 
+// v = w * in[first, first + kN) (fmt::mul_rn, see kHwNaNNote); returns the block's max finite |v|.
+template <typename InT, int kN>
+__device__ __forceinline__ float load_weighted_block(const InT* __restrict__ in, int64_t first, float w, float (&v)[kN]) {
+  load_row_values<InT>(in, first, v, kN);
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < kN; ++i) {
+    v[i] = __fmul_rn(w, v[i]);
+    amax = fmaxf(amax, fabsf(v[i]));  // fmaxf skips NaN
+  }
+  return amax == __int_as_float(0x7F800000) ? finite_amax(v) : amax;  // an inf: the finite-only max
+}
+
 constexpr int kCombineThreads = 256;
 constexpr int kCombineLoadRounds = 4;  // 32-chunk rounds a lane of combine_send loads before it stores
 
@@ -140,14 +153,7 @@ __device__ __forceinline__ void send_mxfp8_part(const InT* __restrict__ in, char
     const int64_t c = base + lane;
     if (c < nb) {
       float v[32];
-      load_row_values<InT>(in, c * 32, v, 32);
-      float amax = 0.f;
-#pragma unroll
-      for (int i = 0; i < 32; ++i) {
-        v[i] = __fmul_rn(w, v[i]);         // = fmt::mul_rn (kHwNaNNote)
-        amax = fmaxf(amax, fabsf(v[i]));  // fmaxf skips NaN
-      }
-      if (amax == __int_as_float(0x7F800000)) amax = finite_amax(v);  // an inf: the finite-only max
+      const float amax = load_weighted_block<InT>(in, c * 32, w, v);
       const uint8_t code = fmt::mxfp8_scale_code(amax);
       const float sc = fmt::e8m0_to_float(code);
       uint32_t q[8];
@@ -237,13 +243,7 @@ __device__ __forceinline__ void send_nvfp4_part(const InT* __restrict__ in, char
     const int64_t c = base + lane;
     if (c < nb) {
       float v[16];
-      load_row_values<InT>(in, c * 16, v, 16);
-      float bamax = 0.f;
-      for (int i = 0; i < 16; ++i) {
-        v[i] = __fmul_rn(w, v[i]);           // = fmt::mul_rn (kHwNaNNote)
-        bamax = fmaxf(bamax, fabsf(v[i]));  // fmaxf skips NaN
-      }
-      if (bamax == __int_as_float(0x7F800000)) bamax = finite_amax(v);  // an inf: the finite-only max
+      const float bamax = load_weighted_block<InT>(in, c * 16, w, v);
       const uint8_t code = fmt::nvfp4_block_scale_code(bamax, g);
       const float divisor = fmt::nvfp4_block_divisor(code, g);
       uint32_t q[2] = {0u, 0u};

@@ -327,6 +327,10 @@ std::vector<GemmCase> store_cases() {
       {"Fp8_Contig_Uneven_BM128_BN128", F, C, 384, 256, {63, 64, 65, 0, 1}, 128, 128, true, false},
       {"Fp8_Contig_Unpadded_BM64_BN256", F, C, 256, 384, {1, 7, 63, 64, 65, 200}, 64, 256, false, false},
       {"Fp8_Contig_Unpadded_BM64_BN128", F, C, 128, 128, {5, 0, 130}, 64, 128, false, false},
+      // 128-wide fp8 tiles run their K loop two blocks deep: an odd number of K blocks (5) ends on
+      // the loop's one-block tail, an even one (the cases above with K = 256) on its two-block tail
+      {"Fp8_Contig_OddKBlocks_BM128_BN128", F, C, 256, 640, {1, 129, 64}, 128, 128, true, false},
+      {"Fp8_Masked_OddKBlocks_BM64_BN128", F, M, 384, 384, {8, 0, 64, 33}, 64, 128, false, false},
       {"Fp8_Contig_Unpadded_BM128_BN256", F, C, 256, 384, {1, 7, 63, 64, 65, 200}, 128, 256, false, false},
       {"Fp8_Contig_Padded_BM64_BN256", F, C, 256, 384, {1, 7, 63, 64, 65, 200}, 64, 256, true, false},
       {"Fp8_Contig_AllEmpty", F, C, 256, 256, {0, 0, 0}, 0, 0, true, false},

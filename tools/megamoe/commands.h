@@ -16,5 +16,6 @@ using CommandRun = std::function<int()>;
 CommandRun add_info_command(CLI::App* app);
 CommandRun add_check_command(CLI::App* app);
 CommandRun add_bench_command(CLI::App* app);
+CommandRun add_link_bench_command(CLI::App* app);  // link_cmd.cpp: bench-link
 
 }  // namespace megamoe::tool

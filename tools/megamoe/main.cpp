@@ -35,6 +35,7 @@ int run_tool(int argc, char** argv) {
   CommandRun run_check = megamoe::tool::add_check_command(&app);
   CommandRun run_bench = megamoe::tool::add_bench_command(&app);
   CommandRun run_bench_gemm = megamoe::tool::add_gemm_bench_command(&app);  // gemm_cmd.cpp
+  CommandRun run_bench_link = megamoe::tool::add_link_bench_command(&app);  // link_cmd.cpp
   megamoe::tool::register_transport_commands(app);  // launch, bench-transport: run inside parse()
 
   try {
@@ -62,6 +63,7 @@ int run_tool(int argc, char** argv) {
     if (name == "check") return run_check();
     if (name == "bench") return run_bench();
     if (name == "bench-gemm") return run_bench_gemm();
+    if (name == "bench-link") return run_bench_link();
   } catch (const megamoe::tool::ToolError& e) {
     std::fflush(stdout);
     std::fprintf(stderr, "megamoe %s: error: %s\n", name.c_str(), e.what());

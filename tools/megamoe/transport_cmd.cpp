@@ -118,6 +118,7 @@ struct BenchOptions {
   std::vector<int64_t> tokens = {1, 8, 128, 512, 1024, 4096, 8192};
   int64_t hidden = 7168, experts = 256, top_k = 8;
   std::string dispatch = "fp8", combine = "bf16";
+  std::string x_dtype = "bf16";  // dispatch input: bf16 (quantised in the kernel for an fp8 wire) or fp8 + scales
   int iters = 30, warmup = 5;
   int graph_iters = 32, graph_reps = 5;  // back-to-back forwards per graph, graph launches timed
   bool split_combine = false;            // combine_send + combine (two kernels) instead of send_and_combine
@@ -261,7 +262,20 @@ void bench_point(const BenchOptions& o, std::shared_ptr<Communicator> comm, int6
     lcg = lcg * 1664525u + 1013904223u;
     v = fmt::float_to_bf16((static_cast<int32_t>(lcg >> 8) - (1 << 23)) * (1.f / (1 << 22)));
   }
-  void *dx, *dids, *dw, *dy, *dout, *a2a_send, *a2a_recv;
+  // An fp8 input: x quantised here (1x128 blocks), the kernel copies codes and scales.
+  const bool x_fp8 = o.x_dtype == "fp8";
+  std::vector<uint8_t> xq;
+  std::vector<float> xs;
+  if (x_fp8) {
+    xq.resize(T * H);
+    xs.resize(T * H / 128);
+    std::vector<float> row(H);
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t i = 0; i < H; ++i) row[i] = fmt::bf16_to_float(x[t * H + i]);
+      fmt::quantize_fp8_1x128(row.data(), H, &xq[t * H], &xs[t * H / 128], false);
+    }
+  }
+  void *dx, *dxs = nullptr, *dids, *dw, *dy, *dout, *a2a_send, *a2a_recv;
   const int64_t row_bytes = H * ws_elem_bytes(p.dispatch_format) +
                             (p.dispatch_format == kWsFp8Block ? H / 128 * 4 : 0) + l.meta_bytes;
   // Bytes rank `src` sends to rank `dst`: dispatch rows, and the combine rows `dst` sends back to `src`.
@@ -295,12 +309,19 @@ void bench_point(const BenchOptions& o, std::shared_ptr<Communicator> comm, int6
   BENCH_CUDA(cudaMalloc(&dout, std::max<int64_t>(l.pool_rows * H * 2, 16)));
   BENCH_CUDA(cudaMalloc(&a2a_send, max_a2a * R));
   BENCH_CUDA(cudaMalloc(&a2a_recv, max_a2a * R));
-  BENCH_CUDA(cudaMemcpy(dx, x.data(), T * H * 2, cudaMemcpyHostToDevice));
+  if (x_fp8) {
+    BENCH_CUDA(cudaMalloc(&dxs, std::max<int64_t>(T * H / 128 * 4, 16)));
+    BENCH_CUDA(cudaMemcpy(dx, xq.data(), T * H, cudaMemcpyHostToDevice));
+    BENCH_CUDA(cudaMemcpy(dxs, xs.data(), T * H / 128 * 4, cudaMemcpyHostToDevice));
+  } else {
+    BENCH_CUDA(cudaMemcpy(dx, x.data(), T * H * 2, cudaMemcpyHostToDevice));
+  }
   BENCH_CUDA(cudaMemcpy(dids, routing[rank].ids.data(), T * k * 4, cudaMemcpyHostToDevice));
   BENCH_CUDA(cudaMemcpy(dw, routing[rank].weights.data(), T * k * 4, cudaMemcpyHostToDevice));
   BENCH_CUDA(cudaMemset(dout, 0x3C, l.pool_rows * H * 2));  // FC2 stand-in (values do not change bytes)
   const Device dev = Device::cuda(nccl->device());
-  const TensorView vx(dx, DType::kBFloat16, {T, H}, dev), vids(dids, DType::kInt32, {T, k}, dev),
+  const TensorView vx(dx, x_fp8 ? DType::kFloat8E4M3 : DType::kBFloat16, {T, H}, dev),
+      vxs(dxs, DType::kFloat32, {T, H / 128}, dev), vids(dids, DType::kInt32, {T, k}, dev),
       vw(dw, DType::kFloat32, {T, k}, dev), vy(dy, DType::kBFloat16, {T, H}, dev),
       vout(dout, DType::kBFloat16, {l.pool_rows, H}, dev);
 
@@ -312,7 +333,7 @@ void bench_point(const BenchOptions& o, std::shared_ptr<Communicator> comm, int6
   for (int phase = 0; phase < 3; ++phase) {
     BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
     Status cap;
-    if (phase == 0) cap = tr->dispatch(vx, TensorView(), vids, vw, stream);
+    if (phase == 0) cap = tr->dispatch(vx, x_fp8 ? vxs : TensorView(), vids, vw, stream);
     if (phase == 1) cap = tr->build_expert_pool(stream);
     if (phase == 2) {
       cap = combine_phase(o, tr.get(), vout, vids, vy, stream);
@@ -401,7 +422,7 @@ void bench_point(const BenchOptions& o, std::shared_ptr<Communicator> comm, int6
     // External event nodes: they record timestamps when the graph runs (plain captured events do not).
     for (int i = 0; i < N && cap.is_ok(); ++i) {
       cudaEventRecordWithFlags(pe[4 * i], stream, cudaEventRecordExternal);
-      cap = tr->dispatch(vx, TensorView(), vids, vw, stream);
+      cap = tr->dispatch(vx, x_fp8 ? vxs : TensorView(), vids, vw, stream);
       cudaEventRecordWithFlags(pe[4 * i + 1], stream, cudaEventRecordExternal);
       if (cap.is_ok()) cap = tr->build_expert_pool(stream);
       cudaEventRecordWithFlags(pe[4 * i + 2], stream, cudaEventRecordExternal);
@@ -412,7 +433,7 @@ void bench_point(const BenchOptions& o, std::shared_ptr<Communicator> comm, int6
     BENCH_CHECK(cap);
     BENCH_CUDA(cudaGraphInstantiate(&xf, gf, 0));
     BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    for (int i = 0; i < N && cap.is_ok(); ++i) cap = tr->dispatch(vx, TensorView(), vids, vw, stream);
+    for (int i = 0; i < N && cap.is_ok(); ++i) cap = tr->dispatch(vx, x_fp8 ? vxs : TensorView(), vids, vw, stream);
     BENCH_CUDA(cudaStreamEndCapture(stream, &gd));
     BENCH_CHECK(cap);
     BENCH_CUDA(cudaGraphInstantiate(&xd, gd, 0));
@@ -422,7 +443,7 @@ void bench_point(const BenchOptions& o, std::shared_ptr<Communicator> comm, int6
     for (int which = 0; which < 2; ++which) {
       BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
       for (int i = 0; i < N && cap.is_ok(); ++i) {
-        cap = tr->dispatch(vx, TensorView(), vids, vw, stream);
+        cap = tr->dispatch(vx, x_fp8 ? vxs : TensorView(), vids, vw, stream);
         if (cap.is_ok()) cap = tr->build_expert_pool(stream);
         if (cap.is_ok() && which == 0) cap = combine_phase(o, tr.get(), vout, vids, vy, stream);
       }
@@ -499,7 +520,7 @@ void bench_point(const BenchOptions& o, std::shared_ptr<Communicator> comm, int6
     cudaGraphDestroy(graphs[phase]);
   }
   for (auto& e : ev) cudaEventDestroy(e);
-  for (void* q : {dx, dids, dw, dy, dout, a2a_send, a2a_recv}) cudaFree(q);
+  for (void* q : {dx, dxs, dids, dw, dy, dout, a2a_send, a2a_recv}) cudaFree(q);
   sync();
   tr.reset();  // collective release
   cudaStreamDestroy(stream);
@@ -639,6 +660,11 @@ void register_transport_commands(CLI::App& app) {
   bench->add_option("--experts", o->experts)->capture_default_str();
   bench->add_option("--topk", o->top_k)->capture_default_str();
   bench->add_option("--dispatch", o->dispatch, "fp8 | bf16")->check(CLI::IsMember({"fp8", "bf16"}))->capture_default_str();
+  bench->add_option("--x", o->x_dtype,
+                    "dispatch input: bf16 (quantised by the dispatch kernel for an fp8 wire) or fp8 (1x128 blocks, "
+                    "quantised here; the kernel copies codes and scales)")
+      ->check(CLI::IsMember({"bf16", "fp8"}))
+      ->capture_default_str();
   bench->add_option("--combine", o->combine, "bf16 | mxfp8 | nvfp4")
       ->check(CLI::IsMember({"bf16", "mxfp8", "nvfp4"}))
       ->capture_default_str();

@@ -12,9 +12,10 @@
 //            tokens still writes them) right there; above, every CTA its chunk, summed in device
 //            scratch and written by the last CTA to finish.
 //   copy     work item = (token, part): a part is a contiguous range of 32-chunk rounds of the row,
-//            so a small T still spreads over many warps. Each lane loads kLoadRounds rounds before it
-//            stores (latency hiding), and sends the token once per destination rank (not once per
-//            expert) to row me*T_max + i of the owner's recv_tokens (+ recv_scales, + recv_meta):
+//            so a small T still spreads over many warps. Each lane loads the next round while it
+//            quantises and stores the current one (latency hiding), and sends the token once per
+//            destination rank (not once per expert) to row me*T_max + i of the owner's recv_tokens
+//            (+ recv_scales, + recv_meta):
 //            16-byte stores for rows and metadata; a round's 4 block scales gathered into a float4
 //            that one lane keeps, so a row's scales go out as one coalesced warp store.
 //            bf16 -> e4m3 1x128 on the fly: q = x * (1/s), checked exact (see quantize_e4m3_pair).
@@ -35,7 +36,6 @@ namespace kernels {
 constexpr int kDispatchThreads = 512;
 constexpr int kDispatchWarps = kDispatchThreads / 32;
 constexpr int kMaxTokensPerCta = kDispatchThreads;  // one token per thread in the ranking pass
-constexpr int kLoadRounds = 2;                      // 32-chunk rounds a lane loads before it stores
 // Up to this many tokens CTA 0 checks and counts all of them and publishes the counts before its
 // copy (a few warp steps); above, every CTA counts its chunk and the last one publishes the sums
 // (CTA 0 walking 8192 tokens was a ~50 us tail). Measured at 8 tokens: 19.4 vs 22.1 us.
@@ -287,96 +287,95 @@ __device__ __forceinline__ void dispatch_part(const TransportArgs& a, char* cons
         });
       win = end;
     };
-    for (int64_t r0 = rb; r0 < re; r0 += kLoadRounds) {
-      uint4 in[kLoadRounds][2];
-#pragma unroll
-      for (int u = 0; u < kLoadRounds; ++u) {
-        const int64_t c = (r0 + u) * 32 + lane;
-        if (r0 + u < re && c < chunks) {
-          in[u][0] = ld_nc_v4(src + c * 32);
-          in[u][1] = ld_nc_v4(src + c * 32 + 16);
-        } else {
-          in[u][0] = in[u][1] = make_uint4(0, 0, 0, 0);
-        }
+    // One round ahead: round rr + 1's loads are in flight while round rr is quantised and stored.
+    const auto load_round = [&](int64_t rr, uint4 (&v)[2]) {
+      const int64_t c = rr * 32 + lane;
+      if (rr < re && c < chunks) {
+        v[0] = ld_nc_v4(src + c * 32);
+        v[1] = ld_nc_v4(src + c * 32 + 16);
+      } else {
+        v[0] = v[1] = make_uint4(0, 0, 0, 0);
       }
+    };
+    uint4 cur[2];
+    load_round(rb, cur);
+#pragma unroll 1
+    for (int64_t rr = rb; rr < re; ++rr) {
+      uint4 nxt[2];
+      load_round(rr + 1, nxt);
+      const int64_t c = rr * 32 + lane;
+      const uint32_t w[8] = {cur[0].x, cur[0].y, cur[0].z, cur[0].w, cur[1].x, cur[1].y, cur[1].z, cur[1].w};
+      float v[16];
+      float amax = 0.f;
 #pragma unroll
-      for (int u = 0; u < kLoadRounds; ++u) {
-        if (r0 + u >= re) break;  // warp-uniform
-        const int64_t c = (r0 + u) * 32 + lane;
-        const uint32_t w[8] = {in[u][0].x, in[u][0].y, in[u][0].z, in[u][0].w,
-                               in[u][1].x, in[u][1].y, in[u][1].z, in[u][1].w};
-        float v[16];
-        float amax = 0.f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          v[2 * i] = fmt::bf16_to_float(static_cast<uint16_t>(w[i] & 0xFFFFu));
-          v[2 * i + 1] = fmt::bf16_to_float(static_cast<uint16_t>(w[i] >> 16));
-          amax = fmaxf(amax, fmt::finite_abs(v[2 * i]));
-          amax = fmaxf(amax, fmt::finite_abs(v[2 * i + 1]));
-        }
-        // The 8 lanes of a 128-block (lane & ~7) reduce their amax; chunks % 8 == 0, so a block's
-        // lanes are all active or all inactive.
-        amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
-        amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
-        amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 4));
-        const float s = fmt::fp8_block_scale(amax, pow2);
-        const float inv = __frcp_rn(s);
-        uint32_t q[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-          q[i] = quantize_e4m3_pair(v[4 * i], v[4 * i + 1], s, inv) | (quantize_e4m3_pair(v[4 * i + 2], v[4 * i + 3], s, inv) << 16);
-        const uint4 out = make_uint4(q[0], q[1], q[2], q[3]);
-        const float s1 = __shfl_sync(0xFFFFFFFFu, s, 8), s2 = __shfl_sync(0xFFFFFFFFu, s, 16),
-                    s3 = __shfl_sync(0xFFFFFFFFu, s, 24);
-        const int64_t block0 = (r0 + u) * 4;  // first 128-block of the round
-        const int64_t nb = scale_cols - block0 < 4 ? scale_cols - block0 : 4;
-        if (scales_v4) {
-          const float s0 = __shfl_sync(0xFFFFFFFFu, s, 0);
-          if (lane == r0 + u - win) my_sc = make_float4(s0, s1, s2, s3);
-        }
-        for_each_dest(rows, R, row0, [&](int r, int64_t row) {
-          if (c < chunks) st_v4(peer_base[r] + tok_off + row * row_bytes + c * 16, out);
-          if (!scales_v4 && lane == 0) {
-            float* d = reinterpret_cast<float*>(peer_base[r] + scale_off) + row * scale_cols + block0;
-            const float sv[4] = {s, s1, s2, s3};
-#pragma unroll
-            for (int b = 0; b < 4; ++b)
-              if (b < nb) d[b] = sv[b];
-          }
-        });
-        if (scales_v4 && r0 + u + 1 - win == 32) flush_scales(r0 + u + 1);
+      for (int i = 0; i < 8; ++i) {
+        v[2 * i] = fmt::bf16_to_float(static_cast<uint16_t>(w[i] & 0xFFFFu));
+        v[2 * i + 1] = fmt::bf16_to_float(static_cast<uint16_t>(w[i] >> 16));
+        amax = fmaxf(amax, fmt::finite_abs(v[2 * i]));
+        amax = fmaxf(amax, fmt::finite_abs(v[2 * i + 1]));
       }
+      // The 8 lanes of a 128-block (lane & ~7) reduce their amax; chunks % 8 == 0, so a block's
+      // lanes are all active or all inactive.
+      amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
+      amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
+      amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 4));
+      const float s = fmt::fp8_block_scale(amax, pow2);
+      const float inv = __frcp_rn(s);
+      uint32_t q[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        q[i] = quantize_e4m3_pair(v[4 * i], v[4 * i + 1], s, inv) | (quantize_e4m3_pair(v[4 * i + 2], v[4 * i + 3], s, inv) << 16);
+      const uint4 out = make_uint4(q[0], q[1], q[2], q[3]);
+      const float s1 = __shfl_sync(0xFFFFFFFFu, s, 8), s2 = __shfl_sync(0xFFFFFFFFu, s, 16),
+                  s3 = __shfl_sync(0xFFFFFFFFu, s, 24);
+      const int64_t block0 = rr * 4;  // first 128-block of the round
+      const int64_t nb = scale_cols - block0 < 4 ? scale_cols - block0 : 4;
+      if (scales_v4) {
+        const float s0 = __shfl_sync(0xFFFFFFFFu, s, 0);
+        if (lane == rr - win) my_sc = make_float4(s0, s1, s2, s3);
+      }
+      for_each_dest(rows, R, row0, [&](int r, int64_t row) {
+        if (c < chunks) st_v4(peer_base[r] + tok_off + row * row_bytes + c * 16, out);
+        if (!scales_v4 && lane == 0) {
+          float* d = reinterpret_cast<float*>(peer_base[r] + scale_off) + row * scale_cols + block0;
+          const float sv[4] = {s, s1, s2, s3};
+#pragma unroll
+          for (int b = 0; b < 4; ++b)
+            if (b < nb) d[b] = sv[b];
+        }
+      });
+      if (scales_v4 && rr + 1 - win == 32) flush_scales(rr + 1);
+      cur[0] = nxt[0];
+      cur[1] = nxt[1];
     }
     if (scales_v4 && win < re) flush_scales(re);
   } else if constexpr (kMode == kFp8Copy || kMode == kBf16Copy) {
     const char* src = static_cast<const char*>(x) + t * row_bytes;
-    for (int64_t r0 = rb; r0 < re; r0 += kLoadRounds) {
-      uint4 in[kLoadRounds];
-#pragma unroll
-      for (int u = 0; u < kLoadRounds; ++u) {
-        const int64_t c = (r0 + u) * 32 + lane;
-        in[u] = (r0 + u < re && c < chunks) ? ld_nc_v4(src + c * 16) : make_uint4(0, 0, 0, 0);
+    // One round ahead, as above.
+    const auto load_round = [&](int64_t rr) {
+      const int64_t c = rr * 32 + lane;
+      return rr < re && c < chunks ? ld_nc_v4(src + c * 16) : make_uint4(0, 0, 0, 0);
+    };
+    uint4 cur = load_round(rb);
+#pragma unroll 1
+    for (int64_t rr = rb; rr < re; ++rr) {
+      const uint4 nxt = load_round(rr + 1);
+      const int64_t c = rr * 32 + lane;
+      if constexpr (kMode == kFp8Copy) {  // the round's 4 blocks' scales, by lanes 0..3
+        const int64_t b = rr * 4 + lane;
+        const float sv = (lane < 4 && b < scale_cols) ? x_scale[t * scale_cols + b] : 0.f;
+        for_each_dest(rows, R, row0, [&](int r, int64_t row) {
+          if (c < chunks) st_v4(peer_base[r] + tok_off + row * row_bytes + c * 16, cur);
+          if (lane < 4 && b < scale_cols) reinterpret_cast<float*>(peer_base[r] + scale_off)[row * scale_cols + b] = sv;
+        });
+      } else {
+        for_each_dest(rows, R, row0, [&](int r, int64_t row) {
+          if (c < chunks) st_v4(peer_base[r] + tok_off + row * row_bytes + c * 16, cur);
+        });
       }
-#pragma unroll
-      for (int u = 0; u < kLoadRounds; ++u) {
-        if (r0 + u >= re) break;
-        const int64_t c = (r0 + u) * 32 + lane;
-        if constexpr (kMode == kFp8Copy) {  // the round's 4 blocks' scales, by lanes 0..3
-          const int64_t b = (r0 + u) * 4 + lane;
-          const float sv = (lane < 4 && b < scale_cols) ? x_scale[t * scale_cols + b] : 0.f;
-          for_each_dest(rows, R, row0, [&](int r, int64_t row) {
-            if (c < chunks) st_v4(peer_base[r] + tok_off + row * row_bytes + c * 16, in[u]);
-            if (lane < 4 && b < scale_cols)
-              reinterpret_cast<float*>(peer_base[r] + scale_off)[row * scale_cols + b] = sv;
-          });
-        } else {
-          for_each_dest(rows, R, row0, [&](int r, int64_t row) {
-            if (c < chunks) st_v4(peer_base[r] + tok_off + row * row_bytes + c * 16, in[u]);
-          });
-        }
-      }
+      cur = nxt;
     }
-  } else {  // kFp8ToBf16: 8 elements per chunk
+    } else {  // kFp8ToBf16: 8 elements per chunk
     const uint8_t* src = static_cast<const uint8_t*>(x) + t * H;
     for (int64_t rr = rb; rr < re; ++rr) {
       const int64_t c = rr * 32 + lane;

@@ -1,0 +1,49 @@
+// NVLink store paths between two GPUs, measured (`megamoe bench-link`): which way of moving bytes to
+// a peer's symmetric window gets closest to the link. The transport kernels use plain 16-byte stores
+// through LSA pointers; this tells what TMA bulk stores and pulls would give instead.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <cstdint>
+
+namespace megamoe {
+namespace kernels {
+
+enum class LinkPath : int32_t {
+  kStore = 0,     // 16-byte loads of the local source, 16-byte st.global to the peer (4 in flight per thread)
+  kStaged = 1,    // each warp loads a chunk into registers, writes it to shared memory, one lane sends it
+                  // with a TMA bulk store (cp.async.bulk.global.shared::cta), two chunks in flight
+                  // (what a kernel that computes the bytes, e.g. quantises, would do)
+  kTma = 2,       // bulk load (global -> shared, mbarrier) then bulk store (shared -> peer), one lane per
+                  // warp, `stages` chunks in flight: no registers hold the data
+  kPull = 3,      // 16-byte loads from the peer's window, stores to the local destination
+};
+
+struct LinkProbeShape {
+  int blocks;       // CTAs
+  int warps;        // warps per CTA
+  int chunk_bytes;  // kStaged / kTma: bytes per bulk copy, a multiple of 16
+  int stages;       // kTma: chunks in flight per warp (kStaged: 2)
+};
+
+// Dynamic shared memory a launch of `path` needs (0 for the register paths).
+int link_probe_smem_bytes(LinkPath path, const LinkProbeShape& shape);
+
+// Copies `bytes` (a multiple of chunk_bytes for the bulk paths, of 16 otherwise) from src to dst, one
+// of them on a peer GPU (dst for kStore / kStaged / kTma, src for kPull). Asynchronous on `stream`.
+cudaError_t launch_link_probe(LinkPath path, const LinkProbeShape& shape, const void* src, void* dst, int64_t bytes,
+                              cudaStream_t stream);
+
+// The LSA address of byte 0 of `peer`'s copy of window `win` (ncclGetPeerPointer, run on the device
+// of the calling thread; synchronous).
+cudaError_t link_probe_peer_base(ncclWindow_t win, int peer, void** base);
+
+// Pattern of rank `rank`'s source: word i = hash(rank, i). Written / counted on `stream`; the
+// mismatch count lands in *bad (device memory, added to).
+cudaError_t link_probe_fill(void* p, int64_t bytes, int rank, cudaStream_t stream);
+cudaError_t link_probe_check(const void* p, int64_t bytes, int rank, unsigned long long* bad, cudaStream_t stream);
+
+}  // namespace kernels
+}  // namespace megamoe

@@ -1,0 +1,266 @@
+// `megamoe bench-link`: the ways of moving bytes between two GPUs' NCCL symmetric windows, timed
+// with both directions loaded at once (src/kernels/transport/sm90_link_probe.h): plain 16-byte
+// stores (what the transport kernels do), TMA bulk stores from shared memory (register-staged and
+// pure), pulls (loads from the peer), and the copy engine as the ceiling. Every path's result is
+// checked (the receiving half of each window is poisoned first, then compared with the sender's
+// pattern).
+#include <CLI/CLI.hpp>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstdio>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "comm/nccl_comm.h"
+#include "comm/nccl_window.h"
+#include "commands.h"
+#include "kernels/transport/sm90_link_probe.h"
+#include "presets.h"
+
+namespace megamoe::tool {
+namespace {
+
+struct LinkOptions {
+  int64_t mib = 256;  // per direction
+  int iters = 10;
+  std::vector<std::string> paths = {"store", "staged", "tma", "pull", "ce", "ce-lsa"};
+  int ce_chunks = 1;  // ce / ce-lsa: copies per direction, back to back
+  int chunk = 8192;
+  int stages = 4;
+  int store_ctas_per_sm = 2;  // store / pull: CTAs of 512 threads per SM
+  int staged_warps = 8;       // staged: warps per CTA, one CTA per SM
+  int tma_warps = 4;          // tma: warps (one issuing lane each) per CTA, one CTA per SM
+};
+
+class ThreadBarrier {
+ public:
+  explicit ThreadBarrier(int n) : n_(n) {}
+  void wait() {
+    std::unique_lock<std::mutex> lock(m_);
+    const int64_t gen = gen_;
+    if (++count_ == n_) {
+      count_ = 0;
+      ++gen_;
+      cv_.notify_all();
+    } else {
+      cv_.wait(lock, [&] { return gen_ != gen; });
+    }
+  }
+
+ private:
+  std::mutex m_;
+  std::condition_variable cv_;
+  int n_, count_ = 0;
+  int64_t gen_ = 0;
+};
+
+struct RankResult {
+  std::vector<double> us;
+  unsigned long long bad = 0;
+  std::string error;
+};
+
+#define LINK_CUDA(expr)                                                               \
+  do {                                                                                \
+    const cudaError_t _e = (expr);                                                    \
+    if (_e != cudaSuccess) {                                                          \
+      res->error = std::string(#expr) + ": " + cudaGetErrorString(_e);              \
+      return;                                                                         \
+    }                                                                                 \
+  } while (0)
+
+// One rank's part of one path: it sends its window's first half into its peer's second half (pull:
+// reads the peer's first half into its own second half), `iters` times after one warm-up, each
+// launch after a barrier so both directions are loaded together.
+void run_path(const LinkOptions& o, const std::string& path, int rank, int device, int num_sms, char* own,
+              char* peer_lsa, char* peer_raw, int peer_device, ThreadBarrier& barrier, RankResult* res) {
+  const int64_t B = o.mib << 20;
+  cudaStream_t stream;
+  cudaEvent_t e0, e1;
+  LINK_CUDA(cudaSetDevice(device));
+  LINK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  LINK_CUDA(cudaEventCreate(&e0));
+  LINK_CUDA(cudaEventCreate(&e1));
+  kernels::LinkProbeShape shape{};
+  kernels::LinkPath kind = kernels::LinkPath::kStore;
+  if (path == "store" || path == "pull") {
+    kind = path == "store" ? kernels::LinkPath::kStore : kernels::LinkPath::kPull;
+    shape = {num_sms * o.store_ctas_per_sm, 16, 0, 0};
+  } else if (path == "staged") {
+    kind = kernels::LinkPath::kStaged;
+    shape = {num_sms, o.staged_warps, o.chunk, 2};
+  } else if (path == "tma") {
+    kind = kernels::LinkPath::kTma;
+    shape = {num_sms, o.tma_warps, o.chunk, o.stages};
+  }
+  LINK_CUDA(cudaMemsetAsync(own + B, 0xA5, B, stream));  // poison what the peer will write
+  LINK_CUDA(cudaStreamSynchronize(stream));
+  barrier.wait();
+  for (int it = 0; it <= o.iters; ++it) {
+    barrier.wait();
+    LINK_CUDA(cudaEventRecord(e0, stream));
+    if (path == "ce" || path == "ce-lsa") {
+      const int64_t piece = B / o.ce_chunks;
+      for (int c = 0; c < o.ce_chunks; ++c) {
+        const int64_t off = c * piece, len = c + 1 == o.ce_chunks ? B - off : piece;
+        if (path == "ce") {
+          LINK_CUDA(cudaMemcpyPeerAsync(peer_raw + B + off, peer_device, own + off, device, len, stream));
+        } else {  // through the LSA mapping of the peer's window, as a process of its own would see it
+          LINK_CUDA(cudaMemcpyAsync(peer_lsa + B + off, own + off, len, cudaMemcpyDeviceToDevice, stream));
+        }
+      }
+    } else if (kind == kernels::LinkPath::kPull) {
+      LINK_CUDA(kernels::launch_link_probe(kind, shape, peer_lsa, own + B, B, stream));
+    } else {
+      LINK_CUDA(kernels::launch_link_probe(kind, shape, own, peer_lsa + B, B, stream));
+    }
+    LINK_CUDA(cudaEventRecord(e1, stream));
+    LINK_CUDA(cudaStreamSynchronize(stream));
+    float ms = 0;
+    LINK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+    if (it > 0) res->us.push_back(ms * 1e3);
+  }
+  barrier.wait();  // every write to this rank has landed (the peer's stream is synchronised)
+  unsigned long long* bad = nullptr;
+  LINK_CUDA(cudaMalloc(&bad, sizeof(*bad)));
+  LINK_CUDA(cudaMemsetAsync(bad, 0, sizeof(*bad), stream));
+  LINK_CUDA(kernels::link_probe_check(own + B, B, 1 - rank, bad, stream));
+  LINK_CUDA(cudaMemcpyAsync(&res->bad, bad, sizeof(*bad), cudaMemcpyDeviceToHost, stream));
+  LINK_CUDA(cudaStreamSynchronize(stream));
+  cudaFree(bad);
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaStreamDestroy(stream);
+}
+
+int run_bench_link(const LinkOptions& o) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count < 2) {
+    std::fprintf(stderr, "megamoe bench-link: error: needs 2 GPUs, found %d\n", count);
+    return kExitUnavailable;
+  }
+  for (const std::string& p : o.paths)
+    if (p != "store" && p != "staged" && p != "tma" && p != "pull" && p != "ce" && p != "ce-lsa") {
+      std::fprintf(stderr, "megamoe bench-link: error: --paths: '%s' is not one of store, staged, tma, pull, ce, ce-lsa\n",
+                   p.c_str());
+      return kExitUsage;
+    }
+  if (o.chunk % 16 != 0 || ((o.mib << 20) % o.chunk) != 0) {
+    std::fprintf(stderr, "megamoe bench-link: error: --chunk %d must be a multiple of 16 that divides --mib MiB\n", o.chunk);
+    return kExitUsage;
+  }
+  std::vector<std::shared_ptr<Communicator>> comms;
+  Status st = create_nccl_group({0, 1}, &comms);
+  if (!st.is_ok()) {
+    std::fprintf(stderr, "megamoe bench-link: error: %s\n", st.to_string().c_str());
+    return 3;
+  }
+  const int64_t bytes = 2 * (o.mib << 20);
+  std::vector<void*> base(2, nullptr), lsa_peer(2, nullptr);
+  std::vector<std::function<void(void*)>> release(2);
+  std::vector<Status> status(2);
+  std::vector<int> sms(2, 132);
+  {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r)
+      threads.emplace_back([&, r] {
+        NcclRankComm* nccl = nccl_rank_of(comms[r].get());
+        if (cudaSetDevice(nccl->device()) != cudaSuccess) {
+          status[r] = Status(StatusCode::kInternal, "cudaSetDevice failed");
+          return;
+        }
+        cudaDeviceGetAttribute(&sms[r], cudaDevAttrMultiProcessorCount, nccl->device());
+        status[r] = symmetric_alloc(std::dynamic_pointer_cast<NcclRankComm>(comms[r]), bytes, &base[r], &release[r]);
+        if (!status[r].is_ok()) return;
+        cudaError_t e = kernels::link_probe_peer_base(symmetric_window_of(base[r]), 1 - r, &lsa_peer[r]);
+        if (e == cudaSuccess) e = kernels::link_probe_fill(base[r], bytes / 2, r, nullptr);
+        if (e == cudaSuccess) e = cudaDeviceSynchronize();
+        if (e != cudaSuccess) status[r] = Status(StatusCode::kInternal, std::string("setup: ") + cudaGetErrorString(e));
+      });
+    for (auto& t : threads) t.join();
+  }
+  for (int r = 0; r < 2; ++r)
+    if (!status[r].is_ok()) {
+      std::fprintf(stderr, "megamoe bench-link: error: rank %d: %s\n", r, status[r].to_string().c_str());
+      return 3;
+    }
+  std::printf("# bench-link: 2 GPUs, %lld MiB per direction, both directions at once, %d launches after 1 warm-up\n",
+              static_cast<long long>(o.mib), o.iters);
+  std::printf("# %-7s %-34s %10s %10s %10s %10s  %s\n", "path", "shape", "us r0", "GB/s r0", "us r1", "GB/s r1", "check");
+  int rc = 0;
+  for (const std::string& path : o.paths) {
+    ThreadBarrier barrier(2);
+    std::vector<RankResult> res(2);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r)
+      threads.emplace_back([&, r] {
+        run_path(o, path, r, nccl_rank_of(comms[r].get())->device(), sms[r], static_cast<char*>(base[r]),
+                 static_cast<char*>(lsa_peer[r]), static_cast<char*>(base[1 - r]),
+                 nccl_rank_of(comms[1 - r].get())->device(), barrier, &res[r]);
+      });
+    for (auto& t : threads) t.join();
+    std::string shape = path == "store" || path == "pull"
+                            ? std::to_string(o.store_ctas_per_sm) + " x 512 threads per SM"
+                        : path == "staged" ? std::to_string(o.staged_warps) + " warps per SM, " + std::to_string(o.chunk) + " B x 2"
+                        : path == "tma"    ? std::to_string(o.tma_warps) + " warps per SM, " + std::to_string(o.chunk) + " B x " +
+                                              std::to_string(o.stages)
+                        : path == "ce" ? "cudaMemcpyPeerAsync x " + std::to_string(o.ce_chunks)
+                                           : "cudaMemcpyAsync to the LSA VA x " + std::to_string(o.ce_chunks);
+    double us[2], gbs[2];
+    bool ok = true;
+    for (int r = 0; r < 2; ++r) {
+      if (!res[r].error.empty()) {
+        std::fprintf(stderr, "megamoe bench-link: %s, rank %d: %s\n", path.c_str(), r, res[r].error.c_str());
+        return 3;
+      }
+      std::vector<double> v = res[r].us;
+      std::sort(v.begin(), v.end());
+      us[r] = v[v.size() / 2];
+      gbs[r] = static_cast<double>(o.mib << 20) / (us[r] * 1e3);
+      ok = ok && res[r].bad == 0;
+    }
+    std::printf("  %-7s %-34s %10.1f %10.1f %10.1f %10.1f  %s\n", path.c_str(), shape.c_str(), us[0], gbs[0], us[1],
+                gbs[1], ok ? "ok" : "MISMATCH");
+    std::fflush(stdout);
+    if (!ok) rc = 1;
+  }
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r)
+    threads.emplace_back([&, r] {
+      cudaSetDevice(nccl_rank_of(comms[r].get())->device());
+      release[r](base[r]);
+    });
+  for (auto& t : threads) t.join();
+  return rc;
+}
+
+}  // namespace
+
+CommandRun add_link_bench_command(CLI::App* app) {
+  auto o = std::make_shared<LinkOptions>();
+  CLI::App* sub = app->add_subcommand(
+      "bench-link", "NVLink between two GPUs' NCCL symmetric windows: kernel stores, TMA bulk stores, pulls, copy engine");
+  sub->add_option("--mib", o->mib, "MiB per direction")->capture_default_str()->check(CLI::Range(1, 16384));
+  sub->add_option("--iters", o->iters, "timed launches per path")->capture_default_str()->check(CLI::Range(1, 10000));
+  sub->add_option("--ce-chunks", o->ce_chunks, "ce / ce-lsa: copies per direction, back to back")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1024));
+  sub->add_option("--paths", o->paths, "store, staged, tma, pull, ce, ce-lsa (comma-separated)")->delimiter(',')->capture_default_str();
+  sub->add_option("--chunk", o->chunk, "bytes per TMA bulk copy")->capture_default_str()->check(CLI::Range(16, 65536));
+  sub->add_option("--stages", o->stages, "tma: chunks in flight per warp")->capture_default_str()->check(CLI::Range(1, 16));
+  sub->add_option("--store-ctas-per-sm", o->store_ctas_per_sm, "store / pull: CTAs of 512 threads per SM")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 4));
+  sub->add_option("--staged-warps", o->staged_warps, "staged: warps per CTA (one CTA per SM)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 32));
+  sub->add_option("--tma-warps", o->tma_warps, "tma: warps per CTA (one CTA per SM)")->capture_default_str()->check(CLI::Range(1, 32));
+  return [o] { return run_bench_link(*o); };
+}
+
+}  // namespace megamoe::tool

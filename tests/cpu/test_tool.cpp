@@ -183,6 +183,11 @@ TEST(Tool, BadValues_NameFlagValueAndRule) {
   expect_refused(run_tool("bench-gemm --block-n 192"), 2, {"--block-n", "192", "256"});
   expect_refused(run_tool("bench-gemm --num-sms 0"), 2, {"--num-sms", "0"});
   expect_refused(run_tool("bench-transport --combine-groups 9"), 2, {"--combine-groups", "9", "0 to 8"});
+  expect_refused(run_tool("bench-transport --x fp4"), 2, {"--x", "fp4", "bf16", "fp8"});
+  // bench-link's flags are checked before it looks for two GPUs
+  expect_refused(run_tool("bench-link --paths store,warp"), 2, {"--paths", "warp", "store", "ce-lsa"});
+  expect_refused(run_tool("bench-link --chunk 1000"), 2, {"--chunk", "1000", "multiple of 16"});
+  expect_refused(run_tool("bench-link --stages 0"), 2, {"--stages", "0"});
 }
 
 // One process per rank (megamoe launch) needs a GPU backend: the cpu backend's ranks share host

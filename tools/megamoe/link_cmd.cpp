@@ -139,11 +139,6 @@ void run_path(const LinkOptions& o, const std::string& path, int rank, int devic
 }
 
 int run_bench_link(const LinkOptions& o) {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count < 2) {
-    std::fprintf(stderr, "megamoe bench-link: error: needs 2 GPUs, found %d\n", count);
-    return kExitUnavailable;
-  }
   for (const std::string& p : o.paths)
     if (p != "store" && p != "staged" && p != "tma" && p != "pull" && p != "ce" && p != "ce-lsa") {
       std::fprintf(stderr, "megamoe bench-link: error: --paths: '%s' is not one of store, staged, tma, pull, ce, ce-lsa\n",
@@ -153,6 +148,12 @@ int run_bench_link(const LinkOptions& o) {
   if (o.chunk % 16 != 0 || ((o.mib << 20) % o.chunk) != 0) {
     std::fprintf(stderr, "megamoe bench-link: error: --chunk %d must be a multiple of 16 that divides --mib MiB\n", o.chunk);
     return kExitUsage;
+  }
+  // the flags first, then the machine
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count < 2) {
+    std::fprintf(stderr, "megamoe bench-link: error: needs 2 GPUs, found %d\n", count);
+    return kExitUnavailable;
   }
   std::vector<std::shared_ptr<Communicator>> comms;
   Status st = create_nccl_group({0, 1}, &comms);

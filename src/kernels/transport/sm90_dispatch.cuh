@@ -18,7 +18,7 @@
 //            (+ recv_scales, + recv_meta):
 //            16-byte stores for rows and metadata; a round's 4 block scales gathered into a float4
 //            that one lane keeps, so a row's scales go out as one coalesced warp store.
-//            bf16 -> e4m3 1x128 on the fly: q = x * (1/s), checked exact (see quantize_e4m3_pair).
+//            bf16 -> e4m3 1x128 on the fly: e4m3(div_rn(x, s)) (quantize_e4m3_pair_div).
 //   signal   each CTA fences its stores and takes a ticket; the last one publishes the summed counts
 //            (above kDirectCountTokens), bumps the launch epoch,
 //            publishes it in every destination's [me][kSlotDispatch] cell, and waits (bounded) until
@@ -320,11 +320,10 @@ __device__ __forceinline__ void dispatch_part(const TransportArgs& a, char* cons
       amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
       amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 4));
       const float s = fmt::fp8_block_scale(amax, pow2);
-      const float inv = __frcp_rn(s);
       uint32_t q[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i)
-        q[i] = quantize_e4m3_pair(v[4 * i], v[4 * i + 1], s, inv) | (quantize_e4m3_pair(v[4 * i + 2], v[4 * i + 3], s, inv) << 16);
+        q[i] = quantize_e4m3_pair_div(v[4 * i], v[4 * i + 1], s) | (quantize_e4m3_pair_div(v[4 * i + 2], v[4 * i + 3], s) << 16);
       const uint4 out = make_uint4(q[0], q[1], q[2], q[3]);
       const float s1 = __shfl_sync(0xFFFFFFFFu, s, 8), s2 = __shfl_sync(0xFFFFFFFFu, s, 16),
                   s3 = __shfl_sync(0xFFFFFFFFu, s, 24);

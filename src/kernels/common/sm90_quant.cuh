@@ -53,16 +53,10 @@ __device__ __forceinline__ uint32_t quantize_e4m3_pair_div(float v0, float v1, f
 // RN(v / s) (relative error <= 1.5 * 2^-23; fp32 subnormal results are within 2 ulp), and the encoder
 // is monotone in |v| for a fixed sign: when the codes of q -/+ 8 ulp (same sign) agree, they are the
 // code of the correctly rounded quotient (cvt.rn.satfinite equals fmt::float_to_e4m3 on non-NaN
-// input). Otherwise (q near an e4m3 rounding boundary, ~1e-5 of the elements; |q| >= 2^127; NaN) the
-// exact division. Power-of-two scales make inv and q exact.
-// The exact path, out of line: it runs for ~1e-5 of the pairs, and inlined at every call site it
-// multiplied the code of the kernels that quantise (the dispatch kernel was ~200 KB of SASS; at a
-// few tokens its time went to instruction fetch).
-static __device__ __noinline__ uint32_t quantize_e4m3_pair_exact(float v0, float v1, float s) {
-  return static_cast<uint32_t>(fmt::float_to_e4m3(fmt::div_rn(v0, s))) |
-         (static_cast<uint32_t>(fmt::float_to_e4m3(fmt::div_rn(v1, s))) << 8);
-}
-
+// input). Otherwise (q near an e4m3 rounding boundary, ~1e-5 of the elements; |q| >= 2^127; NaN)
+// quantize_e4m3_pair_div. Power-of-two scales make inv and q exact.
+// The fallback is inline: out of line (the software encoder, to keep code small) its call cost the
+// GEMM's SwiGLU epilogue 16-19% on qwen3-30b-a3b's FC1 even though it almost never runs (docs/PERF.md).
 __device__ __forceinline__ uint32_t quantize_e4m3_pair(float v0, float v1, float s, float inv) {
   const uint32_t b0 = __float_as_uint(__fmul_rn(v0, inv)), b1 = __float_as_uint(__fmul_rn(v1, inv));
   const uint32_t a0 = b0 & 0x7FFFFFFFu, a1 = b1 & 0x7FFFFFFFu;
@@ -71,7 +65,7 @@ __device__ __forceinline__ uint32_t quantize_e4m3_pair(float v0, float v1, float
   const uint16_t lo = cvt_e4m3x2(__uint_as_float(lo0), __uint_as_float(lo1));
   const uint16_t hi = cvt_e4m3x2(__uint_as_float(b0 + 8u), __uint_as_float(b1 + 8u));
   if (lo == hi && (a0 | a1) < 0x7F000000u) return lo;
-  return quantize_e4m3_pair_exact(v0, v1, s);
+  return quantize_e4m3_pair_div(v0, v1, s);
 }
 
 }  // namespace kernels

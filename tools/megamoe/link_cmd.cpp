@@ -8,10 +8,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <condition_variable>
 #include <cstdio>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -21,6 +19,7 @@
 #include "commands.h"
 #include "kernels/transport/sm90_link_probe.h"
 #include "presets.h"
+#include "ranks.h"
 
 namespace megamoe::tool {
 namespace {
@@ -37,42 +36,12 @@ struct LinkOptions {
   int tma_warps = 4;          // tma: warps (one issuing lane each) per CTA, one CTA per SM
 };
 
-class ThreadBarrier {
- public:
-  explicit ThreadBarrier(int n) : n_(n) {}
-  void wait() {
-    std::unique_lock<std::mutex> lock(m_);
-    const int64_t gen = gen_;
-    if (++count_ == n_) {
-      count_ = 0;
-      ++gen_;
-      cv_.notify_all();
-    } else {
-      cv_.wait(lock, [&] { return gen_ != gen; });
-    }
-  }
-
- private:
-  std::mutex m_;
-  std::condition_variable cv_;
-  int n_, count_ = 0;
-  int64_t gen_ = 0;
-};
-
 struct RankResult {
   std::vector<double> us;
   unsigned long long bad = 0;
   std::string error;
 };
 
-#define LINK_CUDA(expr)                                                               \
-  do {                                                                                \
-    const cudaError_t _e = (expr);                                                    \
-    if (_e != cudaSuccess) {                                                          \
-      res->error = std::string(#expr) + ": " + cudaGetErrorString(_e);              \
-      return;                                                                         \
-    }                                                                                 \
-  } while (0)
 
 // One rank's part of one path: it sends its window's first half into its peer's second half (pull:
 // reads the peer's first half into its own second half), `iters` times after one warm-up, each
@@ -82,10 +51,10 @@ void run_path(const LinkOptions& o, const std::string& path, int rank, int devic
   const int64_t B = o.mib << 20;
   cudaStream_t stream;
   cudaEvent_t e0, e1;
-  LINK_CUDA(cudaSetDevice(device));
-  LINK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  LINK_CUDA(cudaEventCreate(&e0));
-  LINK_CUDA(cudaEventCreate(&e1));
+  MEGAMOE_RANK_CUDA(cudaSetDevice(device));
+  MEGAMOE_RANK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  MEGAMOE_RANK_CUDA(cudaEventCreate(&e0));
+  MEGAMOE_RANK_CUDA(cudaEventCreate(&e1));
   kernels::LinkProbeShape shape{};
   kernels::LinkPath kind = kernels::LinkPath::kStore;
   if (path == "store" || path == "pull") {
@@ -98,40 +67,40 @@ void run_path(const LinkOptions& o, const std::string& path, int rank, int devic
     kind = kernels::LinkPath::kTma;
     shape = {num_sms, o.tma_warps, o.chunk, o.stages};
   }
-  LINK_CUDA(cudaMemsetAsync(own + B, 0xA5, B, stream));  // poison what the peer will write
-  LINK_CUDA(cudaStreamSynchronize(stream));
+  MEGAMOE_RANK_CUDA(cudaMemsetAsync(own + B, 0xA5, B, stream));  // poison what the peer will write
+  MEGAMOE_RANK_CUDA(cudaStreamSynchronize(stream));
   barrier.wait();
   for (int it = 0; it <= o.iters; ++it) {
     barrier.wait();
-    LINK_CUDA(cudaEventRecord(e0, stream));
+    MEGAMOE_RANK_CUDA(cudaEventRecord(e0, stream));
     if (path == "ce" || path == "ce-lsa") {
       const int64_t piece = B / o.ce_chunks;
       for (int c = 0; c < o.ce_chunks; ++c) {
         const int64_t off = c * piece, len = c + 1 == o.ce_chunks ? B - off : piece;
         if (path == "ce") {
-          LINK_CUDA(cudaMemcpyPeerAsync(peer_raw + B + off, peer_device, own + off, device, len, stream));
+          MEGAMOE_RANK_CUDA(cudaMemcpyPeerAsync(peer_raw + B + off, peer_device, own + off, device, len, stream));
         } else {  // through the LSA mapping of the peer's window, as a process of its own would see it
-          LINK_CUDA(cudaMemcpyAsync(peer_lsa + B + off, own + off, len, cudaMemcpyDeviceToDevice, stream));
+          MEGAMOE_RANK_CUDA(cudaMemcpyAsync(peer_lsa + B + off, own + off, len, cudaMemcpyDeviceToDevice, stream));
         }
       }
     } else if (kind == kernels::LinkPath::kPull) {
-      LINK_CUDA(kernels::launch_link_probe(kind, shape, peer_lsa, own + B, B, stream));
+      MEGAMOE_RANK_CUDA(kernels::launch_link_probe(kind, shape, peer_lsa, own + B, B, stream));
     } else {
-      LINK_CUDA(kernels::launch_link_probe(kind, shape, own, peer_lsa + B, B, stream));
+      MEGAMOE_RANK_CUDA(kernels::launch_link_probe(kind, shape, own, peer_lsa + B, B, stream));
     }
-    LINK_CUDA(cudaEventRecord(e1, stream));
-    LINK_CUDA(cudaStreamSynchronize(stream));
+    MEGAMOE_RANK_CUDA(cudaEventRecord(e1, stream));
+    MEGAMOE_RANK_CUDA(cudaStreamSynchronize(stream));
     float ms = 0;
-    LINK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+    MEGAMOE_RANK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
     if (it > 0) res->us.push_back(ms * 1e3);
   }
   barrier.wait();  // every write to this rank has landed (the peer's stream is synchronised)
   unsigned long long* bad = nullptr;
-  LINK_CUDA(cudaMalloc(&bad, sizeof(*bad)));
-  LINK_CUDA(cudaMemsetAsync(bad, 0, sizeof(*bad), stream));
-  LINK_CUDA(kernels::link_probe_check(own + B, B, 1 - rank, bad, stream));
-  LINK_CUDA(cudaMemcpyAsync(&res->bad, bad, sizeof(*bad), cudaMemcpyDeviceToHost, stream));
-  LINK_CUDA(cudaStreamSynchronize(stream));
+  MEGAMOE_RANK_CUDA(cudaMalloc(&bad, sizeof(*bad)));
+  MEGAMOE_RANK_CUDA(cudaMemsetAsync(bad, 0, sizeof(*bad), stream));
+  MEGAMOE_RANK_CUDA(kernels::link_probe_check(own + B, B, 1 - rank, bad, stream));
+  MEGAMOE_RANK_CUDA(cudaMemcpyAsync(&res->bad, bad, sizeof(*bad), cudaMemcpyDeviceToHost, stream));
+  MEGAMOE_RANK_CUDA(cudaStreamSynchronize(stream));
   cudaFree(bad);
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);

@@ -91,6 +91,17 @@ RankWeightsFn generated_weights(const MoeGeometry& g, uint64_t seed);
 // 128x128 scales, bf16 as a bf16 source.
 MoeWeights source_views(const PreparedWeights& prepared);
 
+// In a rank thread's body that reports through a result struct `res` with a std::string `error`:
+// a failing CUDA call is recorded there (the call's text and the CUDA error) and the body returns.
+#define MEGAMOE_RANK_CUDA(expr)                                       \
+  do {                                                                \
+    const cudaError_t _e = (expr);                                    \
+    if (_e != cudaSuccess) {                                          \
+      res->error = std::string(#expr) + ": " + cudaGetErrorString(_e); \
+      return;                                                         \
+    }                                                                 \
+  } while (0)
+
 // A sense-reversing barrier for R rank threads (lockstep timing in bench).
 class ThreadBarrier {
  public:

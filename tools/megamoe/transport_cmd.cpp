@@ -11,11 +11,9 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
@@ -26,6 +24,7 @@
 #include "kernels/transport/ep_transport.h"
 #include "megamoe/comm.h"
 #include "megamoe/formats.h"
+#include "ranks.h"
 
 namespace megamoe::tool {
 namespace {
@@ -126,28 +125,6 @@ struct BenchOptions {
   uint32_t seed = 1;
 };
 
-class Barrier {
- public:
-  explicit Barrier(int n) : n_(n) {}
-  void wait() {
-    std::unique_lock<std::mutex> lock(m_);
-    const int64_t gen = gen_;
-    if (++count_ == n_) {
-      count_ = 0;
-      ++gen_;
-      cv_.notify_all();
-    } else {
-      cv_.wait(lock, [&] { return gen_ != gen; });
-    }
-  }
-
- private:
-  std::mutex m_;
-  std::condition_variable cv_;
-  int n_, count_ = 0;
-  int64_t gen_ = 0;
-};
-
 struct RankRouting {
   std::vector<int32_t> ids;
   std::vector<float> weights;
@@ -209,14 +186,6 @@ struct PointResult {
       return;                                                                  \
     }                                                                          \
   } while (0)
-#define BENCH_CUDA(expr)                                                              \
-  do {                                                                                \
-    const cudaError_t _e = (expr);                                                    \
-    if (_e != cudaSuccess) {                                                          \
-      res->error = std::string(#expr) + ": " + cudaGetErrorString(_e);                \
-      return;                                                                         \
-    }                                                                                 \
-  } while (0)
 
 // One rank's run of one point. `sync` is a host barrier across ranks (threads or processes).
 // The combine phase: one kernel (send_and_combine), or with --split-combine the two-kernel path that
@@ -232,7 +201,7 @@ void bench_point(const BenchOptions& o, std::shared_ptr<Communicator> comm, int6
                  const std::function<void()>& sync, bool /*host_barrier*/, PointResult* res) {
   NcclRankComm* nccl = nccl_rank_of(comm.get());
   const int rank = comm->rank(), R = comm->size();
-  BENCH_CUDA(cudaSetDevice(nccl->device()));
+  MEGAMOE_RANK_CUDA(cudaSetDevice(nccl->device()));
   EpTransportOptions opt;
   WorkspaceParams& p = opt.params;
   p.ep_size = R;
@@ -248,7 +217,7 @@ void bench_point(const BenchOptions& o, std::shared_ptr<Communicator> comm, int6
   std::unique_ptr<EpTransport> tr;
   BENCH_CHECK(EpTransport::create(comm, opt, &tr));
   cudaStream_t stream;
-  BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  MEGAMOE_RANK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   BENCH_CHECK(tr->warmup(stream));
   const WorkspaceLayout& l = tr->layout();
   const int64_t H = o.hidden, k = o.top_k, El = p.experts_per_rank;
@@ -302,23 +271,23 @@ void bench_point(const BenchOptions& o, std::shared_ptr<Communicator> comm, int6
   }
   size_t max_a2a = 16;
   for (int q = 0; q < R; ++q) max_a2a = std::max({max_a2a, disp_send[q], disp_recv[q], comb_send[q], comb_recv[q]});
-  BENCH_CUDA(cudaMalloc(&dx, std::max<int64_t>(T * H * 2, 16)));
-  BENCH_CUDA(cudaMalloc(&dids, std::max<int64_t>(T * k * 4, 16)));
-  BENCH_CUDA(cudaMalloc(&dw, std::max<int64_t>(T * k * 4, 16)));
-  BENCH_CUDA(cudaMalloc(&dy, std::max<int64_t>(T * H * 2, 16)));
-  BENCH_CUDA(cudaMalloc(&dout, std::max<int64_t>(l.pool_rows * H * 2, 16)));
-  BENCH_CUDA(cudaMalloc(&a2a_send, max_a2a * R));
-  BENCH_CUDA(cudaMalloc(&a2a_recv, max_a2a * R));
+  MEGAMOE_RANK_CUDA(cudaMalloc(&dx, std::max<int64_t>(T * H * 2, 16)));
+  MEGAMOE_RANK_CUDA(cudaMalloc(&dids, std::max<int64_t>(T * k * 4, 16)));
+  MEGAMOE_RANK_CUDA(cudaMalloc(&dw, std::max<int64_t>(T * k * 4, 16)));
+  MEGAMOE_RANK_CUDA(cudaMalloc(&dy, std::max<int64_t>(T * H * 2, 16)));
+  MEGAMOE_RANK_CUDA(cudaMalloc(&dout, std::max<int64_t>(l.pool_rows * H * 2, 16)));
+  MEGAMOE_RANK_CUDA(cudaMalloc(&a2a_send, max_a2a * R));
+  MEGAMOE_RANK_CUDA(cudaMalloc(&a2a_recv, max_a2a * R));
   if (x_fp8) {
-    BENCH_CUDA(cudaMalloc(&dxs, std::max<int64_t>(T * H / 128 * 4, 16)));
-    BENCH_CUDA(cudaMemcpy(dx, xq.data(), T * H, cudaMemcpyHostToDevice));
-    BENCH_CUDA(cudaMemcpy(dxs, xs.data(), T * H / 128 * 4, cudaMemcpyHostToDevice));
+    MEGAMOE_RANK_CUDA(cudaMalloc(&dxs, std::max<int64_t>(T * H / 128 * 4, 16)));
+    MEGAMOE_RANK_CUDA(cudaMemcpy(dx, xq.data(), T * H, cudaMemcpyHostToDevice));
+    MEGAMOE_RANK_CUDA(cudaMemcpy(dxs, xs.data(), T * H / 128 * 4, cudaMemcpyHostToDevice));
   } else {
-    BENCH_CUDA(cudaMemcpy(dx, x.data(), T * H * 2, cudaMemcpyHostToDevice));
+    MEGAMOE_RANK_CUDA(cudaMemcpy(dx, x.data(), T * H * 2, cudaMemcpyHostToDevice));
   }
-  BENCH_CUDA(cudaMemcpy(dids, routing[rank].ids.data(), T * k * 4, cudaMemcpyHostToDevice));
-  BENCH_CUDA(cudaMemcpy(dw, routing[rank].weights.data(), T * k * 4, cudaMemcpyHostToDevice));
-  BENCH_CUDA(cudaMemset(dout, 0x3C, l.pool_rows * H * 2));  // FC2 stand-in (values do not change bytes)
+  MEGAMOE_RANK_CUDA(cudaMemcpy(dids, routing[rank].ids.data(), T * k * 4, cudaMemcpyHostToDevice));
+  MEGAMOE_RANK_CUDA(cudaMemcpy(dw, routing[rank].weights.data(), T * k * 4, cudaMemcpyHostToDevice));
+  MEGAMOE_RANK_CUDA(cudaMemset(dout, 0x3C, l.pool_rows * H * 2));  // FC2 stand-in (values do not change bytes)
   const Device dev = Device::cuda(nccl->device());
   const TensorView vx(dx, x_fp8 ? DType::kFloat8E4M3 : DType::kBFloat16, {T, H}, dev),
       vxs(dxs, DType::kFloat32, {T, H / 128}, dev), vids(dids, DType::kInt32, {T, k}, dev),
@@ -326,21 +295,21 @@ void bench_point(const BenchOptions& o, std::shared_ptr<Communicator> comm, int6
       vout(dout, DType::kBFloat16, {l.pool_rows, H}, dev);
 
   cudaEvent_t ev[4];
-  for (auto& e : ev) BENCH_CUDA(cudaEventCreate(&e));
+  for (auto& e : ev) MEGAMOE_RANK_CUDA(cudaEventCreate(&e));
   // The three phases of one forward, each a CUDA graph: dispatch | expert pool | combine (send + reduce).
   cudaGraph_t graphs[3];
   cudaGraphExec_t execs[3];
   for (int phase = 0; phase < 3; ++phase) {
-    BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    MEGAMOE_RANK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
     Status cap;
     if (phase == 0) cap = tr->dispatch(vx, x_fp8 ? vxs : TensorView(), vids, vw, stream);
     if (phase == 1) cap = tr->build_expert_pool(stream);
     if (phase == 2) {
       cap = combine_phase(o, tr.get(), vout, vids, vy, stream);
     }
-    BENCH_CUDA(cudaStreamEndCapture(stream, &graphs[phase]));
+    MEGAMOE_RANK_CUDA(cudaStreamEndCapture(stream, &graphs[phase]));
     BENCH_CHECK(cap);
-    BENCH_CUDA(cudaGraphInstantiate(&execs[phase], graphs[phase], 0));
+    MEGAMOE_RANK_CUDA(cudaGraphInstantiate(&execs[phase], graphs[phase], 0));
   }
 
   auto a2a = [&](const std::vector<size_t>& send, const std::vector<size_t>& recv) {
@@ -364,40 +333,40 @@ void bench_point(const BenchOptions& o, std::shared_ptr<Communicator> comm, int6
   std::vector<double> td, tc, tt, nd, nc;
   for (int it = 0; it < o.warmup + o.iters; ++it) {
     gate.store(0);
-    BENCH_CUDA(cudaLaunchHostFunc(stream, hold, &gate));
-    BENCH_CUDA(cudaEventRecord(ev[0], stream));
-    BENCH_CUDA(cudaGraphLaunch(execs[0], stream));
-    BENCH_CUDA(cudaEventRecord(ev[1], stream));
-    BENCH_CUDA(cudaGraphLaunch(execs[1], stream));
-    BENCH_CUDA(cudaEventRecord(ev[2], stream));
-    BENCH_CUDA(cudaGraphLaunch(execs[2], stream));
-    BENCH_CUDA(cudaEventRecord(ev[3], stream));
+    MEGAMOE_RANK_CUDA(cudaLaunchHostFunc(stream, hold, &gate));
+    MEGAMOE_RANK_CUDA(cudaEventRecord(ev[0], stream));
+    MEGAMOE_RANK_CUDA(cudaGraphLaunch(execs[0], stream));
+    MEGAMOE_RANK_CUDA(cudaEventRecord(ev[1], stream));
+    MEGAMOE_RANK_CUDA(cudaGraphLaunch(execs[1], stream));
+    MEGAMOE_RANK_CUDA(cudaEventRecord(ev[2], stream));
+    MEGAMOE_RANK_CUDA(cudaGraphLaunch(execs[2], stream));
+    MEGAMOE_RANK_CUDA(cudaEventRecord(ev[3], stream));
     sync();
     gate.store(1, std::memory_order_release);
-    BENCH_CUDA(cudaStreamSynchronize(stream));
+    MEGAMOE_RANK_CUDA(cudaStreamSynchronize(stream));
     float d = 0, c = 0;
-      BENCH_CUDA(cudaEventElapsedTime(&d, ev[0], ev[1]));
-    BENCH_CUDA(cudaEventElapsedTime(&c, ev[2], ev[3]));
+      MEGAMOE_RANK_CUDA(cudaEventElapsedTime(&d, ev[0], ev[1]));
+    MEGAMOE_RANK_CUDA(cudaEventElapsedTime(&c, ev[2], ev[3]));
     // The NCCL all-to-all of the same bytes, each direction set on its own. Behind the gate only when
     // the barrier is a host one: an NCCL barrier on the same communicator would queue behind it.
     gate.store(0);
     sync();  // no gate: NCCL may queue its own host work behind it
-    BENCH_CUDA(cudaEventRecord(ev[0], stream));
+    MEGAMOE_RANK_CUDA(cudaEventRecord(ev[0], stream));
     if (a2a(disp_send, disp_recv) != ncclSuccess) {
       res->error = "ncclSend/ncclRecv failed";
       return;
     }
-    BENCH_CUDA(cudaEventRecord(ev[1], stream));
+    MEGAMOE_RANK_CUDA(cudaEventRecord(ev[1], stream));
     if (a2a(comb_send, comb_recv) != ncclSuccess) {
       res->error = "ncclSend/ncclRecv failed";
       return;
     }
-    BENCH_CUDA(cudaEventRecord(ev[2], stream));
+    MEGAMOE_RANK_CUDA(cudaEventRecord(ev[2], stream));
     gate.store(1, std::memory_order_release);
-    BENCH_CUDA(cudaStreamSynchronize(stream));
+    MEGAMOE_RANK_CUDA(cudaStreamSynchronize(stream));
     float n1 = 0, n2 = 0;
-    BENCH_CUDA(cudaEventElapsedTime(&n1, ev[0], ev[1]));
-    BENCH_CUDA(cudaEventElapsedTime(&n2, ev[1], ev[2]));
+    MEGAMOE_RANK_CUDA(cudaEventElapsedTime(&n1, ev[0], ev[1]));
+    MEGAMOE_RANK_CUDA(cudaEventElapsedTime(&n2, ev[1], ev[2]));
     if (it >= o.warmup) {
       td.push_back(d * 1e3);
       tc.push_back(c * 1e3);
@@ -414,10 +383,10 @@ void bench_point(const BenchOptions& o, std::shared_ptr<Communicator> comm, int6
   if (o.graph_iters > 0) {
     const int N = o.graph_iters;
     std::vector<cudaEvent_t> pe(4 * N);
-    for (auto& e : pe) BENCH_CUDA(cudaEventCreate(&e));
+    for (auto& e : pe) MEGAMOE_RANK_CUDA(cudaEventCreate(&e));
     cudaGraph_t gf = nullptr, gd = nullptr;
     cudaGraphExec_t xf = nullptr, xd = nullptr;
-    BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    MEGAMOE_RANK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
     Status cap;
     // External event nodes: they record timestamps when the graph runs (plain captured events do not).
     for (int i = 0; i < N && cap.is_ok(); ++i) {
@@ -429,27 +398,27 @@ void bench_point(const BenchOptions& o, std::shared_ptr<Communicator> comm, int6
       if (cap.is_ok()) cap = combine_phase(o, tr.get(), vout, vids, vy, stream);
       cudaEventRecordWithFlags(pe[4 * i + 3], stream, cudaEventRecordExternal);
     }
-    BENCH_CUDA(cudaStreamEndCapture(stream, &gf));
+    MEGAMOE_RANK_CUDA(cudaStreamEndCapture(stream, &gf));
     BENCH_CHECK(cap);
-    BENCH_CUDA(cudaGraphInstantiate(&xf, gf, 0));
-    BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    MEGAMOE_RANK_CUDA(cudaGraphInstantiate(&xf, gf, 0));
+    MEGAMOE_RANK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
     for (int i = 0; i < N && cap.is_ok(); ++i) cap = tr->dispatch(vx, x_fp8 ? vxs : TensorView(), vids, vw, stream);
-    BENCH_CUDA(cudaStreamEndCapture(stream, &gd));
+    MEGAMOE_RANK_CUDA(cudaStreamEndCapture(stream, &gd));
     BENCH_CHECK(cap);
-    BENCH_CUDA(cudaGraphInstantiate(&xd, gd, 0));
+    MEGAMOE_RANK_CUDA(cudaGraphInstantiate(&xd, gd, 0));
     // Without event nodes: N forwards, and N x (dispatch + pool build).
     cudaGraph_t gc = nullptr, gdp = nullptr;
     cudaGraphExec_t xc = nullptr, xdp = nullptr;
     for (int which = 0; which < 2; ++which) {
-      BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      MEGAMOE_RANK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
       for (int i = 0; i < N && cap.is_ok(); ++i) {
         cap = tr->dispatch(vx, x_fp8 ? vxs : TensorView(), vids, vw, stream);
         if (cap.is_ok()) cap = tr->build_expert_pool(stream);
         if (cap.is_ok() && which == 0) cap = combine_phase(o, tr.get(), vout, vids, vy, stream);
       }
-      BENCH_CUDA(cudaStreamEndCapture(stream, which == 0 ? &gc : &gdp));
+      MEGAMOE_RANK_CUDA(cudaStreamEndCapture(stream, which == 0 ? &gc : &gdp));
       BENCH_CHECK(cap);
-      BENCH_CUDA(cudaGraphInstantiate(which == 0 ? &xc : &xdp, which == 0 ? gc : gdp, 0));
+      MEGAMOE_RANK_CUDA(cudaGraphInstantiate(which == 0 ? &xc : &xdp, which == 0 ? gc : gdp, 0));
     }
     std::vector<double> fwd, disp_only, clean_fwd, disp_pool, gdisp, gpool, gcomb;
     // One graph launched right after a host barrier; µs per forward (the barrier's skew paid once).
@@ -617,7 +586,7 @@ int run_bench_transport(const BenchOptions& o) {
     return 3;
   }
   print_header(o, o.ranks);
-  Barrier barrier(o.ranks);
+  ThreadBarrier barrier(o.ranks);
   std::vector<std::pair<int64_t, PointResult>> rows;
   for (int64_t T : o.tokens) {
     std::vector<PointResult> res(o.ranks);

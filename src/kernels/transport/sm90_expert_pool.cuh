@@ -81,7 +81,11 @@ __global__ void __launch_bounds__(256) pool_rank_kernel(TransportArgs a) {
       }
     }
     if (live) {
-      for (int j = 0; j < k; ++j) {
+      // Unrolled over kK: indexed by a runtime bound, mine / before / after lived in local memory
+      // (a stack frame of 12 x kK bytes) and every compare above loaded and stored them there.
+#pragma unroll
+      for (int j = 0; j < kK; ++j) {
+        if (j >= k) break;
         a.pool_intra[recv_row * k + j] = mine[j] >= 0 ? before[j] : -1;
         if (mine[j] >= 0 && after[j] == 0) hist[mine[j]] = before[j] + 1;  // the chunk's last row with it
       }

@@ -1,6 +1,6 @@
 // sm90_gemm_ptx.cuh — the Hopper (sm_90a) primitives the grouped GEMM is built from: mbarriers, TMA
 // (cp.async.bulk.tensor) loads, 4-byte cp.async completing on an mbarrier, wgmma descriptors and
-// wgmma.mma_async wrappers, setmaxnreg. Thin inline-PTX wrappers, one instruction each, so a fused
+// wgmma.mma_async wrappers, setmaxnreg, 1-D bulk copies (the NVLink probe's). Thin inline-PTX wrappers, one instruction each, so a fused
 // kernel can compose them the same way the grouped GEMM does (e4m3 conversion: kernels/common/sm90_quant.cuh).
 //
 // invariant: every shared-memory address passed here is a 32-bit shared-window address
@@ -64,6 +64,31 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, u
 __device__ __forceinline__ void tma_prefetch_desc(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
+
+// 1-D bulk copy (TMA, no tensor map) of `bytes` (a multiple of 16, both addresses 16-byte aligned)
+// global -> shared; completes `bytes` of transaction on `bar`.
+__device__ __forceinline__ void bulk_load_1d(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   smem_addr(dst)),
+               "l"(src), "r"(bytes), "r"(smem_addr(bar))
+               : "memory");
+}
+
+// 1-D bulk copy shared -> global (any global address, a peer's through an LSA pointer included), in
+// this thread's current bulk group; bulk_commit() closes the group.
+__device__ __forceinline__ void bulk_store_1d(void* dst, const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(smem_addr(src)),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Waits until at most kPending of this thread's bulk groups still read their shared-memory source.
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
+}
+// Waits until every bulk group of this thread has completed (its writes performed).
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
 // 4-byte asynchronous global -> shared copy (Ampere cp.async).
 __device__ __forceinline__ void cp_async_4(void* dst, const void* src) {

@@ -374,7 +374,7 @@ __device__ __forceinline__ void dispatch_part(const TransportArgs& a, char* cons
       }
       cur = nxt;
     }
-    } else {  // kFp8ToBf16: 8 elements per chunk
+  } else {  // kFp8ToBf16: 8 elements per chunk
     const uint8_t* src = static_cast<const uint8_t*>(x) + t * H;
     for (int64_t rr = rb; rr < re; ++rr) {
       const int64_t c = rr * 32 + lane;

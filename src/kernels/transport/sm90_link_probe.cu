@@ -3,6 +3,7 @@
 
 #include <nccl_device.h>
 
+#include "kernels/gemm/sm90_gemm_ptx.cuh"
 #include "kernels/transport/sm90_transport_args.cuh"
 
 namespace megamoe {
@@ -10,45 +11,7 @@ namespace kernels {
 
 namespace {
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void bulk_store(void* dst_global, const void* src_smem, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst_global),
-               "r"(smem_u32(src_smem)), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
-// At most N of this thread's bulk groups still reading their shared memory source.
-template <int N>
-__device__ __forceinline__ void bulk_wait_read() {
-  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
-}
-// All of this thread's bulk groups complete (writes performed).
-__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
-
-__device__ __forceinline__ void bulk_load(void* dst_smem, const void* src_global, uint32_t bytes, uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-          smem_u32(dst_smem)),
-      "l"(src_global), "r"(bytes), "r"(smem_u32(bar))
-      : "memory");
-}
-__device__ __forceinline__ void mbar_init(uint64_t* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_u32(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred p;\nWAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      "@!p bra WAIT_%=;\n}\n" ::"r"(smem_u32(bar)),
-      "r"(parity)
-      : "memory");
-}
+using namespace gemm::ptx;
 
 template <bool kRemoteSrc>
 __global__ void __launch_bounds__(1024) link_copy_kernel(const uint4* __restrict__ src, uint4* __restrict__ dst,
@@ -89,7 +52,7 @@ __global__ void link_staged_kernel(const char* __restrict__ src, char* __restric
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic writes -> async proxy
     __syncwarp();
     if (lane == 0) {
-      bulk_store(dst + j * chunk, b, static_cast<uint32_t>(chunk));
+      bulk_store_1d(dst + j * chunk, b, static_cast<uint32_t>(chunk));
       bulk_commit();
     }
   }
@@ -109,18 +72,18 @@ __global__ void link_tma_kernel(const char* __restrict__ src, char* __restrict__
   const int64_t W = static_cast<int64_t>(gridDim.x) * warps;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * warps + warp;
   const int64_t mine = first < chunks ? (chunks - first + W - 1) / W : 0;
-  for (int s = 0; s < stages; ++s) mbar_init(&bars[s]);
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  for (int s = 0; s < stages; ++s) mbar_init(&bars[s], 1);
+  mbar_init_fence();
   const auto load = [&](int64_t it) {
     const int s = static_cast<int>(it % stages);
-    mbar_expect_tx(&bars[s], static_cast<uint32_t>(chunk));
-    bulk_load(buf + s * chunk, src + (first + it * W) * chunk, static_cast<uint32_t>(chunk), &bars[s]);
+    mbar_arrive_expect_tx(&bars[s], static_cast<uint32_t>(chunk));
+    bulk_load_1d(buf + s * chunk, src + (first + it * W) * chunk, static_cast<uint32_t>(chunk), &bars[s]);
   };
   for (int64_t it = 0; it < mine && it < stages; ++it) load(it);
   for (int64_t it = 0; it < mine; ++it) {
     const int s = static_cast<int>(it % stages);
     mbar_wait(&bars[s], static_cast<uint32_t>((it / stages) & 1));
-    bulk_store(dst + (first + it * W) * chunk, buf + s * chunk, static_cast<uint32_t>(chunk));
+    bulk_store_1d(dst + (first + it * W) * chunk, buf + s * chunk, static_cast<uint32_t>(chunk));
     bulk_commit();
     // refill the previous chunk's buffer once its store has read it (one store left reading)
     if (it >= 1 && it - 1 + stages < mine) {

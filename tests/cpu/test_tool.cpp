@@ -188,6 +188,10 @@ TEST(Tool, BadValues_NameFlagValueAndRule) {
   expect_refused(run_tool("bench-link --paths store,warp"), 2, {"--paths", "warp", "store", "ce-lsa"});
   expect_refused(run_tool("bench-link --chunk 1000"), 2, {"--chunk", "1000", "multiple of 16"});
   expect_refused(run_tool("bench-link --stages 0"), 2, {"--stages", "0"});
+  expect_refused(run_tool("bench-link --paths tma --tma-warps 8 --stages 8 --chunk 16384"), 2,
+                 {"--tma-warps", "--stages", "--chunk", "shared memory", "232448"});
+  expect_refused(run_tool("bench-link --paths staged --staged-warps 16 --chunk 8192"), 2,
+                 {"--staged-warps", "--chunk", "262144", "232448"});
 }
 
 // One process per rank (megamoe launch) needs a GPU backend: the cpu backend's ranks share host

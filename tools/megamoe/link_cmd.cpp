@@ -118,6 +118,26 @@ int run_bench_link(const LinkOptions& o) {
     std::fprintf(stderr, "megamoe bench-link: error: --chunk %d must be a multiple of 16 that divides --mib MiB\n", o.chunk);
     return kExitUsage;
   }
+  // Shared memory of the bulk paths: an H200 CTA gets at most 227 KiB.
+  constexpr int kMaxSmem = 227 * 1024;
+  const int staged_smem = kernels::link_probe_smem_bytes(kernels::LinkPath::kStaged, {1, o.staged_warps, o.chunk, 2});
+  const int tma_smem = kernels::link_probe_smem_bytes(kernels::LinkPath::kTma, {1, o.tma_warps, o.chunk, o.stages});
+  for (const std::string& p : o.paths) {
+    if (p == "staged" && staged_smem > kMaxSmem) {
+      std::fprintf(stderr,
+                   "megamoe bench-link: error: --staged-warps %d x 2 x --chunk %d = %d bytes of shared memory; must be "
+                   "<= %d (fewer warps or a smaller chunk)\n",
+                   o.staged_warps, o.chunk, staged_smem, kMaxSmem);
+      return kExitUsage;
+    }
+    if (p == "tma" && tma_smem > kMaxSmem) {
+      std::fprintf(stderr,
+                   "megamoe bench-link: error: --tma-warps %d x --stages %d x --chunk %d = %d bytes of shared memory; "
+                   "must be <= %d (fewer warps or stages, or a smaller chunk)\n",
+                   o.tma_warps, o.stages, o.chunk, tma_smem, kMaxSmem);
+      return kExitUsage;
+    }
+  }
   // the flags first, then the machine
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count < 2) {

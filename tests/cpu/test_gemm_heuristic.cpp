@@ -123,9 +123,12 @@ TEST(GemmHeuristic, BucketsByTokensPerExpert) {
   EXPECT_EQ(select_gemm_tiles(hint(512, 8, 384, 256)).block_n, 128);
   // too few tiles for the SMs -> narrower tiles
   EXPECT_EQ(select_gemm_tiles(hint(8, 2, 4096, 768)).block_n, 128);
-  // small N (qwen3-30b-a3b) -> 128-wide tiles; deepseek-v3 FC2 (N 7168) stays 256
-  EXPECT_EQ(select_gemm_tiles(hint(256, 64, 1536, 2048)).block_n, 128);
-  EXPECT_EQ(select_gemm_tiles(hint(256, 64, 2048, 768)).block_n, 128);
+  // small N (qwen3-30b-a3b) at <= 128 rows per expert -> 128-wide tiles; from 256 rows, and for
+  // deepseek-v3 FC2 (N 7168), 256
+  EXPECT_EQ(select_gemm_tiles(hint(128, 64, 1536, 2048)).block_n, 128);
+  EXPECT_EQ(select_gemm_tiles(hint(8, 64, 2048, 768)).block_n, 128);
+  EXPECT_EQ(select_gemm_tiles(hint(256, 64, 1536, 2048)).block_n, 256);
+  EXPECT_EQ(select_gemm_tiles(hint(256, 64, 2048, 768)).block_n, 256);
   EXPECT_EQ(select_gemm_tiles(hint(256, 64, 7168, 2048)).block_n, 256);
   EXPECT_EQ(select_gemm_tiles(hint(1024, 64, 1536, 2048)).block_n, 256);
   EXPECT_EQ(select_gemm_tiles(hint(256, 64, 1536, 2048, GemmEpilogue::kSwigluFp8)).block_n, 256);

@@ -22,10 +22,14 @@ GemmTileConfig select_gemm_tiles(const GemmShapeHint& hint, const Knobs* overrid
     c.block_n = 256;
   }
   if (hint.n % 256 != 0) c.block_n = 128;  // plain epilogue on N = 128 (mod 256)
-  // small models at <= 256 rows per expert (qwen3-30b-a3b-like, N <= 2048): 128-wide tiles (6-8
-  // stages) measured faster on H200 in one A/B run: FC1 64 experts x 256 rows 875 vs 795 TFLOP/s,
-  // FC2 660 vs 602, decode FC1 3.1 vs 2.8 TB/s; at 1024 rows 256-wide stays ahead.
-  if (!swiglu && hint.n <= 2048 && hint.m_per_expert <= 256) c.block_n = 128;
+  // small models at <= 128 rows per expert (qwen3-30b-a3b-like, N <= 2048, decode and small
+  // batches): 128-wide tiles. Measured on H200 (session 7, `bench-gemm --preset qwen3-30b-a3b
+  // --block-n 128|256 --no-swiglu`, 64 experts, µs, 128- vs 256-wide): 8 rows FC2 38.4 vs 39.4,
+  // 128 rows FC1 72.6 vs 74.3 (twice the tiles: 5.8 waves instead of 2.9); from 256 rows 256-wide
+  // wins: FC1 113.5 vs 103.4, FC2 72.5 vs 66.6; 512 rows 210.6 vs 187.6, 134.6 vs 120.0. (An
+  // earlier kernel measured 128-wide ahead at 256 rows too; the SwiGLU, scheduling and stmatrix
+  // changes since moved it.)
+  if (!swiglu && hint.n <= 2048 && hint.m_per_expert <= 128) c.block_n = 128;
   // few tiles for the SMs (e.g. FC2 of a small model at small batch): narrower N tiles give the
   // persistent grid more work items.
   if (!swiglu && c.block_n == 256) {

@@ -276,10 +276,13 @@ __device__ __forceinline__ void produce_end(const GroupedGemmSmem<Cfg>& sm, Pipe
 
 // The next tile of this CTA: from the global counter (dynamic: tiles go out in order as CTAs free
 // up, so tiles that share a weight or an A block run at nearly the same time wherever the CTAs
-// are, and their second reads hit L2) or round-robin (static). Producer thread only.
+// are, and their second reads hit L2) or round-robin (static). Either way CTA i's first tile is
+// tile i (the CTAs start together, so the order is the same), which keeps the counter's round trip
+// off the first loads; the counter hands out tiles from gridDim.x on. Producer thread only.
 __device__ __forceinline__ int32_t next_tile(const GroupedGemmParams& p, int32_t prev) {
-  if (p.tile_counter != nullptr) return atomicAdd(&p.tile_counter[0], 1);
-  return prev < 0 ? int32_t(blockIdx.x) : prev + int32_t(gridDim.x);
+  if (prev < 0) return int32_t(blockIdx.x);
+  if (p.tile_counter != nullptr) return int32_t(gridDim.x) + atomicAdd(&p.tile_counter[0], 1);
+  return prev + int32_t(gridDim.x);
 }
 
 // After the producer's failing fetch: the last CTA of the grid to get there returns the counter to

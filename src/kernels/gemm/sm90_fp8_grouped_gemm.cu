@@ -209,6 +209,12 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream, Gem
   } else {
     tmap_sfa = tmap_a;  // unused
   }
+  // D for TMA stores: the plain store epilogue with identity rows (row r of A to row r of D).
+  const bool tma_store = !swiglu && args.row_map == nullptr && args.num_peer_d == 0;
+  CUtensorMap tmap_d = tmap_a;  // unused unless tma_store
+  if (tma_store)
+    MEGAMOE_RETURN_IF_ERROR(make_map(&tmap_d, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, args.d, uint64_t(args.n), a_rows,
+                                     uint64_t(args.ldd ? args.ldd : args.n) * 2, 64, 16, true, "D"));
 
   GroupedGemmParams p{};
   p.layout = masked ? kLayoutMasked : kLayoutContiguous;
@@ -231,6 +237,7 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream, Gem
   p.sfd_expert_stride = masked ? int64_t(args.n / 256) * p.ld_sfd : 0;
   p.pow2_scales = args.pow2_scales ? 1 : 0;
   p.tile_counter = args.tile_counter;
+  p.tma_store = tma_store ? 1 : 0;
 
   // Persistent grid: all SMs, fewer when the contiguous pool cannot have that many tiles.
   int64_t grid = cfg.num_sms > 0 ? std::min(cfg.num_sms, dev.sms) : dev.sms;
@@ -242,7 +249,8 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream, Gem
   cudaError_t err = cudaErrorInvalidConfiguration;
 #define MEGAMOE_DISPATCH(BM, BN, FP8, EPI)                                                                      \
   if (cfg.block_m == BM && cfg.block_n == BN && fp8 == FP8 && p_epi == EPI)                                     \
-    err = launch_grouped_gemm_config<GroupedGemmConfig<BM, BN, FP8, EPI>>(tmap_a, tmap_b, tmap_sfa, p, int(grid), stream);
+    err = launch_grouped_gemm_config<GroupedGemmConfig<BM, BN, FP8, EPI>>(tmap_a, tmap_b, tmap_sfa, tmap_d, p, int(grid), \
+                                                                     stream);
   const int p_epi = args.epilogue == GemmEpilogue::kStoreBf16  ? kEpiStoreBf16
                     : args.epilogue == GemmEpilogue::kSwigluFp8 ? kEpiSwigluFp8
                                                                 : kEpiSwigluBf16;

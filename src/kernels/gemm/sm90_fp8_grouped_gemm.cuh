@@ -75,6 +75,9 @@ struct GroupedGemmParams {
   // again after it (the last CTA to finish resets it). null: static round-robin (CTA i runs tiles
   // i, i + grid, ...).
   int32_t* tile_counter;
+  // kEpiStoreBf16 with identity rows (no row_map, no peer buffers): the kernel's tmap_d describes D
+  // and full 16-row slabs go out as TMA tensor stores (epilogue_store_bf16).
+  int32_t tma_store;
 };
 
 template <int kBlockM_, int kBlockN_, bool kFp8_, int kEpilogue_>
@@ -421,13 +424,23 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 // Staging rows are 128 bytes with the 16-byte pieces XOR-swizzled by (row & 7): conflict-free
 // stmatrix rows and read-back.
 // invariant: D rows are 16-byte aligned (validate_grouped_gemm checks d and ldd).
+//
+// tma_d (null: not used): a tensor map of D itself ([rows, N] bf16, box 64 x 16, 128-byte swizzle:
+// the staging rows' layout), for a sink that stores row r at D row r. A warp whose 16 rows all lie
+// inside the tile's segment then stores each staged 16 x 64 slab with one TMA tensor store instead
+// of the read-back and 16-byte stores (rows past the segment must not be written, so a partial
+// slab takes the per-row path); the staging is reused once the store has read it.
 template <class Cfg, class Sink>
 __device__ __forceinline__ void epilogue_store_bf16(const GroupedGemmSmem<Cfg>& sm, const float (&acc)[Cfg::kNumChunks][64],
                                                     const GroupedTile& t, int wg, const Sink& sink,
-                                                    const float* row_weight) {
+                                                    const float* row_weight, const CUtensorMap* tma_d = nullptr) {
   const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
   const int wrow0 = wg * 64 + warp * 16;  // the warp's first row in the tile
-  const uint32_t stage = ptx::smem_addr(sm.out + (wg * 4 + warp) * 2048);
+  const uint8_t* stage_ptr = sm.out + (wg * 4 + warp) * 2048;
+  const uint32_t stage = ptx::smem_addr(stage_ptr);
+  // warp-uniform; read through a shuffle so that ptxas knows it (a branch on a value it must treat as
+  // per-lane moved the mainloop's ring position out of uniform registers)
+  const bool tma = __shfl_sync(0xffffffffu, tma_d != nullptr && wrow0 + 16 <= t.rows ? 1 : 0, 0) != 0;
   // Lane l < 16 resolves row l's destination once; the others get it by shuffle.
   __nv_bfloat16* my_row = nullptr;
   if (lane < 16 && wrow0 + lane < t.rows) my_row = sink.row_ptr(t.row0 + wrow0 + lane);
@@ -447,6 +460,10 @@ __device__ __forceinline__ void epilogue_store_bf16(const GroupedGemmSmem<Cfg>& 
   for (int c = 0; c < Cfg::kNumChunks; ++c)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
+      if (tma_d != nullptr) {  // the staging's previous TMA store (this tile's or the last one's) has read it
+        ptx::bulk_wait_read<0>();  // every lane: a no-op where nothing is pending
+        __syncwarp();
+      }
 #pragma unroll
       for (int g2 = 0; g2 < 4; ++g2) {  // 8-column groups 2*g2 and 2*g2+1 of this 64-column half
         const int g = half * 8 + 2 * g2;
@@ -461,6 +478,13 @@ __device__ __forceinline__ void epilogue_store_bf16(const GroupedGemmSmem<Cfg>& 
           }
         const int piece = 2 * g2 + st_piece;
         ptx::stmatrix_x4(stage + st_row * 128 + ((piece ^ (st_row & 7)) << 4), r[0], r[1], r[2], r[3]);
+      }
+      if (tma) {
+        ptx::fence_proxy_async_smem();
+        __syncwarp();
+        ptx::tma_store_2d(lane == 0, tma_d, stage_ptr, t.n_block * Cfg::kBlockN + c * 128 + half * 64, t.row0 + wrow0);
+        ptx::bulk_commit();  // a no-op where nothing was issued
+        continue;
       }
       __syncwarp();
 #pragma unroll
@@ -549,7 +573,8 @@ __device__ __forceinline__ void epilogue_swiglu(const float (&acc)[Cfg::kNumChun
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
     sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
-                             const __grid_constant__ CUtensorMap tmap_sfa, const __grid_constant__ GroupedGemmParams p) {
+                             const __grid_constant__ CUtensorMap tmap_sfa, const __grid_constant__ CUtensorMap tmap_d,
+                             const __grid_constant__ GroupedGemmParams p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
   const GroupedGemmSmem<Cfg> sm = GroupedGemmSmem<Cfg>::carve(smem_raw, p.num_experts);
@@ -559,6 +584,7 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
     ptx::tma_prefetch_desc(&tmap_a);
     ptx::tma_prefetch_desc(&tmap_b);
     if constexpr (Cfg::kFp8) ptx::tma_prefetch_desc(&tmap_sfa);
+    if (p.tma_store) ptx::tma_prefetch_desc(&tmap_d);
   }
   const int num_n_blocks = p.n / Cfg::kBlockN;
   const GroupedSchedule sched = build_schedule<Cfg>(sm, p, num_n_blocks);  // ends in __syncthreads
@@ -579,17 +605,24 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
     float acc[Cfg::kNumChunks][64];
     for (;;) {
       ptx::mbar_wait(&sm.full[pipe.stage], pipe.phase);  // the next tile's first K block (or the end)
-      const int32_t t = sm.tile_of_stage[pipe.stage];
+      // Read as warp-uniform (a shuffle from lane 0). ptxas keeps the mainloop's ring position in
+      // uniform registers only while this loop has no divergent exit or branch: an exit on a value
+      // it must treat as per-lane, followed by code (the TMA stores' wait below), or a lane-0 branch
+      // in the epilogue, cost +30 instructions per K block (measured 1.5-8% slower, session 7).
+      const int32_t t = __shfl_sync(0xffffffffu, sm.tile_of_stage[pipe.stage], 0);
       if (t < 0) break;
       const GroupedTile tile = sched.tile(t);
       math_tile<Cfg>(sm, pipe, p, tile, wg, acc);
       if constexpr (Cfg::kEpilogue == kEpiStoreBf16) {
         const DefaultRowSink sink{p};
-        epilogue_store_bf16<Cfg>(sm, acc, tile, wg, sink, p.row_weight);
+        epilogue_store_bf16<Cfg>(sm, acc, tile, wg, sink, p.row_weight, p.tma_store ? &tmap_d : nullptr);
       } else {
         epilogue_swiglu<Cfg>(acc, tile, wg, p);
       }
     }
+    // The TMA stores have read their staging before the CTA's shared memory goes away (every lane:
+    // a no-op where nothing was issued).
+    if constexpr (Cfg::kEpilogue == kEpiStoreBf16) ptx::bulk_wait_all();
   }
 #endif
 }
@@ -605,7 +638,7 @@ namespace megamoe::gemm {
 
 template <class Cfg>
 cudaError_t launch_grouped_gemm_config(const CUtensorMap& tmap_a, const CUtensorMap& tmap_b, const CUtensorMap& tmap_sfa,
-                                       const GroupedGemmParams& p, int grid, cudaStream_t stream) {
+                                       const CUtensorMap& tmap_d, const GroupedGemmParams& p, int grid, cudaStream_t stream) {
   const int smem = Cfg::smem_bytes(p.num_experts);
   // invariant: the dynamic limit is raised once per configuration and device (a function attribute
   // is per device) to the largest it can need (kMaxExperts), so launches inside CUDA-graph capture
@@ -625,7 +658,7 @@ cudaError_t launch_grouped_gemm_config(const CUtensorMap& tmap_a, const CUtensor
       raised_on |= uint64_t(1) << device;
     }
   }
-  sm90_grouped_gemm_kernel<Cfg><<<grid, Cfg::kNumThreads, smem, stream>>>(tmap_a, tmap_b, tmap_sfa, p);
+  sm90_grouped_gemm_kernel<Cfg><<<grid, Cfg::kNumThreads, smem, stream>>>(tmap_a, tmap_b, tmap_sfa, tmap_d, p);
   return cudaGetLastError();
 }
 
@@ -646,10 +679,12 @@ cudaError_t launch_grouped_gemm_config(const CUtensorMap& tmap_a, const CUtensor
 
 #define MEGAMOE_GROUPED_GEMM_EXTERN(BM, BN, FP8, EPI)                                                          \
   extern template cudaError_t launch_grouped_gemm_config<GroupedGemmConfig<BM, BN, FP8, EPI>>(                 \
-      const CUtensorMap&, const CUtensorMap&, const CUtensorMap&, const GroupedGemmParams&, int, cudaStream_t);
+      const CUtensorMap&, const CUtensorMap&, const CUtensorMap&, const CUtensorMap&, const GroupedGemmParams&, int,  \
+      cudaStream_t);
 #define MEGAMOE_GROUPED_GEMM_INSTANTIATE(BM, BN, FP8, EPI)                                                     \
   template cudaError_t launch_grouped_gemm_config<GroupedGemmConfig<BM, BN, FP8, EPI>>(                        \
-      const CUtensorMap&, const CUtensorMap&, const CUtensorMap&, const GroupedGemmParams&, int, cudaStream_t);
+      const CUtensorMap&, const CUtensorMap&, const CUtensorMap&, const CUtensorMap&, const GroupedGemmParams&, int,  \
+      cudaStream_t);
 
 }  // namespace megamoe::gemm
 #endif

@@ -61,6 +61,23 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, u
       : "memory");
 }
 
+// 2-D TMA tile store from shared memory where `pred` holds, in this thread's current bulk group
+// (bulk_commit closes it; bulk_wait_read before the source is rewritten). The shared source must be
+// visible to the async proxy first (fence_proxy_async_smem by every writing thread, then a barrier).
+// Predicated inside the instruction rather than behind a branch: ptxas keeps a loop's warp-uniform
+// state in uniform registers only while the loop has no divergent branch (sm90_grouped_gemm_kernel).
+__device__ __forceinline__ void tma_store_2d(bool pred, const CUtensorMap* map, const void* src, int32_t x, int32_t y) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.u32 p, %4, 0;\n"
+      " @p cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n}\n" ::"l"(
+          reinterpret_cast<uint64_t>(map)),
+      "r"(smem_addr(src)), "r"(x), "r"(y), "r"(pred ? 1u : 0u)
+      : "memory");
+}
+
+// Orders this thread's generic-proxy shared-memory writes before later async-proxy reads (TMA).
+__device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
 __device__ __forceinline__ void tma_prefetch_desc(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }

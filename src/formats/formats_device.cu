@@ -74,6 +74,17 @@ __global__ void raw_mul_add_kernel(const float* a, const float* b, int64_t n, fl
   }
 }
 
+// The kernels' e4m3 pair quantisers (kernels/common/sm90_quant.cuh) on pairs (x[2i], x[2i + 1]) with
+// scale s[i]: out[2i] the GEMM epilogue's (multiply, bracketing, division), out[2i + 1] the
+// dispatch's (division).
+__global__ void quantize_e4m3_pairs_kernel(const float* x, const float* s, int64_t pairs, uint16_t* out) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < pairs; i += int64_t(gridDim.x) * blockDim.x) {
+    const float v0 = x[2 * i], v1 = x[2 * i + 1], sc = s[i];
+    out[2 * i] = static_cast<uint16_t>(kernels::quantize_e4m3_pair(v0, v1, sc, __frcp_rn(sc)));
+    out[2 * i + 1] = static_cast<uint16_t>(kernels::quantize_e4m3_pair_div(v0, v1, sc));
+  }
+}
+
 // fp8 1x128. Warp task = one block of 128; lane l holds elements l, l+32, l+64, l+96 (coalesced).
 // The loop over tasks is warp-uniform, so every shuffle has all 32 lanes.
 __global__ void quantize_fp8_1x128_kernel(const float* x, int64_t num_blocks, uint8_t* q, float* scales, bool pow2) {
@@ -176,6 +187,13 @@ cudaError_t encode_elements_cvt(const float* x, int64_t n, uint8_t* e4m3, uint16
   if (n < 0 || (n > 0 && !x)) return cudaErrorInvalidValue;
   if (n == 0) return cudaSuccess;
   encode_elements_cvt_kernel<<<ctas_for(n, kThreads), kThreads, 0, stream>>>(x, n, e4m3, bf16);
+  return cudaGetLastError();
+}
+
+cudaError_t quantize_e4m3_pairs(const float* x, const float* s, int64_t pairs, uint16_t* out, cudaStream_t stream) {
+  if (pairs < 0 || (pairs > 0 && (!x || !s || !out))) return cudaErrorInvalidValue;
+  if (pairs == 0) return cudaSuccess;
+  quantize_e4m3_pairs_kernel<<<ctas_for(pairs, kThreads), kThreads, 0, stream>>>(x, s, pairs, out);
   return cudaGetLastError();
 }
 

@@ -32,6 +32,12 @@ cudaError_t encode_elements(const float* x, int64_t n, uint8_t* e4m3, uint8_t* e
 // The same with the hardware conversion instructions (e4m3 satfinite, bf16 round-to-nearest).
 cudaError_t encode_elements_cvt(const float* x, int64_t n, uint8_t* e4m3, uint16_t* bf16, cudaStream_t stream);
 
+// out[2 * pairs]: the kernels' e4m3 pair quantisers of (x[2i], x[2i + 1]) / s[i], each a uint16 of
+// two codes (x[2i]'s in the low byte): [2i] quantize_e4m3_pair (the GEMM's SwiGLU epilogue: a
+// multiply by RN(1 / s) bracketed by the codes 8 ulp either side, else a division), [2i + 1]
+// quantize_e4m3_pair_div (the dispatch). Both must equal fmt::float_to_e4m3(fmt::div_rn(x, s)).
+cudaError_t quantize_e4m3_pairs(const float* x, const float* s, int64_t pairs, uint16_t* out, cudaStream_t stream);
+
 // out[2n]: __fmul_rn(a[i], b[i]) and __fadd_rn(a[i], b[i]) as the hardware gives them (no
 // canonicalize_nan): kernels that skip mul_rn's canonicalisation rely on their NaN being 0x7FFFFFFF.
 cudaError_t raw_mul_add(const float* a, const float* b, int64_t n, float* out, cudaStream_t stream);

@@ -7,6 +7,7 @@
 
 #include "gpu/gpu_skip.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -259,6 +260,78 @@ TEST(FormatsDevice, HardwareCvtAgreesWithCodecs) {
       static_cast<long long>(nan_inputs), static_cast<long long>(e4m3_nan_exact));
   EXPECT_EQ(e4m3_diff, 0);
   EXPECT_EQ(bf16_diff, 0);
+}
+
+// The kernels' e4m3 pair quantisers (a multiply by RN(1 / s) bracketed by the codes 8 ulp either
+// side, else a division; the division alone) against the codec's e4m3(div_rn(x, s)): on quotients placed on
+// and within 12 ulp of every tie between adjacent codes (where the multiply alone would round to the
+// wrong side), on 1x128 blocks of random data with their own block scales, on every encoder input
+// with assorted scales, and on zeros, subnormals, infinities and NaN.
+TEST(FormatsDevice, PairQuantisersEqualDivision) {
+  REQUIRE_SM90();
+  std::vector<float> x, s;
+  auto add_pair = [&](float a, float b, float sc) {
+    x.push_back(a);
+    x.push_back(b);
+    s.push_back(sc);
+  };
+  std::mt19937 rng(4242u);
+  const float scales[] = {1.f, 0.37f, 3.3e-3f, 0.03125f, 1.7e4f, 2.9e-29f, 7.1e30f, 448.f / 3.f, 1.f / 448.f, 5.9e-39f};
+  for (int c = 0; c < 0x7E; ++c) {
+    const float tie =
+        0.5f * (fmt::e4m3_to_float(static_cast<uint8_t>(c)) + fmt::e4m3_to_float(static_cast<uint8_t>(c + 1)));
+    for (float sc : scales) {
+      const uint32_t center = bits_of(tie * sc);
+      for (int d = -12; d <= 12; ++d) {
+        const float v = float_of(center + static_cast<uint32_t>(d));
+        add_pair(v, -v, sc);
+      }
+    }
+  }
+  {
+    const int64_t n = 128 * 8191;
+    const std::vector<float> blocks = block_inputs(n, 77u);
+    for (int64_t b = 0; b < n / 128; ++b) {
+      float amax = 0.f;
+      for (int64_t i = b * 128; i < (b + 1) * 128; ++i) amax = std::max(amax, fmt::finite_abs(blocks[i]));
+      const float sc = fmt::fp8_block_scale(amax, b % 2 == 1);
+      for (int64_t i = b * 128; i < (b + 1) * 128; i += 2) add_pair(blocks[i], blocks[i + 1], sc);
+    }
+  }
+  {
+    const std::vector<float> enc = encoder_inputs();
+    std::uniform_real_distribution<float> log_scale(-30.f, 30.f);
+    for (size_t i = 0; i + 1 < enc.size(); i += 2) {
+      add_pair(enc[i], enc[i + 1], 1.f);
+      add_pair(enc[i], enc[i + 1], std::exp2(log_scale(rng)));
+    }
+  }
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  for (float sc : scales)
+    for (float v : {0.f, -0.f, float_of(1u), float_of(0x807FFFFFu), inf, -inf, nan, 1e-40f, 2.f * sc, 500.f * sc})
+      add_pair(v, -v, sc);
+  const int64_t pairs = static_cast<int64_t>(s.size());
+  DeviceBuffer<float> dx(x), ds(s);
+  DeviceBuffer<uint16_t> out(2 * pairs);
+  CUDA_OK(fmt::device::quantize_e4m3_pairs(dx.ptr, ds.ptr, pairs, out.ptr, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  const std::vector<uint16_t> got = out.to_host();
+  const char* names[2] = {"quantize_e4m3_pair", "quantize_e4m3_pair_div"};
+  int64_t bad[2] = {0, 0};
+  for (int64_t i = 0; i < pairs; ++i) {
+    const uint16_t want = static_cast<uint16_t>(fmt::float_to_e4m3(fmt::div_rn(x[2 * i], s[i])) |
+                                                (fmt::float_to_e4m3(fmt::div_rn(x[2 * i + 1], s[i])) << 8));
+    for (int f = 0; f < 2; ++f) {
+      if (got[2 * i + f] == want) continue;
+      if (++bad[f] <= 5)
+        ADD_FAILURE() << names[f] << " of (" << std::hex << bits_of(x[2 * i]) << ", " << bits_of(x[2 * i + 1])
+                      << ") / " << bits_of(s[i]) << " gave " << got[2 * i + f] << ", the codec " << want;
+    }
+  }
+  std::printf("pair quantisers: %lld pairs, differ %lld / %lld\n", static_cast<long long>(pairs),
+              static_cast<long long>(bad[0]), static_cast<long long>(bad[1]));
+  EXPECT_EQ(bad[0], 0);
+  EXPECT_EQ(bad[1], 0);
 }
 
 TEST(FormatsDevice, Fp8_1x128_BitExact) {

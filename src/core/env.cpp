@@ -27,6 +27,12 @@ EnvKnobs read_env() {
     if (end && *end == '\0' && ms > 0) k.wait_timeout_ms = ms;
     else log_warn("ignoring MEGAMOE_WAIT_TIMEOUT_MS=%s: must be a positive integer (milliseconds)", v);
   }
+  if (const char* v = std::getenv("MEGAMOE_BARRIER_TIMEOUT_MS"); v && *v) {
+    char* end = nullptr;
+    long long ms = std::strtoll(v, &end, 10);
+    if (end && *end == '\0' && ms > 0) k.barrier_timeout_ms = ms;
+    else log_warn("ignoring MEGAMOE_BARRIER_TIMEOUT_MS=%s: must be a positive integer (milliseconds)", v);
+  }
   if (const char* v = std::getenv("MEGAMOE_LOG"); v && *v) {
     char* end = nullptr;
     long lvl = std::strtol(v, &end, 10);

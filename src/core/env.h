@@ -13,6 +13,10 @@ struct EnvKnobs {
   bool knob_cache_off = false;
   // MEGAMOE_WAIT_TIMEOUT_MS: bound of every cross-rank wait (host threads and device), default 10000.
   int64_t wait_timeout_ms = 10000;
+  // MEGAMOE_BARRIER_TIMEOUT_MS: bound of the host barrier between launched processes (`megamoe
+  // launch`; the benches' lockstep), default 120000: ranks may reach it after setups of different
+  // lengths, so it is apart from (and longer than) the wait bound above.
+  int64_t barrier_timeout_ms = 120000;
   // MEGAMOE_LOG: 0 quiet, 1 warnings and selection (default), 2 verbose.
   int log_level = 1;
   // One process per GPU (comm.h NcclBootstrap::from_env, set by `megamoe launch` or an engine's

@@ -80,5 +80,24 @@ TEST_F(Bootstrap, NoIdSourceIsRefused) {
   EXPECT_NE(st.message().find("MEGAMOE_NCCL_ID_FILE"), std::string::npos) << st.message();
 }
 
+// The launched processes' host barrier bound (tools/megamoe nccl_barrier): its own variable, longer
+// than the wait bound by default, a bad value ignored (with a warning) rather than taken.
+TEST_F(Bootstrap, BarrierTimeoutIsReadApartFromTheWaitBound) {
+  unsetenv("MEGAMOE_BARRIER_TIMEOUT_MS");
+  reload_env_knobs();
+  EXPECT_EQ(env_knobs().barrier_timeout_ms, 120000);
+  EXPECT_GT(env_knobs().barrier_timeout_ms, env_knobs().wait_timeout_ms);
+  setenv("MEGAMOE_BARRIER_TIMEOUT_MS", "2500", 1);
+  reload_env_knobs();
+  EXPECT_EQ(env_knobs().barrier_timeout_ms, 2500);
+  for (const char* bad : {"0", "-5", "12ms", "x"}) {
+    setenv("MEGAMOE_BARRIER_TIMEOUT_MS", bad, 1);
+    reload_env_knobs();
+    EXPECT_EQ(env_knobs().barrier_timeout_ms, 120000) << bad;
+  }
+  unsetenv("MEGAMOE_BARRIER_TIMEOUT_MS");
+  reload_env_knobs();
+}
+
 }  // namespace
 }  // namespace megamoe

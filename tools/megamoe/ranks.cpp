@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <cstdio>
 #include <cstring>
 #include <exception>
 #include <string>
@@ -243,11 +244,45 @@ Status RankBarrier::wait(int64_t rank) {
     MEGAMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     stream_ = s;
   }
-  const ncclResult_t r = ncclAllReduce(flag_, flag_, 1, ncclFloat, ncclSum, nccl->nccl(), static_cast<cudaStream_t>(stream_));
+  return nccl_barrier(nccl->nccl(), flag_, stream_, rank, "rank barrier");
+}
+
+Status nccl_barrier(ncclComm_t comm, void* flag, void* stream_ptr, int64_t rank, const char* what) {
+  const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  const ncclResult_t r = ncclAllReduce(flag, flag, 1, ncclFloat, ncclSum, comm, stream);
   if (r != ncclSuccess)
-    return Status(StatusCode::kInternal, std::string("rank barrier: ncclAllReduce failed: ") + ncclGetErrorString(r));
-  MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)));
-  return Status::ok();
+    return Status(StatusCode::kInternal, std::string(what) + ": ncclAllReduce failed: " + ncclGetErrorString(r));
+  const int64_t bound_ms = env_knobs().barrier_timeout_ms;
+  const auto start = std::chrono::steady_clock::now();
+  std::string failure;
+  for (;;) {
+    const cudaError_t q = cudaStreamQuery(stream);
+    if (q == cudaSuccess) return Status::ok();
+    if (q != cudaErrorNotReady) {
+      failure = std::string("the all-reduce failed on the device: ") + cudaGetErrorString(q);
+      break;
+    }
+    ncclResult_t async = ncclSuccess;
+    if (ncclCommGetAsyncError(comm, &async) == ncclSuccess && async != ncclSuccess && async != ncclInProgress) {
+      failure = std::string("NCCL reports ") + ncclGetErrorString(async) + " on the communicator (a peer process gone?)";
+      break;
+    }
+    const int64_t waited =
+        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start).count();
+    if (waited > bound_ms) {
+      failure = "no peer arrived within " + std::to_string(bound_ms) +
+                " ms (MEGAMOE_BARRIER_TIMEOUT_MS); a peer process is stuck or gone";
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  std::fprintf(stderr,
+               "megamoe: rank %lld: %s over the launched processes: %s; aborting the NCCL communicator and exiting "
+               "with %d without cleanup (its pending all-reduce keeps it from being destroyed)\n",
+               static_cast<long long>(rank), what, failure.c_str(), kBarrierExitCode);
+  std::fflush(stderr);
+  ncclCommAbort(comm);
+  std::_Exit(kBarrierExitCode);
 }
 
 void ThreadBarrier::wait() {

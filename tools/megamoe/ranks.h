@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include <nccl.h>
+
 #include "megamoe/comm.h"
 #include "megamoe/layer.h"
 #include "megamoe/status.h"
@@ -114,8 +116,19 @@ class ThreadBarrier {
   int64_t n_, arrived_ = 0, generation_ = 0;
 };
 
+// A barrier over the launched processes: an NCCL all-reduce of the one float at `flag` on `stream`,
+// then a bounded wait for it (env_knobs().barrier_timeout_ms, MEGAMOE_BARRIER_TIMEOUT_MS). A peer that
+// never arrives, or an error NCCL reports on the communicator (a peer process gone), cannot be
+// recovered from in-process: the pending all-reduce keeps ncclCommDestroy (and so every destructor
+// that releases a symmetric window) from returning. So the rank prints one line naming itself, the
+// barrier, the bound and what it saw, aborts the communicator (ncclCommAbort) and exits with
+// kBarrierExitCode without running destructors; `megamoe launch` then stops the other ranks.
+// Returns only on success or when the all-reduce could not be enqueued.
+constexpr int kBarrierExitCode = 5;
+Status nccl_barrier(ncclComm_t comm, void* flag, void* stream, int64_t rank, const char* what);
+
 // A barrier over every rank of the group, for lockstep timing: host threads when this process runs
-// every rank, an NCCL all-reduce of one value (then a stream sync) across the launched processes.
+// every rank, nccl_barrier across the launched processes.
 class RankBarrier {
  public:
   RankBarrier(const ProcessRanks& pr, const RankGroup& group);

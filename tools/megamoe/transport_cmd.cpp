@@ -552,8 +552,8 @@ int run_bench_transport(const BenchOptions& o) {
     cudaStream_t s;
     cudaStreamCreate(&s);
     auto sync = [&] {
-      ncclAllReduce(flag, flag, 1, ncclFloat, ncclSum, nccl->nccl(), s);
-      cudaStreamSynchronize(s);
+      const Status st = nccl_barrier(nccl->nccl(), flag, s, b.rank, "bench-transport barrier");
+      if (!st) std::fprintf(stderr, "megamoe bench-transport: rank %d: %s\n", b.rank, st.to_string().c_str());
     };
     if (b.rank == 0) print_header(o, b.world_size);
     int rc = 0;

@@ -12,7 +12,9 @@
 //   warpgroups 0 .. kNumMathWG-1  math: each owns 64 rows of the BLOCK_M tile and all BLOCK_N
 //                                 columns, issued as BLOCK_N/128 chunks of wgmma m64n128 (one temp
 //                                 accumulator, promoted into a final accumulator per chunk), then
-//                                 runs the epilogue from registers straight to global memory.
+//                                 runs the epilogue: SwiGLU + requant from registers; bf16 rows
+//                                 staged by stmatrix, then 16-byte stores (or one TMA store per
+//                                 16 x 64 slab when the rows are D's own).
 //   warpgroup kNumMathWG          producer: one thread issues, per K block, TMA loads of the A tile
 //                                 (BLOCK_M x 128 B), the B tile (BLOCK_N x 128 B), the A scales
 //                                 (a BLOCK_M + 4 fp32 box starting 16-byte aligned) and 4-byte

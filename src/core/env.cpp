@@ -21,18 +21,17 @@ EnvKnobs read_env() {
     std::string base = (xdg && *xdg) ? std::string(xdg) : std::string(home && *home ? home : "/tmp") + "/.cache";
     k.knob_cache_path = base + "/megamoe/knobs.json";
   }
-  if (const char* v = std::getenv("MEGAMOE_WAIT_TIMEOUT_MS"); v && *v) {
+  // A positive integer of milliseconds, else the default stays (with a warning naming the variable).
+  auto read_ms = [](const char* name, int64_t* out) {
+    const char* v = std::getenv(name);
+    if (!v || !*v) return;
     char* end = nullptr;
-    long long ms = std::strtoll(v, &end, 10);
-    if (end && *end == '\0' && ms > 0) k.wait_timeout_ms = ms;
-    else log_warn("ignoring MEGAMOE_WAIT_TIMEOUT_MS=%s: must be a positive integer (milliseconds)", v);
-  }
-  if (const char* v = std::getenv("MEGAMOE_BARRIER_TIMEOUT_MS"); v && *v) {
-    char* end = nullptr;
-    long long ms = std::strtoll(v, &end, 10);
-    if (end && *end == '\0' && ms > 0) k.barrier_timeout_ms = ms;
-    else log_warn("ignoring MEGAMOE_BARRIER_TIMEOUT_MS=%s: must be a positive integer (milliseconds)", v);
-  }
+    const long long ms = std::strtoll(v, &end, 10);
+    if (end && *end == '\0' && ms > 0) *out = ms;
+    else log_warn("ignoring %s=%s: must be a positive integer (milliseconds)", name, v);
+  };
+  read_ms("MEGAMOE_WAIT_TIMEOUT_MS", &k.wait_timeout_ms);
+  read_ms("MEGAMOE_BARRIER_TIMEOUT_MS", &k.barrier_timeout_ms);
   if (const char* v = std::getenv("MEGAMOE_LOG"); v && *v) {
     char* end = nullptr;
     long lvl = std::strtol(v, &end, 10);

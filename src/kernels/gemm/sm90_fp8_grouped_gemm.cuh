@@ -302,6 +302,51 @@ __device__ __forceinline__ void release_tile_counter(const GroupedGemmParams& p)
 
 // ---- math ------------------------------------------------------------------------------------------
 
+// One fp8 K block of math warpgroup `wg`: per 128-column chunk, the four m64n128k32 wgmmas into the
+// temporary accumulator, then their promotion acc[c] (+)= (sa * sb[c]) * tmp. kFirst: the tile's first
+// K block, whose promotion starts the sum: fmaf(s, tmp, +0), the bits a zeroed acc would give, without
+// zeroing 64 registers per chunk between tiles (while the tensor cores wait).
+template <class Cfg, bool kFirst>
+__device__ __forceinline__ void math_k_block_fp8(const GroupedGemmSmem<Cfg>& sm, PipeState& pipe, int wg, int sfa0,
+                                                 float (&acc)[Cfg::kNumChunks][64]) {
+  const int lane = threadIdx.x % 32;
+  ptx::mbar_wait(&sm.full[pipe.stage], pipe.phase);
+  const uint8_t* a_tile = sm.a + pipe.stage * Cfg::kStageA + wg * 64 * Cfg::kBlockKBytes;
+  const uint8_t* b_tile = sm.b + pipe.stage * Cfg::kStageB;
+  const uint64_t desc_a = ptx::make_sw128_desc(a_tile);
+  const float sa0 = sm.sfa[pipe.stage * Cfg::kSfaStride + sfa0];
+  const float sa1 = sm.sfa[pipe.stage * Cfg::kSfaStride + sfa0 + 8];
+  float sb[Cfg::kNumChunks];
+#pragma unroll
+  for (int c = 0; c < Cfg::kNumChunks; ++c) sb[c] = sm.sfb[pipe.stage * 4 + c];
+  float tmp[64];
+#pragma unroll
+  for (int c = 0; c < Cfg::kNumChunks; ++c) {
+    const uint64_t desc_b = ptx::make_sw128_desc(b_tile + c * 128 * Cfg::kBlockKBytes);
+    ptx::fence_operands(tmp);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < 4; ++k) ptx::wgmma_m64n128k32_e4m3(tmp, desc_a + 2 * k, desc_b + 2 * k, k > 0);
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
+    ptx::fence_operands(tmp);
+    if (c == Cfg::kNumChunks - 1) {
+      // All reads of this slot (wgmma and scales) are done: hand it back to the producer.
+      __syncwarp();
+      if (lane == 0) ptx::mbar_arrive(&sm.empty[pipe.stage]);
+    }
+    const float s0 = sa0 * sb[c], s1 = sa1 * sb[c];
+#pragma unroll
+    for (int i = 0; i < 64; i += 4) {
+      acc[c][i + 0] = fmaf(s0, tmp[i + 0], kFirst ? 0.f : acc[c][i + 0]);
+      acc[c][i + 1] = fmaf(s0, tmp[i + 1], kFirst ? 0.f : acc[c][i + 1]);
+      acc[c][i + 2] = fmaf(s1, tmp[i + 2], kFirst ? 0.f : acc[c][i + 2]);
+      acc[c][i + 3] = fmaf(s1, tmp[i + 3], kFirst ? 0.f : acc[c][i + 3]);
+    }
+  }
+  pipe.advance(Cfg::kStages);
+}
+
 // Runs the K loop of one tile for math warpgroup `wg` (0-based among the math warpgroups), leaving
 // the fp32 result for its 64 rows x BLOCK_N columns in acc[chunk][...] (fragment layout of
 // ptx::wgmma_m64n128k32_e4m3). Called by all 128 threads of the warpgroup.
@@ -310,8 +355,14 @@ __device__ __forceinline__ void math_tile(const GroupedGemmSmem<Cfg>& sm, PipeSt
                                           const GroupedTile& t, int wg, float (&acc)[Cfg::kNumChunks][64]) {
   const int num_kb = p.k / Cfg::kBlockK;
   const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
-  const int r0 = wg * 64 + warp * 16 + lane / 4;  // this thread's first row in the tile; second is r0 + 8
-  const int sfa0 = sfa_first_row(p, t) - sfa_box_start(p, t) + r0;  // its A scale in the slot
+  if constexpr (Cfg::kFp8) {
+    const int r0 = wg * 64 + warp * 16 + lane / 4;  // this thread's first row in the tile; second is r0 + 8
+    const int sfa0 = sfa_first_row(p, t) - sfa_box_start(p, t) + r0;  // its A scale in the slot
+    // invariant: num_kb >= 1 (validate_grouped_gemm: K a positive multiple of 128)
+    math_k_block_fp8<Cfg, true>(sm, pipe, wg, sfa0, acc);
+    for (int kb = 1; kb < num_kb; ++kb) math_k_block_fp8<Cfg, false>(sm, pipe, wg, sfa0, acc);
+    return;
+  }
 #pragma unroll
   for (int c = 0; c < Cfg::kNumChunks; ++c)
 #pragma unroll
@@ -322,54 +373,22 @@ __device__ __forceinline__ void math_tile(const GroupedGemmSmem<Cfg>& sm, PipeSt
     const uint8_t* a_tile = sm.a + pipe.stage * Cfg::kStageA + wg * 64 * Cfg::kBlockKBytes;
     const uint8_t* b_tile = sm.b + pipe.stage * Cfg::kStageB;
     const uint64_t desc_a = ptx::make_sw128_desc(a_tile);
-    if constexpr (Cfg::kFp8) {
-      const float sa0 = sm.sfa[pipe.stage * Cfg::kSfaStride + sfa0];
-      const float sa1 = sm.sfa[pipe.stage * Cfg::kSfaStride + sfa0 + 8];
-      float sb[Cfg::kNumChunks];
+    // bf16: the wgmmas accumulate in acc itself
 #pragma unroll
-      for (int c = 0; c < Cfg::kNumChunks; ++c) sb[c] = sm.sfb[pipe.stage * 4 + c];
-      float tmp[64];
+    for (int c = 0; c < Cfg::kNumChunks; ++c) ptx::fence_operands(acc[c]);
+    ptx::wgmma_fence();
 #pragma unroll
-      for (int c = 0; c < Cfg::kNumChunks; ++c) {
-        const uint64_t desc_b = ptx::make_sw128_desc(b_tile + c * 128 * Cfg::kBlockKBytes);
-        ptx::fence_operands(tmp);
-        ptx::wgmma_fence();
+    for (int c = 0; c < Cfg::kNumChunks; ++c) {
+      const uint64_t desc_b = ptx::make_sw128_desc(b_tile + c * 128 * Cfg::kBlockKBytes);
 #pragma unroll
-        for (int k = 0; k < 4; ++k) ptx::wgmma_m64n128k32_e4m3(tmp, desc_a + 2 * k, desc_b + 2 * k, k > 0);
-        ptx::wgmma_commit();
-        ptx::wgmma_wait<0>();
-        ptx::fence_operands(tmp);
-        if (c == Cfg::kNumChunks - 1) {
-          // All reads of this slot (wgmma and scales) are done: hand it back to the producer.
-          __syncwarp();
-          if (lane == 0) ptx::mbar_arrive(&sm.empty[pipe.stage]);
-        }
-        const float s0 = sa0 * sb[c], s1 = sa1 * sb[c];
-#pragma unroll
-        for (int i = 0; i < 64; i += 4) {
-          acc[c][i + 0] = fmaf(s0, tmp[i + 0], acc[c][i + 0]);
-          acc[c][i + 1] = fmaf(s0, tmp[i + 1], acc[c][i + 1]);
-          acc[c][i + 2] = fmaf(s1, tmp[i + 2], acc[c][i + 2]);
-          acc[c][i + 3] = fmaf(s1, tmp[i + 3], acc[c][i + 3]);
-        }
-      }
-    } else {
-#pragma unroll
-      for (int c = 0; c < Cfg::kNumChunks; ++c) ptx::fence_operands(acc[c]);
-      ptx::wgmma_fence();
-#pragma unroll
-      for (int c = 0; c < Cfg::kNumChunks; ++c) {
-        const uint64_t desc_b = ptx::make_sw128_desc(b_tile + c * 128 * Cfg::kBlockKBytes);
-#pragma unroll
-        for (int k = 0; k < 4; ++k) ptx::wgmma_m64n128k16_bf16(acc[c], desc_a + 2 * k, desc_b + 2 * k, 1);
-      }
-      ptx::wgmma_commit();
-      ptx::wgmma_wait<0>();
-#pragma unroll
-      for (int c = 0; c < Cfg::kNumChunks; ++c) ptx::fence_operands(acc[c]);
-      __syncwarp();
-      if (lane == 0) ptx::mbar_arrive(&sm.empty[pipe.stage]);
+      for (int k = 0; k < 4; ++k) ptx::wgmma_m64n128k16_bf16(acc[c], desc_a + 2 * k, desc_b + 2 * k, 1);
     }
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
+#pragma unroll
+    for (int c = 0; c < Cfg::kNumChunks; ++c) ptx::fence_operands(acc[c]);
+    __syncwarp();
+    if (lane == 0) ptx::mbar_arrive(&sm.empty[pipe.stage]);
     pipe.advance(Cfg::kStages);
   }
 }

@@ -3,8 +3,10 @@
 // Each case: the experts' grouped GEMM (FC1: N = 2I, K = H; FC2: N = H, K = I) with E local experts
 // and T rows (tokens) per expert, on random finite operands generated on the GPU; cuBLASLt's dense
 // fp8 GEMM (TN, bf16 out, per-tensor scaling) of the same M_total x N x K on the same buffers is the
-// peer, timed in the same process. Timing: CUDA events around each launch, L2 flushed (256 MiB
-// memset) before every timed launch, median / min / max over --iters after --warmup launches.
+// peer, timed in the same process. Timing: CUDA events around each launch, L2 flushed before every
+// timed launch (--flush memset: a 256 MiB memset, as DeepGEMM's harness does, which leaves L2 full of
+// dirty lines whose write-back the GEMM's loads pay for; --flush read: a 256 MiB read, which leaves it
+// clean), median / min / max over --iters after --warmup launches.
 #include "gemm_cmd.h"
 
 #include "presets.h"
@@ -57,6 +59,7 @@ struct BenchOptions {
   bool cublas = true;
   int block_m = 0, block_n = 0, num_sms = 0;
   std::string schedule = "dynamic";  // dynamic (a global tile counter) or static (round-robin)
+  std::string flush = "memset";      // memset (dirty L2) or read (clean L2) before each timed launch
   int iters = 20, warmup = 3;
   std::string json;
 };
@@ -89,15 +92,29 @@ struct Timing {
   double med_us = 0, min_us = 0, max_us = 0;
 };
 
+// What runs before every timed launch, outside the timed region.
+struct L2Flush {
+  void* buf = nullptr;
+  size_t bytes = 0;
+  bool read = false;  // read the buffer (clean L2) instead of writing it (dirty L2)
+  uint32_t* sink = nullptr;
+  void run(int i, cudaStream_t s) const {
+    if (read)
+      cuda_check(gemm::read_through(buf, int64_t(bytes), sink, s), "L2 flush (read)");
+    else
+      cuda_check(cudaMemsetAsync(buf, i & 0xFF, bytes, s), "L2 flush (memset)");
+  }
+};
+
 template <class Launch>
-Timing time_launches(Launch&& launch, void* flush, size_t flush_bytes, int iters, int warmup, cudaStream_t s) {
+Timing time_launches(Launch&& launch, const L2Flush& flush, int iters, int warmup, cudaStream_t s) {
   for (int i = 0; i < warmup; ++i) launch();
   cudaEvent_t e0, e1;
   cuda_check(cudaEventCreate(&e0), "cudaEventCreate");
   cuda_check(cudaEventCreate(&e1), "cudaEventCreate");
   std::vector<double> us;
   for (int i = 0; i < iters; ++i) {
-    cuda_check(cudaMemsetAsync(flush, i & 0xFF, flush_bytes, s), "L2 flush");
+    flush.run(i, s);
     cuda_check(cudaEventRecord(e0, s), "cudaEventRecord");
     launch();
     cuda_check(cudaEventRecord(e1, s), "cudaEventRecord");
@@ -175,15 +192,19 @@ int run_bench_gemm(const BenchOptions& o) {
   cudaDeviceProp prop;
   cuda_check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
   if (prop.major != 9) fail(kExitUnavailable, std::string("bench-gemm needs an sm_90 GPU, found ") + prop.name);
-  std::printf("# bench-gemm on %s (%d SMs); floor = max(weight bytes / %.1f TB/s, FLOPs / %.0f TFLOP/s)\n", prop.name,
-              prop.multiProcessorCount, kHbmBytesPerS / 1e12, kFp8FlopsPerS / 1e12);
+  std::printf("# bench-gemm on %s (%d SMs); floor = max(weight bytes / %.1f TB/s, FLOPs / %.0f TFLOP/s); L2 flush: %s\n",
+              prop.name, prop.multiProcessorCount, kHbmBytesPerS / 1e12, kFp8FlopsPerS / 1e12,
+              o.flush == "read" ? "256 MiB read (clean)" : "256 MiB memset (dirty)");
   std::printf("# %-13s %-10s %4s %5s %-10s %-22s %9s %8s %8s %8s | %9s %8s %6s %10s\n", "model", "fc", "E", "T/E",
               "layout", "tiles", "us(med)", "min", "TFLOP/s", "wGB/s", "cublas_us", "TFLOP/s", "ratio", "time/floor");
   cudaStream_t s;
   cuda_check(cudaStreamCreate(&s), "cudaStreamCreate");
-  const size_t flush_bytes = 256ull << 20;
-  void* flush = nullptr;
-  cuda_check(cudaMalloc(&flush, flush_bytes), "cudaMalloc(flush)");
+  L2Flush flush;
+  flush.bytes = 256ull << 20;
+  flush.read = o.flush == "read";
+  cuda_check(cudaMalloc(&flush.buf, flush.bytes + 16), "cudaMalloc(flush)");
+  cuda_check(cudaMemset(flush.buf, 0x5A, flush.bytes + 16), "cudaMemset(flush)");
+  flush.sink = reinterpret_cast<uint32_t*>(static_cast<char*>(flush.buf) + flush.bytes);
   int32_t* tile_counter = nullptr;  // the GEMM leaves it zero after each launch
   cuda_check(cudaMalloc(&tile_counter, 2 * sizeof(int32_t)), "cudaMalloc(tile counter)");
   cuda_check(cudaMemset(tile_counter, 0, 2 * sizeof(int32_t)), "cudaMemset(tile counter)");
@@ -273,7 +294,7 @@ int run_bench_gemm(const BenchOptions& o) {
           r.tokens = T;
           r.n = N;
           r.k = K;
-          r.ours = time_launches([&] { (void)gemm::launch_grouped_gemm(g, s); }, flush, flush_bytes, o.iters, o.warmup, s);
+          r.ours = time_launches([&] { (void)gemm::launch_grouped_gemm(g, s); }, flush, o.iters, o.warmup, s);
           cuda_check(cudaGetLastError(), "grouped GEMM timing");
           const double flops = 2.0 * double(M) * double(N) * double(K);
           const double wbytes = double(E) * double(N) * double(K);
@@ -287,8 +308,8 @@ int run_bench_gemm(const BenchOptions& o) {
             bool ok = false;
             cublas->run(a, b, d, M, N, K, s, &ok);
             if (ok) {
-              r.peer = time_launches([&] { bool k2; cublas->run(a, b, d, M, N, K, s, &k2); }, flush, flush_bytes,
-                                     o.iters, o.warmup, s);
+              r.peer = time_launches([&] { bool k2; cublas->run(a, b, d, M, N, K, s, &k2); }, flush, o.iters,
+                                     o.warmup, s);
               r.peer_ok = true;
               r.peer_tflops = flops / (r.peer.med_us * 1e-6) / 1e12;
               r.ratio = r.tflops / r.peer_tflops;
@@ -315,7 +336,7 @@ int run_bench_gemm(const BenchOptions& o) {
       }
   }
   delete cublas;
-  cudaFree(flush);
+  cudaFree(flush.buf);
   cudaFree(tile_counter);
   cudaStreamDestroy(s);
   if (!o.json.empty()) {
@@ -354,6 +375,11 @@ CLI::App* add_flags(CLI::App* app, BenchOptions* o) {
   sub->add_option("--schedule", o->schedule, "tile order: dynamic (tiles in order from a global counter) or static (round-robin)")
       ->capture_default_str()
       ->check(CLI::IsMember({"dynamic", "static"}));
+  sub->add_option("--flush", o->flush,
+                  "L2 flush before each timed launch: memset (256 MiB written: L2 left dirty, as DeepGEMM's harness) or "
+                  "read (256 MiB read: L2 left clean)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"memset", "read"}));
   sub->add_option("--iters", o->iters, "timed launches per case")->capture_default_str()->check(CLI::Range(1, 100000));
   sub->add_option("--warmup", o->warmup, "untimed launches per case")->capture_default_str()->check(CLI::Range(0, 1000));
   sub->add_option("--json", o->json, "also write the rows as JSON to this file");

@@ -38,6 +38,18 @@ __global__ void fill_f32_kernel(float* dst, int64_t count, float lo, float hi, u
     dst[i] = lo + (hi - lo) * unit(mix64(seed * 0x9e3779b97f4a7c15ull + uint64_t(i)));
 }
 
+// Reads every 16-byte word of src; writes *sink only when the xor of all of them equals a value no
+// buffer of the benchmark holds in practice (so the loads cannot be optimised away).
+__global__ void read_kernel(const uint4* src, int64_t count, uint32_t* sink) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  uint32_t x = 0;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count; i += stride) {
+    const uint4 v = src[i];
+    x ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (x == 0x9e3779b9u) *sink = x;
+}
+
 int blocks_for(int64_t count) {
   const int64_t b = (count + 255) / 256;
   return int(b < 4096 ? (b > 0 ? b : 1) : 4096);
@@ -57,6 +69,11 @@ cudaError_t fill_random_bf16(void* dst, int64_t count, uint64_t seed, cudaStream
 
 cudaError_t fill_random_f32(float* dst, int64_t count, float lo, float hi, uint64_t seed, cudaStream_t stream) {
   fill_f32_kernel<<<blocks_for(count), 256, 0, stream>>>(dst, count, lo, hi, seed);
+  return cudaGetLastError();
+}
+
+cudaError_t read_through(const void* src, int64_t bytes, uint32_t* sink, cudaStream_t stream) {
+  read_kernel<<<blocks_for(bytes / 16), 256, 0, stream>>>(static_cast<const uint4*>(src), bytes / 16, sink);
   return cudaGetLastError();
 }
 

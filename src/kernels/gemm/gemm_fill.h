@@ -15,4 +15,8 @@ cudaError_t fill_random_bf16(void* dst, int64_t count, uint64_t seed, cudaStream
 // fp32 values uniform in [lo, hi).
 cudaError_t fill_random_f32(float* dst, int64_t count, float lo, float hi, uint64_t seed, cudaStream_t stream);
 
+// Reads `bytes` (a multiple of 16) of src, 16-byte aligned: an L2 flush that leaves L2 holding clean
+// lines (a memset leaves them dirty, and the next kernel's loads pay for their write-back).
+cudaError_t read_through(const void* src, int64_t bytes, uint32_t* sink, cudaStream_t stream);
+
 }  // namespace megamoe::gemm

@@ -186,9 +186,10 @@ TEST(Tool, BadValues_NameFlagValueAndRule) {
   expect_refused(run_tool("bench-transport --combine-groups 9"), 2, {"--combine-groups", "9", "0 to 8"});
   expect_refused(run_tool("bench-transport --x fp4"), 2, {"--x", "fp4", "bf16", "fp8"});
   // bench-link's flags are checked before it looks for two GPUs
-  expect_refused(run_tool("bench-link --paths store,warp"), 2, {"--paths", "warp", "store", "ce-lsa"});
+  expect_refused(run_tool("bench-link --paths store,warp"), 2, {"--paths", "warp", "store", "ce-lsa", "handshake-grid"});
   expect_refused(run_tool("bench-link --chunk 1000"), 2, {"--chunk", "1000", "multiple of 16"});
   expect_refused(run_tool("bench-link --stages 0"), 2, {"--stages", "0"});
+  expect_refused(run_tool("bench-link --paths handshake --handshakes 0"), 2, {"--handshakes", "0"});
   expect_refused(run_tool("bench-link --paths tma --tma-warps 8 --stages 8 --chunk 16384"), 2,
                  {"--tma-warps", "--stages", "--chunk", "shared memory", "232448"});
   expect_refused(run_tool("bench-link --paths staged --staged-warps 16 --chunk 8192"), 2,

@@ -34,7 +34,11 @@ struct LinkOptions {
   int store_ctas_per_sm = 2;  // store / pull: CTAs of 512 threads per SM
   int staged_warps = 8;       // staged: warps per CTA, one CTA per SM
   int tma_warps = 4;          // tma: warps (one issuing lane each) per CTA, one CTA per SM
+  int handshakes = 64;        // handshake paths: round trips per timed CUDA graph
+  bool pdl = true;            // handshake paths: programmatic dependent launch, as the transport's small launches
 };
+
+bool is_handshake(const std::string& path) { return path == "handshake" || path == "handshake-grid"; }
 
 struct RankResult {
   std::vector<double> us;
@@ -42,6 +46,56 @@ struct RankResult {
   std::string error;
 };
 
+
+// One rank's part of a handshake path: `handshakes` launches of the round-trip kernel captured in one
+// graph, timed `iters` times after one warm-up, each graph launched after a barrier; us = per round
+// trip. res->bad counts round trips that timed out (2 s).
+void run_handshake(const LinkOptions& o, const std::string& path, int device, int num_sms, char* own_end,
+                   char* peer_end, ThreadBarrier& barrier, RankResult* res) {
+  cudaStream_t stream;
+  cudaEvent_t e0, e1;
+  MEGAMOE_RANK_CUDA(cudaSetDevice(device));
+  MEGAMOE_RANK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  MEGAMOE_RANK_CUDA(cudaEventCreate(&e0));
+  MEGAMOE_RANK_CUDA(cudaEventCreate(&e1));
+  uint64_t* own_flag = reinterpret_cast<uint64_t*>(own_end - 64);
+  uint64_t* peer_flag = reinterpret_cast<uint64_t*>(peer_end - 64);
+  uint64_t* state = nullptr;
+  MEGAMOE_RANK_CUDA(cudaMalloc(&state, 3 * sizeof(uint64_t)));
+  MEGAMOE_RANK_CUDA(cudaMemsetAsync(state, 0, 3 * sizeof(uint64_t), stream));
+  MEGAMOE_RANK_CUDA(cudaMemsetAsync(own_flag, 0, sizeof(uint64_t), stream));
+  const bool grid = path == "handshake-grid";
+  const int ctas = grid ? 2 * num_sms : 1, threads = grid ? 512 : 32;
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  MEGAMOE_RANK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < o.handshakes; ++i)
+    MEGAMOE_RANK_CUDA(kernels::launch_link_handshake(ctas, threads, o.pdl, own_flag, peer_flag, state, 2000000000ull, stream));
+  MEGAMOE_RANK_CUDA(cudaStreamEndCapture(stream, &graph));
+  MEGAMOE_RANK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  MEGAMOE_RANK_CUDA(cudaStreamSynchronize(stream));
+  barrier.wait();  // both flags are zero before either rank signals
+  for (int it = 0; it <= o.iters; ++it) {
+    barrier.wait();
+    MEGAMOE_RANK_CUDA(cudaEventRecord(e0, stream));
+    MEGAMOE_RANK_CUDA(cudaGraphLaunch(exec, stream));
+    MEGAMOE_RANK_CUDA(cudaEventRecord(e1, stream));
+    MEGAMOE_RANK_CUDA(cudaStreamSynchronize(stream));
+    float ms = 0;
+    MEGAMOE_RANK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+    if (it > 0) res->us.push_back(ms * 1e3 / o.handshakes);
+  }
+  uint64_t h[3] = {};
+  MEGAMOE_RANK_CUDA(cudaMemcpy(h, state, sizeof(h), cudaMemcpyDeviceToHost));
+  res->bad = h[2];
+  barrier.wait();  // the peer's last store into this rank's flag has landed before anyone moves on
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaFree(state);
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaStreamDestroy(stream);
+}
 
 // One rank's part of one path: it sends its window's first half into its peer's second half (pull:
 // reads the peer's first half into its own second half), `iters` times after one warm-up, each
@@ -109,8 +163,10 @@ void run_path(const LinkOptions& o, const std::string& path, int rank, int devic
 
 int run_bench_link(const LinkOptions& o) {
   for (const std::string& p : o.paths)
-    if (p != "store" && p != "staged" && p != "tma" && p != "pull" && p != "ce" && p != "ce-lsa") {
-      std::fprintf(stderr, "megamoe bench-link: error: --paths: '%s' is not one of store, staged, tma, pull, ce, ce-lsa\n",
+    if (p != "store" && p != "staged" && p != "tma" && p != "pull" && p != "ce" && p != "ce-lsa" && !is_handshake(p)) {
+      std::fprintf(stderr,
+                   "megamoe bench-link: error: --paths: '%s' is not one of store, staged, tma, pull, ce, ce-lsa, "
+                   "handshake, handshake-grid\n",
                    p.c_str());
       return kExitUsage;
     }
@@ -189,9 +245,13 @@ int run_bench_link(const LinkOptions& o) {
     std::vector<std::thread> threads;
     for (int r = 0; r < 2; ++r)
       threads.emplace_back([&, r] {
-        run_path(o, path, r, nccl_rank_of(comms[r].get())->device(), sms[r], static_cast<char*>(base[r]),
-                 static_cast<char*>(lsa_peer[r]), static_cast<char*>(base[1 - r]),
-                 nccl_rank_of(comms[1 - r].get())->device(), barrier, &res[r]);
+        if (is_handshake(path))
+          run_handshake(o, path, nccl_rank_of(comms[r].get())->device(), sms[r], static_cast<char*>(base[r]) + bytes,
+                        static_cast<char*>(lsa_peer[r]) + bytes, barrier, &res[r]);
+        else
+          run_path(o, path, r, nccl_rank_of(comms[r].get())->device(), sms[r], static_cast<char*>(base[r]),
+                   static_cast<char*>(lsa_peer[r]), static_cast<char*>(base[1 - r]),
+                   nccl_rank_of(comms[1 - r].get())->device(), barrier, &res[r]);
       });
     for (auto& t : threads) t.join();
     std::string shape = path == "store" || path == "pull"
@@ -200,7 +260,11 @@ int run_bench_link(const LinkOptions& o) {
                         : path == "tma"    ? std::to_string(o.tma_warps) + " warps per SM, " + std::to_string(o.chunk) + " B x " +
                                               std::to_string(o.stages)
                         : path == "ce" ? "cudaMemcpyPeerAsync x " + std::to_string(o.ce_chunks)
-                                           : "cudaMemcpyAsync to the LSA VA x " + std::to_string(o.ce_chunks);
+                        : path == "handshake"
+                            ? std::string("1 CTA, round trip, ") + (o.pdl ? "PDL" : "no PDL")
+                        : path == "handshake-grid"
+                            ? std::string("2 x 512 thr/SM, tickets, ") + (o.pdl ? "PDL" : "no PDL")
+                            : "cudaMemcpyAsync to the LSA VA x " + std::to_string(o.ce_chunks);
     double us[2], gbs[2];
     bool ok = true;
     for (int r = 0; r < 2; ++r) {
@@ -211,8 +275,19 @@ int run_bench_link(const LinkOptions& o) {
       std::vector<double> v = res[r].us;
       std::sort(v.begin(), v.end());
       us[r] = v[v.size() / 2];
-      gbs[r] = static_cast<double>(o.mib << 20) / (us[r] * 1e3);
+      gbs[r] = is_handshake(path) ? 0.0 : static_cast<double>(o.mib << 20) / (us[r] * 1e3);
       ok = ok && res[r].bad == 0;
+    }
+    if (is_handshake(path) && !ok) {
+      std::printf("  %-7s %-34s %10.2f %10s %10.2f %10s  TIMEOUT (%llu / %llu round trips)\n", path.c_str(), shape.c_str(),
+                  us[0], "-", us[1], "-", res[0].bad + res[1].bad, 2ull * o.handshakes * (o.iters + 1));
+      rc = 1;
+      continue;
+    }
+    if (is_handshake(path)) {
+      std::printf("  %-7s %-34s %10.2f %10s %10.2f %10s  ok\n", path.c_str(), shape.c_str(), us[0], "-", us[1], "-");
+      std::fflush(stdout);
+      continue;
     }
     std::printf("  %-7s %-34s %10.1f %10.1f %10.1f %10.1f  %s\n", path.c_str(), shape.c_str(), us[0], gbs[0], us[1],
                 gbs[1], ok ? "ok" : "MISMATCH");
@@ -240,7 +315,13 @@ CommandRun add_link_bench_command(CLI::App* app) {
   sub->add_option("--ce-chunks", o->ce_chunks, "ce / ce-lsa: copies per direction, back to back")
       ->capture_default_str()
       ->check(CLI::Range(1, 1024));
-  sub->add_option("--paths", o->paths, "store, staged, tma, pull, ce, ce-lsa (comma-separated)")->delimiter(',')->capture_default_str();
+  sub->add_option("--paths", o->paths,
+                  "store, staged, tma, pull, ce, ce-lsa, handshake, handshake-grid (comma-separated; default: the six "
+                  "data paths)")->delimiter(',')->capture_default_str();
+  sub->add_option("--handshakes", o->handshakes, "handshake paths: round trips per timed CUDA graph")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 100000));
+  sub->add_flag("!--no-pdl", o->pdl, "handshake paths: ordinary launches instead of programmatic dependent ones");
   sub->add_option("--chunk", o->chunk, "bytes per TMA bulk copy")->capture_default_str()->check(CLI::Range(16, 65536));
   sub->add_option("--stages", o->stages, "tma: chunks in flight per warp")->capture_default_str()->check(CLI::Range(1, 16));
   sub->add_option("--store-ctas-per-sm", o->store_ctas_per_sm, "store / pull: CTAs of 512 threads per SM")

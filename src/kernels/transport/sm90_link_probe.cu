@@ -3,6 +3,8 @@
 
 #include <nccl_device.h>
 
+#include "kernels/common/pdl.cuh"
+#include "kernels/common/sm90_signals.cuh"
 #include "kernels/gemm/sm90_gemm_ptx.cuh"
 #include "kernels/transport/sm90_transport_args.cuh"
 
@@ -94,6 +96,28 @@ __global__ void link_tma_kernel(const char* __restrict__ src, char* __restrict__
   bulk_wait_all();
 }
 
+// launch_link_handshake: the transport kernels' signal path with nothing before it.
+__global__ void link_handshake_kernel(uint64_t* own_flag, uint64_t* peer_flag, uint64_t* state, uint64_t timeout_ns) {
+  pdl_enter();
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  fence_acq_rel_sys();
+  if (gridDim.x > 1) {
+    if (atomic_add_acq_rel_gpu(&state[1], 1) + 1 != gridDim.x) return;
+    state[1] = 0;  // the next launch's tickets start after this kernel completed (stream order)
+  }
+  const uint64_t e = state[0] + 1;
+  state[0] = e;
+  st_release_sys(peer_flag, e);
+  const uint64_t t0 = globaltimer_ns();
+  while (ld_acquire_sys(own_flag) < e) {
+    if (globaltimer_ns() - t0 > timeout_ns) {
+      state[2] += 1;
+      break;
+    }
+  }
+}
+
 __device__ __forceinline__ uint32_t pattern(int rank, int64_t i) {
   uint32_t h = static_cast<uint32_t>(i) * 0x9E3779B1u ^ static_cast<uint32_t>(i >> 32) ^ (static_cast<uint32_t>(rank) << 28);
   h ^= h >> 15;
@@ -167,6 +191,12 @@ cudaError_t launch_link_probe(LinkPath path, const LinkProbeShape& shape, const 
     }
   }
   return cudaGetLastError();
+}
+
+cudaError_t launch_link_handshake(int ctas, int threads, bool pdl, uint64_t* own_flag, uint64_t* peer_flag,
+                                  uint64_t* state, uint64_t timeout_ns, cudaStream_t stream) {
+  return launch_pdl(link_handshake_kernel, dim3(ctas), dim3(threads), 0, stream, pdl, own_flag, peer_flag, state,
+                    timeout_ns);
 }
 
 cudaError_t link_probe_fill(void* p, int64_t bytes, int rank, cudaStream_t stream) {

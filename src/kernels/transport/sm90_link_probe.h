@@ -36,6 +36,16 @@ int link_probe_smem_bytes(LinkPath path, const LinkProbeShape& shape);
 cudaError_t launch_link_probe(LinkPath path, const LinkProbeShape& shape, const void* src, void* dst, int64_t bytes,
                               cudaStream_t stream);
 
+// One cross-GPU round trip per launch, no payload (what a transport kernel's signal costs when it
+// moves no bytes): every CTA of `ctas` x `threads` fences at system scope and takes a ticket (a
+// single CTA skips the ticket); the last one bumps the launch epoch in state[0], stores it into the
+// peer's flag (st.release.sys through its LSA pointer) and polls its own flag (ld.acquire.sys) until
+// the peer's equal epoch arrives, at most `timeout_ns` (then state[2] += 1). state: device uint64[3]
+// {epoch, ticket, timeouts}, zero along with *own_flag before the first launch; the peer runs the same
+// launches. `pdl`: launched with programmatic stream serialisation (the transport's small launches).
+cudaError_t launch_link_handshake(int ctas, int threads, bool pdl, uint64_t* own_flag, uint64_t* peer_flag,
+                                  uint64_t* state, uint64_t timeout_ns, cudaStream_t stream);
+
 // The LSA address of byte 0 of `peer`'s copy of window `win` (ncclGetPeerPointer, run on the device
 // of the calling thread; synchronous).
 cudaError_t link_probe_peer_base(ncclWindow_t win, int peer, void** base);

@@ -477,11 +477,14 @@ __device__ __forceinline__ uint64_t combine_progress(uint64_t epoch, uint64_t bo
   return epoch << kCombineBoundBits | bound;
 }
 
-// Raises [me][kSlotCombine] in every rank's copy to (epoch, bound(s)) for source s. Callers fenced.
+// Raises [me][kSlotCombine] in every rank's copy to (epoch, bound(s)) for source s, with release
+// semantics: one fence, then relaxed reductions (as signal_all_ranks; a red.release.sys per rank
+// would wait for the previous rank's update to land before issuing the next).
 template <typename Bound>
 __device__ __forceinline__ void publish_combine(const SignalCtx& sig, uint64_t epoch, Bound bound) {
+  fence_acq_rel_sys();
   for (int s = 0; s < sig.num_ranks; ++s)
-    red_max_release_sys(sig.peer_cell(s, sig.rank, kSlotCombine), combine_progress(epoch, bound(s)));
+    red_max_relaxed_sys(sig.peer_cell(s, sig.rank, kSlotCombine), combine_progress(epoch, bound(s)));
 }
 
 // Until owner r has published at least `bound` for this rank (this epoch). One thread.
@@ -507,10 +510,8 @@ __global__ void __launch_bounds__(kCombineThreads)
   if (threadIdx.x == 0) {
     const SignalCtx sig = a.sig;  // a local copy: the wait is not inlined
     const uint64_t epoch = sig.local_epoch();
-    if (blockIdx.x == 0) {
-      fence_acq_rel_sys();  // the rows this rank sent (earlier kernels)
+    if (blockIdx.x == 0)  // its fence covers the rows this rank sent (earlier kernels)
       publish_combine(sig, epoch, [](int) { return kCombineAllRows; });
-    }
     s_ok = wait_combine_all(sig, epoch);
   }
   __syncthreads();

@@ -484,8 +484,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 2)
     uint64_t* epoch_cell = a.sig.own_cell(a.sig.rank, kLocalEpoch);
     const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(epoch_cell) + 1;
     *reinterpret_cast<volatile uint64_t*>(epoch_cell) = epoch;  // read by later kernels (stream order)
-    if (!direct) fence_acq_rel_sys();  // the counts this CTA's threads just published
-    signal_all_ranks(a.sig, kSlotDispatch, epoch);
+    signal_all_ranks(a.sig, kSlotDispatch, epoch);  // its fence covers the counts just published (!direct)
     const SignalCtx sig = a.sig;  // a local copy: the wait is not inlined
     wait_all_ranks(sig, kSlotDispatch, epoch, kStageDispatchDone);
   }

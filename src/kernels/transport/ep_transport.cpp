@@ -93,8 +93,9 @@ Status EpTransportOptions::validate() const {
   if (p.ep_size < 1 || p.ep_size > kernels::kMaxTransportRanks)
     return invalid_argument("EP transport", "ep_size", std::to_string(p.ep_size),
                             "must be in [1, 8] (one NVLink domain)");
-  if (p.experts_per_rank < 1)
-    return invalid_argument("EP transport", "experts_per_rank", std::to_string(p.experts_per_rank), "must be >= 1");
+  if (p.experts_per_rank < 1 || p.experts_per_rank * p.ep_size > 65535)
+    return invalid_argument("EP transport", "experts_per_rank", std::to_string(p.experts_per_rank),
+                            "must be >= 1, with experts_per_rank * ep_size <= 65535");
   if (p.top_k < 1 || p.top_k > kernels::kMaxTopK)
     return invalid_argument("EP transport", "top_k", std::to_string(p.top_k), "must be in [1, 16]");
   if (p.hidden < 128 || p.hidden % 128 != 0)

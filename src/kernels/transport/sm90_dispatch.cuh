@@ -49,11 +49,11 @@ struct DispatchShape {
 
 // Destination-rank mask of a token: bit r set when a slot holds an id in [0, E) owned by rank r.
 // Repeated ids map to the same rank, so this equals the mask over the valid slots only.
-__device__ __forceinline__ uint32_t token_dest_mask(const int32_t* ids, int k, uint32_t E, uint32_t El) {
+__device__ __forceinline__ uint32_t token_dest_mask(const int32_t* ids, int k, uint32_t E, const ExactDiv16& el_div) {
   uint32_t mask = 0;
   for (int j = 0; j < k; ++j) {
     const uint32_t id = static_cast<uint32_t>(__ldg(ids + j));
-    if (id < E) mask |= 1u << (id / El);  // -1 and other negatives wrap to >= E
+    if (id < E) mask |= 1u << el_div.div(id);  // -1 and other negatives wrap to >= E
   }
   return mask;
 }
@@ -72,7 +72,7 @@ __device__ __forceinline__ uint32_t packed_count(const unsigned long long* packe
 struct DispatchSmem {
   char* peer_base[kMaxTransportRanks];
   int32_t rows[kMaxTokensPerCta][kMaxTransportRanks];  // row at destination r of each chunk token, or -1
-  int32_t warp_counts[kDispatchWarps][kMaxTransportRanks];
+  unsigned long long warp_counts[kDispatchWarps][2];    // per warp, packed per destination like before
   unsigned long long before[2];  // packed per-destination counts of the tokens before the chunk
   unsigned long long total[2];   // ... of the tokens this CTA counted (all T in CTA 0 up to
                                  // kDirectCountTokens, else its chunk)
@@ -100,7 +100,7 @@ __device__ __forceinline__ void publish_counts(const TransportArgs& a, const Dis
     st->bad_count += num_bad;
   }
   for (int64_t i = tid; i < R * El; i += blockDim.x) {
-    const int64_t r = i / El, e = i - r * El;
+    const int64_t r = a.el_div.div(static_cast<uint32_t>(i)), e = i - r * El;
     const int32_t v = hist[i];
     if (zero) hist[i] = 0;
     reinterpret_cast<int32_t*>(s.peer_base[r] + a.layout.recv_expert_counts.offset)[rank * El + e] = v;
@@ -133,7 +133,7 @@ __device__ __forceinline__ void dispatch_layout(const TransportArgs& a, const in
   unsigned long long packed0 = 0, packed1 = 0;
 #pragma unroll 4
   for (int64_t t = tid; t < t_lo; t += blockDim.x) {
-    const uint32_t m = token_dest_mask(topk_ids + t * k, k, E, El);
+    const uint32_t m = token_dest_mask(topk_ids + t * k, k, E, a.el_div);
     packed0 += spread4(m & 0xFu);
     packed1 += spread4(m >> 4);
   }
@@ -164,7 +164,7 @@ __device__ __forceinline__ void dispatch_layout(const TransportArgs& a, const in
       // valid: in [0, E) and no lower slot of the same token holds the same id
       const uint32_t same = __match_any_sync(0xFFFFFFFFu, (static_cast<uint64_t>(sub) << 32) | static_cast<uint32_t>(id));
       const bool valid = live && id >= 0 && id < a.num_experts && (same & lanes_below) == 0;
-      const uint32_t r = valid ? static_cast<uint32_t>(id) / El : 0xFFFFFFFFu;
+      const uint32_t r = valid ? a.el_div.div(static_cast<uint32_t>(id)) : 0xFFFFFFFFu;
       // the token counts once per destination: its first valid slot of each rank
       const uint32_t same_r = __match_any_sync(0xFFFFFFFFu, (static_cast<uint64_t>(sub) << 32) | r);
       if (valid) {
@@ -198,24 +198,32 @@ __device__ __forceinline__ void dispatch_layout(const TransportArgs& a, const in
 
   // The chunk: thread i ranks token t_lo + i; ballots count the earlier tokens of its warp.
   const int64_t t = t_lo + tid;
-  const uint32_t m = t < t_hi ? token_dest_mask(topk_ids + t * k, k, E, El) : 0u;
+  const uint32_t m = t < t_hi ? token_dest_mask(topk_ids + t * k, k, E, a.el_div) : 0u;
   uint32_t lane_before[kMaxTransportRanks];
+  unsigned long long wc[2] = {0, 0};
 #pragma unroll
   for (int r = 0; r < kMaxTransportRanks; ++r) {
     const uint32_t ballot = __ballot_sync(0xFFFFFFFFu, m >> r & 1u);
     lane_before[r] = __popc(ballot & ((1u << lane) - 1u));
-    if (lane == 0) s.warp_counts[warp][r] = __popc(ballot);
+    wc[r >> 2] |= static_cast<unsigned long long>(__popc(ballot)) << (16 * (r & 3));
+  }
+  if (lane == 0) {
+    s.warp_counts[warp][0] = wc[0];
+    s.warp_counts[warp][1] = wc[1];
   }
   __syncthreads();
   if (t < t_hi) {
+    // The earlier warps' counts, every destination at once (packed 16-bit sums <= 512).
+    unsigned long long earlier[2] = {s.before[0], s.before[1]};
+#pragma unroll 1
+    for (int w = 0; w < warp; ++w) {
+      earlier[0] += s.warp_counts[w][0];
+      earlier[1] += s.warp_counts[w][1];
+    }
 #pragma unroll
     for (int r = 0; r < kMaxTransportRanks; ++r) {
       int32_t row = -1;
-      if (r < a.sig.num_ranks && (m >> r & 1u)) {
-        uint32_t base = packed_count(s.before, r) + lane_before[r];
-        for (int w = 0; w < warp; ++w) base += s.warp_counts[w][r];
-        row = static_cast<int32_t>(base);
-      }
+      if (r < a.sig.num_ranks && (m >> r & 1u)) row = static_cast<int32_t>(packed_count(earlier, r) + lane_before[r]);
       s.rows[tid][r] = row;
       if (r < a.sig.num_ranks) a.token_rows[t * a.sig.num_ranks + r] = row;  // the fused combine's waits
     }
@@ -421,7 +429,7 @@ __device__ __forceinline__ void dispatch_part(const TransportArgs& a, char* cons
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const int64_t wi = 4 * lane + q;
-        const bool here = w_ok[q] && w_id[q] / El == r;
+        const bool here = w_ok[q] && static_cast<int>(a.el_div.div(static_cast<uint32_t>(w_id[q]))) == r;
         uint32_t v = 0;
         if (wi == 0) v = static_cast<uint32_t>(t);
         else if (wi <= k) v = static_cast<uint32_t>(here ? static_cast<int32_t>(w_id[q] - r * El) : -1);

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 
+#include "kernels/common/exact_div.h"
 #include "kernels/common/sm90_signals.cuh"
 #include "megamoe/formats.h"
 #include "megamoe/workspace.h"
@@ -27,6 +28,7 @@ struct TransportArgs {
   DispatchAccum* dispatch_accum;
   int32_t* token_rows;
   CombineCounters* combine_counters;
+  ExactDiv16 el_div;  // n / experts_per_rank: the owner rank of expert n, the rank of a (rank, expert) index
 
   static TransportArgs from(const TransportParams& p) {
     TransportArgs a;
@@ -45,6 +47,7 @@ struct TransportArgs {
     a.dispatch_accum = p.dispatch_accum;
     a.token_rows = p.token_rows;
     a.combine_counters = p.combine_counters;
+    a.el_div = ExactDiv16::make(static_cast<uint32_t>(p.layout.params.experts_per_rank));
     return a;
   }
 

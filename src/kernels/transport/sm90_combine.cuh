@@ -284,10 +284,12 @@ __device__ __forceinline__ bool row_target(const TransportArgs& a, int64_t p, Ro
   const int32_t src = a.own<int32_t>(a.layout.pool_src)[p];
   if (src < 0) return false;
   const int64_t k = a.top_k(), T_max = a.t_max();
-  const int64_t recv_row = src / k;
-  rt->j = src % k;
-  rt->s = static_cast<int>(recv_row / T_max);
-  rt->i = recv_row % T_max;
+  // 32-bit divisions (src < R * T_max * k < 2^24): a 64-bit one is a call of ~70 instructions.
+  const uint32_t uk = static_cast<uint32_t>(k), utm = static_cast<uint32_t>(T_max);
+  const uint32_t recv_row = static_cast<uint32_t>(src) / uk, s = recv_row / utm;
+  rt->j = static_cast<uint32_t>(src) - recv_row * uk;
+  rt->s = static_cast<int>(s);
+  rt->i = recv_row - s * utm;
   if (rt->s >= a.sig.num_ranks) return false;
   const int32_t* meta = reinterpret_cast<const int32_t*>(a.sig.own_base + a.layout.recv_meta.offset +
                                                          recv_row * a.layout.meta_bytes);
@@ -314,13 +316,16 @@ __device__ __forceinline__ void combine_send_rows(const TransportArgs& a, const 
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
   // items (row, part)
   const int64_t rounds = combine_send_rounds(kFormat, H);
+  // invariant: pool_end * parts < 2^31 (pool rows <= R * T_max * k + padding, parts <= 7): 32-bit
+  // item arithmetic.
+  const uint32_t uparts = static_cast<uint32_t>(parts), urounds = static_cast<uint32_t>(rounds);
   for (int64_t item = blockIdx.x * (blockDim.x / 32) + warp; item < pool_end * parts; item += warps) {
-    const int64_t p = item / parts;
-    const int part = static_cast<int>(item % parts);
+    const uint32_t p = static_cast<uint32_t>(item) / uparts;
+    const uint32_t part = static_cast<uint32_t>(item) - p * uparts;
     RowTarget rt;
     if (!row_target(a, p, &rt)) continue;
     send_row<kFormat, InT>(a, expert_out + p * H, s_peer_base[rt.s] + (rt.t * k + rt.j) * wire, rt.w,
-                           rounds * part / parts, rounds * (part + 1) / parts, lane, s_scales[warp]);
+                           urounds * part / uparts, urounds * (part + 1) / uparts, lane, s_scales[warp]);
   }
   // One fence per CTA, after the barrier (a fence per thread serialises).
   __syncthreads();
@@ -463,10 +468,12 @@ __device__ __forceinline__ void combine_reduce_tokens(const TransportArgs& a, co
   const int lane = threadIdx.x & 31;
   const int64_t rounds = combine_reduce_rounds(kFormat, a.hidden());
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  // 32-bit item arithmetic: num_tokens * parts < 2^31 (T <= 65535, parts <= the row's rounds).
+  const uint32_t uparts = static_cast<uint32_t>(parts), urounds = static_cast<uint32_t>(rounds);
   for (int64_t item = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; item < a.num_tokens * parts; item += warps) {
-    const int64_t t = item / parts;
-    const int part = static_cast<int>(item % parts);
-    reduce_token<kFormat>(a, topk_ids, y, t, rounds * part / parts, rounds * (part + 1) / parts, lane);
+    const uint32_t t = static_cast<uint32_t>(item) / uparts;
+    const uint32_t part = static_cast<uint32_t>(item) - t * uparts;
+    reduce_token<kFormat>(a, topk_ids, y, t, urounds * part / uparts, urounds * (part + 1) / uparts, lane);
   }
 }
 

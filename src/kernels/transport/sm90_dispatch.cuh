@@ -278,7 +278,8 @@ __device__ __forceinline__ void dispatch_part(const TransportArgs& a, char* cons
   // Chunk = one lane's 16 wire bytes (8 for fp8 -> bf16's input); a round = 32 chunks.
   const int64_t chunks = (kMode == kFp8ToBf16 || kMode == kBf16Copy) ? H / 8 : H / 16;
   const int64_t rounds = (chunks + 31) / 32;
-  const int64_t rb = rounds * part / parts, re = rounds * (part + 1) / parts;
+  const int64_t rb = static_cast<uint32_t>(rounds) * part / static_cast<uint32_t>(parts),  // 32-bit: small values
+      re = static_cast<uint32_t>(rounds) * (part + 1) / static_cast<uint32_t>(parts);
 
   if constexpr (kMode == kBf16ToFp8) {
     const char* src = static_cast<const char*>(x) + t * H * 2;

@@ -29,17 +29,23 @@ int row_parts(int64_t rows, int64_t items_wanted, int64_t rounds, int64_t max_pa
   return static_cast<int>(std::max<int64_t>(1, std::min({want, std::max<int64_t>(rounds, 1), max_parts})));
 }
 
-// The send's shape, shared by the two-kernel and the fused path: 2 CTAs per SM, fewer when the pool
-// is small (rows ~ T * k, about what a rank owns); parts to give ~4 items per warp.
+// The send's shape, shared by the two-kernel and the fused path: parts to give ~2 (row, part) items
+// per warp of 2 CTAs per SM, and as many CTAs as give each of T * k rows' items (about what a rank
+// owns) a warp, at most 2 per SM. Sized by this launch's T, not the pool's capacity: a decode step
+// with a large T_max ran 2 CTAs per SM that each fenced and took a ticket for a few rows, and a
+// small pool (T_max = T = 1) gave a quantised wire's 56 items 32 warps (globaltimer stamps: the
+// mxfp8 send 7.2 us at 1 token on 2 CTAs).
 struct SendShape {
   int ctas, parts;
 };
 SendShape send_shape(const TransportArgs& args, int64_t sms) {
   const int64_t warps_per_cta = kCombineThreads / 32;
+  const int64_t rows = args.num_tokens * args.top_k();
   SendShape sh;
-  sh.ctas = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((args.layout.pool_rows + 7) / 8, 2 * sms)));
-  sh.parts = row_parts(args.num_tokens * args.top_k(), 2 * sms * warps_per_cta * 2,
+  sh.parts = row_parts(rows, 2 * sms * warps_per_cta * 2,
                        combine_send_rounds(args.layout.params.combine_format, args.layout.params.hidden), 7);
+  sh.ctas = static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>((rows * sh.parts + warps_per_cta - 1) / warps_per_cta, 2 * sms)));
   return sh;
 }
 

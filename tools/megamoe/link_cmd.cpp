@@ -40,6 +40,28 @@ struct LinkOptions {
 
 bool is_handshake(const std::string& path) { return path == "handshake" || path == "handshake-grid"; }
 
+// A rank's stream and its two timing events on `device`, released on every return (the rank
+// functions return early on a CUDA error).
+struct TimedStream {
+  cudaStream_t stream = nullptr;
+  cudaEvent_t e0 = nullptr, e1 = nullptr;
+  TimedStream() = default;
+  TimedStream(const TimedStream&) = delete;
+  TimedStream& operator=(const TimedStream&) = delete;
+  ~TimedStream() {
+    if (e0 != nullptr) cudaEventDestroy(e0);
+    if (e1 != nullptr) cudaEventDestroy(e1);
+    if (stream != nullptr) cudaStreamDestroy(stream);
+  }
+  cudaError_t init(int device) {
+    cudaError_t e = cudaSetDevice(device);
+    if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    if (e == cudaSuccess) e = cudaEventCreate(&e0);
+    if (e == cudaSuccess) e = cudaEventCreate(&e1);
+    return e;
+  }
+};
+
 struct RankResult {
   std::vector<double> us;
   unsigned long long bad = 0;
@@ -52,12 +74,10 @@ struct RankResult {
 // trip. res->bad counts round trips that timed out (2 s).
 void run_handshake(const LinkOptions& o, const std::string& path, int device, int num_sms, char* own_end,
                    char* peer_end, ThreadBarrier& barrier, RankResult* res) {
-  cudaStream_t stream;
-  cudaEvent_t e0, e1;
-  MEGAMOE_RANK_CUDA(cudaSetDevice(device));
-  MEGAMOE_RANK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  MEGAMOE_RANK_CUDA(cudaEventCreate(&e0));
-  MEGAMOE_RANK_CUDA(cudaEventCreate(&e1));
+  TimedStream ts;
+  MEGAMOE_RANK_CUDA(ts.init(device));
+  cudaStream_t stream = ts.stream;
+  cudaEvent_t e0 = ts.e0, e1 = ts.e1;
   uint64_t* own_flag = reinterpret_cast<uint64_t*>(own_end - 64);
   uint64_t* peer_flag = reinterpret_cast<uint64_t*>(peer_end - 64);
   uint64_t* state = nullptr;
@@ -92,9 +112,6 @@ void run_handshake(const LinkOptions& o, const std::string& path, int device, in
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaFree(state);
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  cudaStreamDestroy(stream);
 }
 
 // One rank's part of one path: it sends its window's first half into its peer's second half (pull:
@@ -103,12 +120,10 @@ void run_handshake(const LinkOptions& o, const std::string& path, int device, in
 void run_path(const LinkOptions& o, const std::string& path, int rank, int device, int num_sms, char* own,
               char* peer_lsa, char* peer_raw, int peer_device, ThreadBarrier& barrier, RankResult* res) {
   const int64_t B = o.mib << 20;
-  cudaStream_t stream;
-  cudaEvent_t e0, e1;
-  MEGAMOE_RANK_CUDA(cudaSetDevice(device));
-  MEGAMOE_RANK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  MEGAMOE_RANK_CUDA(cudaEventCreate(&e0));
-  MEGAMOE_RANK_CUDA(cudaEventCreate(&e1));
+  TimedStream ts;
+  MEGAMOE_RANK_CUDA(ts.init(device));
+  cudaStream_t stream = ts.stream;
+  cudaEvent_t e0 = ts.e0, e1 = ts.e1;
   kernels::LinkProbeShape shape{};
   kernels::LinkPath kind = kernels::LinkPath::kStore;
   if (path == "store" || path == "pull") {
@@ -156,9 +171,6 @@ void run_path(const LinkOptions& o, const std::string& path, int rank, int devic
   MEGAMOE_RANK_CUDA(cudaMemcpyAsync(&res->bad, bad, sizeof(*bad), cudaMemcpyDeviceToHost, stream));
   MEGAMOE_RANK_CUDA(cudaStreamSynchronize(stream));
   cudaFree(bad);
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  cudaStreamDestroy(stream);
 }
 
 int run_bench_link(const LinkOptions& o) {

@@ -118,7 +118,7 @@ __device__ __forceinline__ void dispatch_layout(const TransportArgs& a, const in
                                                 DispatchSmem& s, int32_t* hist, int64_t t_lo, int64_t t_hi) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int k = static_cast<int>(a.top_k());
-  const uint32_t E = static_cast<uint32_t>(a.num_experts), El = static_cast<uint32_t>(a.experts_per_rank());
+  const uint32_t E = static_cast<uint32_t>(a.num_experts);
   const bool direct = a.num_tokens <= kDirectCountTokens;
   const int64_t c_lo = direct ? 0 : t_lo, c_hi = direct ? (blockIdx.x == 0 ? a.num_tokens : 0) : t_hi;
   if (tid < 2) s.before[tid] = s.total[tid] = 0;

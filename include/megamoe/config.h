@@ -77,6 +77,12 @@ struct MoeConfig {
   // FC2 epilogue adds weighted bf16 partials straight into the source rank's output (bf16 wire only;
   // summation order then depends on arrival, so results are not bitwise reproducible).
   bool in_kernel_fc2_reduce = false;
+  // Each owner rank sums the weighted partials of its experts for a token (fp32, in slot order) and
+  // sends one combine row per (token, owner rank) instead of one per (token, slot): k / (ranks a token
+  // touches) times fewer combine bytes (4x for top-8 on 2 ranks), and fewer wire roundings. The source
+  // then sums the owners' rows in rank order, so the result differs from the per-slot order in the
+  // last bits; still bitwise reproducible. Not with in_kernel_fc2_reduce.
+  bool owner_reduce = false;
   // auto: mega when 0 < max_tokens_per_rank <= this, routed above. Overridden by a measured
   // crossover from the knob cache when one exists.
   int64_t mega_max_tokens_per_rank = 1024;

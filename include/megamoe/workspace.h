@@ -26,8 +26,10 @@
 //   pool_x_scales       P * H/128 * 4                 (fp8 dispatch only)
 //   intermediate        P * I * e_i                   SwiGLU output, FC2 input (e_i: 1 fp8, 2 bf16)
 //   intermediate_scales P * I/128 * 4                 (fp8 intermediate only)
-//   combine             T_max * k * wire_row_bytes    FC2 partials for this rank's tokens, row t*k+j
-//                                                     (absent with the in-kernel FC2 reduce)
+//   combine             T_max * n_c * wire_row_bytes  FC2 partials for this rank's tokens: n_c = k,
+//                                                     row t*k+j (slot j's partial); with the owner
+//                                                     reduce n_c = R, row t*R+r (the sum of owner r's
+//                                                     slots); absent with the in-kernel FC2 reduce
 // where P = pool_rows = round_up(R*T_max*min(k, E_l) + E_l*(SA-1), SA) (0 when T_max = 0): every
 // (token, local expert) pair once, plus each expert's padding to a multiple of SA. Layers use
 // SA = kPoolSegmentAlign = 1: the grouped GEMM runs any segment start and length (rows past a segment
@@ -62,6 +64,9 @@ struct WorkspaceParams {
   int32_t intermediate_format = kWsFp8Block;  // kWsBf16 | kWsFp8Block
   int32_t combine_format = kWsBf16;           // kWsBf16 | kWsMxfp8 | kWsNvfp4
   int32_t in_kernel_fc2_reduce = 0;
+  // Each owner sums its slots' partials of a token (fp32, slot order) and sends one combine row per
+  // (token, owner) instead of one per (token, slot); the source sums the owners' rows in rank order.
+  int32_t owner_reduce = 0;
 };
 
 struct WorkspaceRegion {
@@ -118,6 +123,11 @@ struct WorkspaceLayout {
 
   MEGAMOE_HD static int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 
+  // Combine rows per token: one per slot (k), or one per owner rank (R) with the owner reduce.
+  MEGAMOE_HD static int64_t combine_rows_per_token(const WorkspaceParams& p) {
+    return p.owner_reduce ? p.ep_size : p.top_k;
+  }
+
   MEGAMOE_HD static int64_t pool_rows_for(const WorkspaceParams& p) {
     if (p.max_tokens_per_rank <= 0 || p.experts_per_rank <= 0) return 0;
     const int64_t k_here = p.top_k < p.experts_per_rank ? p.top_k : p.experts_per_rank;
@@ -154,7 +164,7 @@ struct WorkspaceLayout {
     take(l.pool_x_scales, fp8_d ? P * (H / 128) * 4 : 0);
     take(l.intermediate, P * I * ws_elem_bytes(p.intermediate_format));
     take(l.intermediate_scales, fp8_i ? P * (I / 128) * 4 : 0);
-    take(l.combine, p.in_kernel_fc2_reduce ? 0 : T * p.top_k * l.wire_row_bytes);
+    take(l.combine, p.in_kernel_fc2_reduce ? 0 : T * combine_rows_per_token(p) * l.wire_row_bytes);
     l.total_bytes = cursor;
     return l;
   }

@@ -106,6 +106,11 @@ Status MoeConfig::validate() const {
                             "in_kernel_fc2_reduce adds bf16 partials atomically into the owner's output and needs "
                             "combine_dtype=bf16 (a quantized wire needs a staged (data, scale) pair and a "
                             "dequantizing receiver)");
+  if (owner_reduce && in_kernel_fc2_reduce)
+    return invalid_argument("config", "owner_reduce", "true",
+                            "cannot be combined with in_kernel_fc2_reduce=true (the in-kernel reduce adds per-slot "
+                            "bf16 partials atomically into the source's output; the owner reduce sends one summed "
+                            "row per owner rank; pick one)");
   if (pow2_scales && weight_format != WeightFormat::kFp8Block && dispatch_format != DispatchFormat::kFp8Block)
     return invalid_argument("config", "pow2_scales", "true",
                             "applies to fp8-block scales only; weight_format or dispatch_format must be fp8-block");
@@ -127,6 +132,7 @@ std::string MoeConfig::to_string() const {
      << ", dispatch_format=" << megamoe::to_string(dispatch_format)
      << ", combine_dtype=" << megamoe::to_string(combine_dtype) << ", pow2_scales=" << (pow2_scales ? "true" : "false")
      << ", in_kernel_fc2_reduce=" << (in_kernel_fc2_reduce ? "true" : "false")
+     << ", owner_reduce=" << (owner_reduce ? "true" : "false")
      << ", mega_max_tokens_per_rank=" << mega_max_tokens_per_rank << ", knobs=" << knobs.to_string() << ")";
   return os.str();
 }

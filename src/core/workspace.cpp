@@ -35,7 +35,7 @@ const char* const kRegionFormulas[WorkspaceLayout::kNumRegions] = {
     "P * H/128 * 4 (fp8 dispatch)",
     "P * I * e_intermediate",
     "P * I/128 * 4 (fp8 intermediate)",
-    "T_max * k * wire_row_bytes (0 with in-kernel FC2 reduce)"};
+    "T_max * (owner_reduce ? R : k) * wire_row_bytes (0 with in-kernel FC2 reduce)"};
 
 }  // namespace
 
@@ -57,6 +57,7 @@ WorkspaceParams workspace_params(const MoeGeometry& g, const MoeConfig& c) {
   p.intermediate_format = ws_format(c.intermediate_format());
   p.combine_format = ws_format(c.combine_dtype);
   p.in_kernel_fc2_reduce = c.in_kernel_fc2_reduce ? 1 : 0;
+  p.owner_reduce = c.owner_reduce ? 1 : 0;
   return p;
 }
 
@@ -65,8 +66,8 @@ auto key_tuple(const WorkspaceKey& k) {
   const WorkspaceParams& p = k.params;
   return std::make_tuple(p.ep_size, p.experts_per_rank, p.top_k, p.hidden, p.intermediate, p.max_tokens_per_rank,
                          p.segment_align, p.dispatch_format, p.intermediate_format, p.combine_format,
-                         p.in_kernel_fc2_reduce, k.ep_rank, k.group_id, static_cast<int>(k.device.kind),
-                         k.device.index);
+                         p.in_kernel_fc2_reduce, p.owner_reduce, k.ep_rank, k.group_id,
+                         static_cast<int>(k.device.kind), k.device.index);
 }
 }  // namespace
 
@@ -78,8 +79,8 @@ std::string WorkspaceKey::to_string() const {
      << ", H=" << params.hidden << ", I=" << params.intermediate << ", T_max=" << params.max_tokens_per_rank
      << ", SA=" << params.segment_align << ", dispatch=" << params.dispatch_format
      << ", intermediate=" << params.intermediate_format << ", combine=" << params.combine_format
-     << ", in_kernel_reduce=" << params.in_kernel_fc2_reduce << ", rank=" << ep_rank << ", group=" << group_id
-     << ", device=" << device.to_string() << ")";
+     << ", in_kernel_reduce=" << params.in_kernel_fc2_reduce << ", owner_reduce=" << params.owner_reduce
+     << ", rank=" << ep_rank << ", group=" << group_id << ", device=" << device.to_string() << ")";
   return os.str();
 }
 

@@ -484,9 +484,57 @@ void decode_combine_row(int32_t combine_format, const uint8_t* wire, int64_t hid
   }
 }
 
+namespace {
+
+// The owner reduce's combine_send (quantisation point 7): one row per (received token, this rank),
+// the fp32 sum in slot order of the token's local partials.
+void send_owner_sums(const WorkspaceLayout& layout, void* own_base, const std::vector<float>& fc2_out,
+                     const PeerTargets& peers) {
+  const WorkspaceParams& p = layout.params;
+  const int64_t R = p.ep_size, El = p.experts_per_rank, k = p.top_k, H = p.hidden, T_max = p.max_tokens_per_rank;
+  const int32_t* offsets = reinterpret_cast<const int32_t*>(at_bytes(own_base, layout.expert_offsets));
+  const int32_t* pool_src = reinterpret_cast<const int32_t*>(at_bytes(own_base, layout.pool_src));
+  const int32_t* token_counts = reinterpret_cast<const int32_t*>(at_bytes(own_base, layout.recv_token_counts));
+  // invariant: peers.bases holds every rank's workspace in rank order, this rank's own among them.
+  const int64_t me = std::find(peers.bases.begin(), peers.bases.end(), own_base) - peers.bases.begin();
+  // pool_src's inverse: the pool row of (recv row, slot), -1 for a slot whose expert is elsewhere.
+  std::vector<int32_t> pool_row_of(static_cast<size_t>(R * T_max * k), -1);
+  for (int64_t row = 0; row < offsets[El]; ++row)
+    if (pool_src[row] >= 0) pool_row_of[pool_src[row]] = static_cast<int32_t>(row);
+  std::vector<float> partial(H), acc(H);
+  for (int64_t src = 0; src < R; ++src) {
+    for (int64_t i = 0; i < token_counts[src]; ++i) {
+      const int64_t recv_row = src * T_max + i;
+      TokenMetaRef meta = meta_row(layout, own_base, recv_row);
+      bool any_local = false;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t j = 0; j < k; ++j) {
+        if (meta.local_expert(j) == -1) continue;
+        any_local = true;
+        const float weight = meta.weight(j);
+        const float* fc2 = fc2_out.data() + static_cast<int64_t>(pool_row_of[recv_row * k + j]) * H;
+        for (int64_t c = 0; c < H; ++c) partial[c] = fmt::mul_rn(weight, fc2[c]);
+        // canonical NaN, as the GPU adds give (inf + -inf is 0xFFC00000 on x86): the encoded codes agree
+        for (int64_t c = 0; c < H; ++c) acc[c] = fmt::canonicalize_nan(acc[c] + partial[c]);
+      }
+      if (!any_local) continue;
+      const int64_t token = meta.src_token();
+      uint8_t* wire = reinterpret_cast<uint8_t*>(at_bytes(peers.bases[src], layout.combine)) +
+                      (token * R + me) * layout.wire_row_bytes;
+      encode_combine_row(p.combine_format, acc.data(), H, wire);
+    }
+  }
+}
+
+}  // namespace
+
 void combine_send(const WorkspaceLayout& layout, void* own_base, const std::vector<float>& fc2_out,
                   const PeerTargets& peers) {
   const WorkspaceParams& p = layout.params;
+  if (p.owner_reduce) {
+    send_owner_sums(layout, own_base, fc2_out, peers);
+    return;
+  }
   const int64_t El = p.experts_per_rank, k = p.top_k, H = p.hidden, T_max = p.max_tokens_per_rank;
   const int32_t* offsets = reinterpret_cast<const int32_t*>(at_bytes(own_base, layout.expert_offsets));
   const int32_t* pool_src = reinterpret_cast<const int32_t*>(at_bytes(own_base, layout.pool_src));
@@ -518,6 +566,23 @@ void combine_reduce(const WorkspaceLayout& layout, void* own_base, int64_t num_t
   const int64_t k = p.top_k, H = p.hidden;
   const uint8_t* combine = reinterpret_cast<const uint8_t*>(at_bytes(own_base, layout.combine));
   std::vector<float> acc(H), part(H);
+  if (p.owner_reduce) {  // one row per (token, owner rank), summed in rank order
+    const int64_t R = p.ep_size, El = p.experts_per_rank;
+    std::vector<char> owns(R);
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      std::fill(owns.begin(), owns.end(), 0);
+      for (int64_t j = 0; j < k; ++j)
+        if (topk_ids[t * k + j] != -1) owns[topk_ids[t * k + j] / El] = 1;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t r = 0; r < R; ++r) {
+        if (!owns[r]) continue;  // that row was never written this forward
+        decode_combine_row(p.combine_format, combine + (t * R + r) * layout.wire_row_bytes, H, part.data());
+        for (int64_t c = 0; c < H; ++c) acc[c] += part[c];
+      }
+      for (int64_t c = 0; c < H; ++c) y[t * H + c] = fmt::float_to_bf16(acc[c]);
+    }
+    return;
+  }
   for (int64_t t = 0; t < num_tokens; ++t) {
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int64_t j = 0; j < k; ++j) {

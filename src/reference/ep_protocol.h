@@ -35,12 +35,22 @@
 //      In-kernel FC2 reduce (bf16 only): the partial is rounded to bf16, then added into the source's
 //      bf16 y under the destination's lock: y = bf16(float(y) + float(bf16(partial))) — one rounding
 //      per add, as red.add.bf16x2 does; the order of adds is arrival order (not reproducible).
+//      Owner reduce (config.owner_reduce): the owner `me` sums a received token's local partials
+//      first, acc = +0.0f; for j = 0..k-1 with local_expert[j] != -1: acc = acc + partial_j (fp32,
+//      slot order), and encodes acc as above into the source's row src_token*R + me: the wire rounds
+//      one sum per owner rank instead of one partial per slot.
 //   8. combine reduce: acc = +0.0f; for j = 0..k-1 with topk_ids[t, j] != -1: acc += decoded row
 //      t*k+j (fp32 adds, slot order); y = bf16(acc) (RNE). A token with no slots gets +0.
+//      Owner reduce: acc = +0.0f; for r = 0..R-1 owning at least one of the token's experts
+//      (topk_ids[t, j] / E_l == r for some j with topk_ids[t, j] != -1): acc += decoded row t*R+r
+//      (fp32 adds, rank order); y = bf16(acc) (RNE). A token with no slots gets +0.
 //
 // Row and ordering rules:
 //   - A token is written once per destination rank that owns at least one of its experts, at row
 //     src*T_max + i, i = its rank among this source's tokens sent to that destination, in token order.
+//   - Combine rows of source token t: t*k+j for slot j, or t*R+r for owner rank r with the owner
+//     reduce; a row of a slot dropped (-1) or of a rank owning none of the token's experts is never
+//     written and never read.
 //   - recv_meta row: src_token, local_expert[k] (the slot's expert minus the owner's first expert, or
 //     -1 when that slot's expert is elsewhere or is -1), weight[k] (the slot's routing weight where
 //     local_expert != -1, else 0), zero padding.
@@ -156,11 +166,14 @@ struct PeerTargets {
 void encode_combine_row(int32_t combine_format, const float* partial, int64_t hidden, uint8_t* wire);
 void decode_combine_row(int32_t combine_format, const uint8_t* wire, int64_t hidden, float* out);
 
-// Stage 5 (owner): partial = weight * fc2_out[row] for every real pool row, sent to its source.
+// Stage 5 (owner): partial = weight * fc2_out[row] for every real pool row, sent to its source; with
+// the owner reduce, one sum of those partials per received token (point 7), in the row of this rank:
+// own_base's index in peers.bases (the all-gathered bases).
 void combine_send(const WorkspaceLayout& layout, void* own_base, const std::vector<float>& fc2_out,
                   const PeerTargets& peers);
 
-// Stage 6 (source, not with the in-kernel reduce): y[t] = sum over slots in slot order (point 8).
+// Stage 6 (source, not with the in-kernel reduce): y[t] = sum over slots in slot order, or over owner
+// ranks in rank order with the owner reduce (point 8).
 void combine_reduce(const WorkspaceLayout& layout, void* own_base, int64_t num_tokens, const int32_t* topk_ids,
                     uint16_t* y);
 

@@ -15,7 +15,8 @@ namespace reference {
 // format), so weight and dispatch quantisation cancel. What remains are the roundings the layer does
 // after FC1 (ep_protocol.h, quantisation points 4-8):
 //   - the SwiGLU output h is requantised to fp8 e4m3 1x128 (fp8-family weights) or rounded to bf16;
-//   - each partial goes over the combine wire as bf16, mxfp8 or nvfp4;
+//   - each partial (with the owner reduce, each owner's fp32 sum of a token's partials) goes over the
+//     combine wire as bf16, mxfp8 or nvfp4;
 //   - y is rounded to bf16.
 // Per rounding to a format with m mantissa bits (round to nearest even), a value M * 2^e (M in [1, 2))
 // gets an absolute error uniform in +-2^(e-m-1), a relative error U(+-2^-(m+1)) / M; with M spread

@@ -17,6 +17,7 @@
 //   eps_h: the intermediate (e4m3 for the fp8-family weights, else bf16);
 //   eps_wire: the combine wire; eps_y: the final bf16 rounding. With the in-kernel reduce the partial
 //          is rounded to bf16 and each of the k adds rounds again: eps_wire^2 + eps_y^2 = (1 + k) eps_b^2.
+//          With the owner reduce the wire rounds each owner's sum of partials once: the same eps_wire.
 // Bound = 1.25 x the model (the epsilons are already upper estimates; measured/model ~ 0.7 expected).
 #include <gtest/gtest.h>
 
@@ -63,6 +64,11 @@ MoeConfig config(WeightFormat w, DispatchFormat d, CombineDtype c, bool pow2 = f
   cfg.pow2_scales = pow2;
   cfg.in_kernel_fc2_reduce = in_kernel;
   return cfg;
+}
+
+MoeConfig with_owner_reduce(MoeConfig c) {
+  c.owner_reduce = true;
+  return c;
 }
 
 double model_rel_l2(const MoeConfig& c) {
@@ -165,7 +171,15 @@ INSTANTIATE_TEST_SUITE_P(
         FormatCase{"W_mxfp8_D_fp8_C_bf16", config(WeightFormat::kMxfp8, DispatchFormat::kFp8Block, CombineDtype::kBf16)},
         FormatCase{"W_nvfp4_D_fp8_C_bf16", config(WeightFormat::kNvfp4, DispatchFormat::kFp8Block, CombineDtype::kBf16)},
         FormatCase{"W_nvfp4_D_fp8_C_nvfp4",
-                   config(WeightFormat::kNvfp4, DispatchFormat::kFp8Block, CombineDtype::kNvfp4)}),
+                   config(WeightFormat::kNvfp4, DispatchFormat::kFp8Block, CombineDtype::kNvfp4)},
+        FormatCase{"W_bf16_D_bf16_C_bf16_OwnerReduce",
+                   with_owner_reduce(config(WeightFormat::kBf16, DispatchFormat::kBf16, CombineDtype::kBf16))},
+        FormatCase{"W_fp8_D_fp8_C_bf16_OwnerReduce",
+                   with_owner_reduce(config(WeightFormat::kFp8Block, DispatchFormat::kFp8Block, CombineDtype::kBf16))},
+        FormatCase{"W_fp8_D_fp8_C_mxfp8_OwnerReduce",
+                   with_owner_reduce(config(WeightFormat::kFp8Block, DispatchFormat::kFp8Block, CombineDtype::kMxfp8))},
+        FormatCase{"W_nvfp4_D_fp8_C_nvfp4_OwnerReduce",
+                   with_owner_reduce(config(WeightFormat::kNvfp4, DispatchFormat::kFp8Block, CombineDtype::kNvfp4))}),
     [](const testing::TestParamInfo<FormatCase>& info) { return std::string(info.param.name); });
 
 // ------------------------------------------------------------------------------------------------
@@ -302,7 +316,9 @@ INSTANTIATE_TEST_SUITE_P(
         FormatCase{"W_fp8_D_fp8_C_bf16", config(WeightFormat::kFp8Block, DispatchFormat::kFp8Block, CombineDtype::kBf16)},
         FormatCase{"W_fp8_D_fp8_C_bf16_Pow2",
                    config(WeightFormat::kFp8Block, DispatchFormat::kFp8Block, CombineDtype::kBf16, true)},
-        FormatCase{"W_bf16_D_bf16_C_bf16", config(WeightFormat::kBf16, DispatchFormat::kBf16, CombineDtype::kBf16)}),
+        FormatCase{"W_bf16_D_bf16_C_bf16", config(WeightFormat::kBf16, DispatchFormat::kBf16, CombineDtype::kBf16)},
+        FormatCase{"W_fp8_D_fp8_C_mxfp8_OwnerReduce",
+                   with_owner_reduce(config(WeightFormat::kFp8Block, DispatchFormat::kFp8Block, CombineDtype::kMxfp8))}),
     [](const testing::TestParamInfo<FormatCase>& info) { return std::string(info.param.name); });
 
 TEST(CpuBackend, DefaultExpertWorkersSplitTheCoresAmongRanks) {

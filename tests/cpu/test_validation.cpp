@@ -71,6 +71,9 @@ const BadConfigCase kBadConfigs[] = {
     {"in_kernel_reduce_nvfp4",
      [](MoeGeometry&, MoeConfig& c) { c.in_kernel_fc2_reduce = true; c.combine_dtype = CombineDtype::kNvfp4; },
      {"combine_dtype=nvfp4", "in_kernel_fc2_reduce"}},
+    {"owner_reduce_with_in_kernel_reduce",
+     [](MoeGeometry&, MoeConfig& c) { c.owner_reduce = true; c.in_kernel_fc2_reduce = true; },
+     {"owner_reduce=true", "in_kernel_fc2_reduce=true", "pick one"}},
     {"pow2_without_fp8_block",
      [](MoeGeometry&, MoeConfig& c) {
        c.pow2_scales = true;
@@ -108,6 +111,18 @@ TEST(Validation, GoodConfigsPass) {
   EXPECT_TRUE(c.validate(g).is_ok());
 }
 
+TEST(Validation, OwnerReduceAlone_AcceptedWithEveryCombineDtype) {
+  const MoeGeometry g = good_geometry();
+  for (CombineDtype d : {CombineDtype::kBf16, CombineDtype::kMxfp8, CombineDtype::kNvfp4}) {
+    MoeConfig c;
+    c.owner_reduce = true;
+    c.combine_dtype = d;
+    const Status st = c.validate(g);
+    EXPECT_TRUE(st.is_ok()) << to_string(d) << ": " << st.to_string();
+    EXPECT_NE(c.to_string().find("owner_reduce=true"), std::string::npos) << c.to_string();
+  }
+}
+
 TEST(Validation, PaddedGeometryIsValid) {
   MoeGeometry g = good_geometry();
   g.hidden = 2880;
@@ -127,6 +142,7 @@ TEST(Validation, PrintersNameEveryField) {
   MoeConfig c;
   EXPECT_NE(c.to_string().find("combine_dtype=bf16"), std::string::npos);
   EXPECT_NE(c.to_string().find("weight_format=fp8-block"), std::string::npos);
+  EXPECT_NE(c.to_string().find("owner_reduce=false"), std::string::npos);
 }
 
 TEST(Validation, ParsersNameAcceptedValues) {

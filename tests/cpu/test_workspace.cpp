@@ -102,6 +102,31 @@ TEST(WorkspaceLayout, FormatsChangeTheRightRegions) {
   EXPECT_EQ(WorkspaceLayout::make(workspace_params(g, c)).combine.bytes, 0);
 }
 
+// One combine row per (token, owner rank) instead of per (token, slot); every other region unchanged.
+TEST(WorkspaceLayout, OwnerReduceSizesTheCombineByRanks) {
+  for (int64_t R : {2, 4, 16}) {
+    const MoeGeometry g = deepseek(R, 64);
+    for (CombineDtype d : {CombineDtype::kBf16, CombineDtype::kMxfp8, CombineDtype::kNvfp4}) {
+      MoeConfig c;
+      c.combine_dtype = d;
+      const WorkspaceLayout per_slot = WorkspaceLayout::make(workspace_params(g, c));
+      c.owner_reduce = true;
+      const WorkspaceParams p = workspace_params(g, c);
+      EXPECT_EQ(p.owner_reduce, 1);
+      EXPECT_EQ(WorkspaceLayout::combine_rows_per_token(p), R);
+      const WorkspaceLayout owner = WorkspaceLayout::make(p);
+      const int64_t wire = combine_row_bytes(p.combine_format, 7168);
+      EXPECT_EQ(owner.wire_row_bytes, wire);
+      EXPECT_EQ(per_slot.combine.bytes, 64 * 8 * wire) << "R=" << R << " " << to_string(d);
+      EXPECT_EQ(owner.combine.bytes, 64 * R * wire) << "R=" << R << " " << to_string(d);
+      for (int i = 0; i < WorkspaceLayout::kNumRegions; ++i) {
+        if (&owner.region(i) == &owner.combine) continue;
+        EXPECT_EQ(owner.region(i).bytes, per_slot.region(i).bytes) << WorkspaceLayout::region_name(i);
+      }
+    }
+  }
+}
+
 TEST(WorkspaceLayout, ZeroTokensNeedNoPool) {
   MoeConfig c;
   WorkspaceLayout l = WorkspaceLayout::make(workspace_params(deepseek(2, 0), c));
@@ -179,6 +204,11 @@ TEST(WorkspacePool, DifferentGeometryOptionsRankOrGroupNeverShare) {
   expect_distinct(key_for(g, c2));
   c2 = c;
   c2.in_kernel_fc2_reduce = true;
+  expect_distinct(key_for(g, c2));
+  c2 = c;
+  c2.owner_reduce = true;  // the combine region holds other rows
+  EXPECT_NE(key_for(g, c2).to_string().find("owner_reduce=1"), std::string::npos) << key_for(g, c2).to_string();
+  EXPECT_TRUE(key_for(g, c) < key_for(g, c2) || key_for(g, c2) < key_for(g, c));
   expect_distinct(key_for(g, c2));
   c2 = c;
   c2.knobs.block_m = 64;  // a GEMM tile, not a layout choice: layers of other knobs share

@@ -314,6 +314,57 @@ TEST(Sm90Transport, GroupedCombine_EP2) {
   run_case(c, 2);
 }
 
+// The owner reduce: each owner sums its slots' partials of a token before one row goes out, the
+// source sums the owners' rows in rank order. Every wire format, both combine kernels (run_case
+// alternates fused and split), groups, a 0-token rank, one sending and one reducing CTA, graph replay.
+TEST(Sm90Transport, OwnerReduce_EveryWire_EP2) {
+  Case c = base_case();
+  c.owner_reduce = true;
+  c.unit_weights = true;
+  run_case(c, 2);
+  c.unit_weights = false;
+  c.dispatch_format = kWsFp8Block;
+  for (int32_t f : {kWsBf16, kWsMxfp8, kWsNvfp4}) {
+    c.combine_format = f;
+    run_case(c, 4);
+  }
+  c.combine_groups = 3;
+  run_case(c, 4);
+  c.combine_format = kWsMxfp8;
+  c.tokens = {40, 0};
+  run_case(c, 2);
+  c.combine_format = kWsBf16;
+  c.tokens = {5, 3};
+  c.num_sms = 1;  // 2 CTAs: one sends, one reduces
+  run_case(c, 2);
+  c.num_sms = 0;
+  c.combine_groups = 0;
+  c.tokens = {48, 37};
+  run_case(c, 1, true);
+}
+
+// The benchmark's geometry (deepseek-v3 hidden, 256 experts, top-8) at T = T_max, and many tokens
+// with groups.
+TEST(Sm90Transport, OwnerReduce_DeepSeekHidden_EP2_H7168_K8_E256) {
+  Case c;
+  c.owner_reduce = true;
+  c.hidden = 7168;
+  c.num_experts = 256;
+  c.top_k = 8;
+  c.max_tokens = 128;
+  c.tokens = {128, 128};
+  c.dispatch_format = kWsFp8Block;
+  run_case(c, 2);
+  c.combine_format = kWsMxfp8;
+  run_case(c, 2);
+  c.combine_format = kWsBf16;
+  c.hidden = 512;
+  c.max_tokens = 2048;
+  c.tokens = {2048, 1531};
+  c.combine_groups = 4;
+  run_case(c, 2);
+}
+
 TEST(Sm90Transport, Repeat100Bitwise_EP2) {
   Case c = base_case();
   c.dispatch_format = kWsFp8Block;

@@ -57,6 +57,7 @@ WorkspaceParams Case::params() const {
   p.dispatch_format = dispatch_format;
   p.intermediate_format = kWsBf16;
   p.combine_format = combine_format;
+  p.owner_reduce = owner_reduce ? 1 : 0;
   return p;
 }
 
@@ -206,12 +207,29 @@ std::vector<uint16_t> expected_output(const Case& c, const RankInputs& in) {
     dequant_wire_row(c, bytes, scales, xdq.data());
     std::vector<float> acc(H, 0.f);
     const int32_t* ids = &in.topk_ids[t * k];
-    for (int64_t j = 0; j < k; ++j) {
-      if (!valid_slot(ids, j, c.num_experts)) continue;
-      const float w = in.topk_weights[t * k + j];
-      for (int64_t h = 0; h < H; ++h) p[h] = w * xdq[h];
-      codec_round_trip(c.combine_format, p, &dec);
-      for (int64_t h = 0; h < H; ++h) acc[h] += dec[h];
+    if (c.owner_reduce) {
+      const int64_t El = c.num_experts / c.num_ranks;
+      for (int r = 0; r < c.num_ranks; ++r) {
+        bool any = false;
+        std::fill(p.begin(), p.end(), 0.f);
+        for (int64_t j = 0; j < k; ++j) {
+          if (!valid_slot(ids, j, c.num_experts) || ids[j] / El != r) continue;
+          any = true;
+          const float w = in.topk_weights[t * k + j];
+          for (int64_t h = 0; h < H; ++h) p[h] += fmt::mul_rn(w, xdq[h]);
+        }
+        if (!any) continue;
+        codec_round_trip(c.combine_format, p, &dec);
+        for (int64_t h = 0; h < H; ++h) acc[h] += dec[h];
+      }
+    } else {
+      for (int64_t j = 0; j < k; ++j) {
+        if (!valid_slot(ids, j, c.num_experts)) continue;
+        const float w = in.topk_weights[t * k + j];
+        for (int64_t h = 0; h < H; ++h) p[h] = w * xdq[h];
+        codec_round_trip(c.combine_format, p, &dec);
+        for (int64_t h = 0; h < H; ++h) acc[h] += dec[h];
+      }
     }
     for (int64_t h = 0; h < H; ++h) y[t * H + h] = fmt::float_to_bf16(acc[h]);
   }

@@ -83,6 +83,7 @@ struct Case {
   bool pow2_scales = false;
   int num_sms = 0;  // EpTransportOptions::num_sms (0: every SM); small values force many tokens per CTA
   int combine_groups = 0;  // EpTransportOptions::combine_groups (0: by the token count)
+  bool owner_reduce = false;  // WorkspaceParams::owner_reduce: one combine row per (token, owner)
   Routing routing = Routing::kRandom;
   std::vector<int64_t> tokens;  // per rank
   uint32_t seed = 1;
@@ -105,7 +106,8 @@ Truth protocol_truth(const Case& c, const std::vector<RankInputs>& all, int dest
 void encode_wire_row(const Case& c, const uint16_t* x_row, std::vector<uint8_t>* bytes, std::vector<float>* scales);
 
 // y of `rank` given every rank's inputs and the identity experts (FC2 output = dequantised wire row),
-// through the host codecs: partial = w * x, encoded, decoded, summed in slot order.
+// through the host codecs: partial = w * x, encoded, decoded, summed in slot order (owner reduce:
+// each owner's partials summed in slot order, encoded, decoded, summed in rank order).
 std::vector<uint16_t> expected_output(const Case& c, const RankInputs& in);
 
 // Dequantised pool_x rows (the identity experts' output) from a downloaded pool.

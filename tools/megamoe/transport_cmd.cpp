@@ -122,6 +122,7 @@ struct BenchOptions {
   int graph_iters = 32, graph_reps = 5;  // back-to-back forwards per graph, graph launches timed
   bool split_combine = false;            // combine_send + combine (two kernels) instead of send_and_combine
   int combine_groups = 0;                // EpTransportOptions::combine_groups
+  bool owner_reduce = false;             // WorkspaceParams::owner_reduce: one combine row per (token, owner)
   uint32_t seed = 1;
 };
 
@@ -214,6 +215,7 @@ void bench_point(const BenchOptions& o, std::shared_ptr<Communicator> comm, int6
   p.dispatch_format = o.dispatch == "bf16" ? kWsBf16 : kWsFp8Block;
   p.intermediate_format = kWsBf16;
   p.combine_format = o.combine == "mxfp8" ? kWsMxfp8 : o.combine == "nvfp4" ? kWsNvfp4 : kWsBf16;
+  p.owner_reduce = o.owner_reduce ? 1 : 0;
   std::unique_ptr<EpTransport> tr;
   BENCH_CHECK(EpTransport::create(comm, opt, &tr));
   cudaStream_t stream;
@@ -266,8 +268,9 @@ void bench_point(const BenchOptions& o, std::shared_ptr<Communicator> comm, int6
   for (int q = 0; q < R; ++q) {
     disp_send[q] = q == rank ? 0 : tokens_to(rank, q) * row_bytes;
     disp_recv[q] = q == rank ? 0 : tokens_to(q, rank) * row_bytes;
-    comb_send[q] = q == rank ? 0 : pairs_to(q, rank) * l.wire_row_bytes;  // I own, q is the source
-    comb_recv[q] = q == rank ? 0 : pairs_to(rank, q) * l.wire_row_bytes;
+    // I own, q is the source: a row per (token, slot), or with the owner reduce per token
+    comb_send[q] = q == rank ? 0 : (o.owner_reduce ? tokens_to(q, rank) : pairs_to(q, rank)) * l.wire_row_bytes;
+    comb_recv[q] = q == rank ? 0 : (o.owner_reduce ? tokens_to(rank, q) : pairs_to(rank, q)) * l.wire_row_bytes;
   }
   size_t max_a2a = 16;
   for (int q = 0; q < R; ++q) max_a2a = std::max({max_a2a, disp_send[q], disp_recv[q], comb_send[q], comb_recv[q]});
@@ -496,9 +499,10 @@ void bench_point(const BenchOptions& o, std::shared_ptr<Communicator> comm, int6
 }
 
 void print_header(const BenchOptions& o, int R) {
-  std::printf("# bench-transport: EP%d, hidden=%lld, experts=%lld, top-%lld, dispatch=%s, combine=%s (%s), %d iters (each phase a CUDA graph, launched behind a host gate opened after all ranks enqueued); GB/s = bytes rank 0 sends to its peer / time\n",
+  std::printf("# bench-transport: EP%d, hidden=%lld, experts=%lld, top-%lld, dispatch=%s, combine=%s%s (%s), %d iters (each phase a CUDA graph, launched behind a host gate opened after all ranks enqueued); GB/s = bytes rank 0 sends to its peer / time\n",
               R, static_cast<long long>(o.hidden), static_cast<long long>(o.experts), static_cast<long long>(o.top_k),
-              o.dispatch.c_str(), o.combine.c_str(), o.split_combine ? "combine_send + combine" : "send_and_combine",
+              o.dispatch.c_str(), o.combine.c_str(), o.owner_reduce ? " owner-reduced" : "",
+              o.split_combine ? "combine_send + combine" : "send_and_combine",
               o.iters);
   std::fflush(stdout);
   std::printf("%8s | %26s %8s | %26s %8s | %9s | %20s | %20s\n", "tokens", "dispatch us med/min/max", "GB/s",
@@ -648,6 +652,9 @@ void register_transport_commands(CLI::App& app) {
                     "token count (8 from 6144 tokens, 4 from 2048, else 1)")
       ->check(CLI::Range(0, 8))
       ->capture_default_str();
+  bench->add_flag("--owner-reduce", o->owner_reduce,
+                  "each owner rank sums its experts' partials of a token and sends one combine row per (token, "
+                  "owner rank) instead of one per (token, slot)");
   bench->add_flag("--split-combine", o->split_combine,
                   "combine as two kernels (combine_send, then combine) instead of one send_and_combine kernel");
   bench->callback([o] { g_exit_code = run_bench_transport(*o); });

@@ -132,8 +132,9 @@ class RoutedMoeLayer final : public MoeLayer {
     const int64_t P = l.pool_rows, H = geometry_.hidden;
     if (fp8() && !a_scales_)
       MEGAMOE_RETURN_IF_ERROR(shared_scratch(device_, group_id_, kScratchAScales, P * (H / 128) * 4, &a_scales_));
-    // expert_out only when combine_send encodes a quantised wire (a bf16 wire is FC2's own output).
-    if (config_.combine_dtype != CombineDtype::kBf16 && !expert_out_)
+    // expert_out only when the combine reads FC2's rows here (a quantised wire to encode, or the owner
+    // reduce's sums); else a bf16 wire is FC2's own output.
+    if (!fc2_writes_combine() && !expert_out_)
       MEGAMOE_RETURN_IF_ERROR(shared_scratch(device_, group_id_, kScratchExpertOut, P * H * 2, &expert_out_));
     // The GEMMs' dynamic tile counter: zero once here, every launch leaves it zero (shared like the
     // workspace: the layers of a group run in stream order).
@@ -211,6 +212,7 @@ class RoutedMoeLayer final : public MoeLayer {
 
  private:
   bool fp8() const { return config_.weight_format == WeightFormat::kFp8Block; }
+  bool fc2_writes_combine() const { return config_.combine_dtype == CombineDtype::kBf16 && !config_.owner_reduce; }
 
   // dispatch -> pool -> FC1 -> FC2 -> combine_send -> combine, with stage marks.
   Status run_stages(const TensorView& x, const TensorView& x_scale, const TensorView& topk_ids,
@@ -241,7 +243,7 @@ class RoutedMoeLayer final : public MoeLayer {
     MEGAMOE_RETURN_IF_ERROR(mark(5, stream));
     if (fc2_writes_combine_) {
       MEGAMOE_RETURN_IF_ERROR(transport_->combine(topk_ids, y, stream));
-    } else {  // quantised wire: encode + send + reduce in one kernel (the combine_send stage reads 0)
+    } else {  // quantised wire or owner reduce: (sum +) encode + send + reduce in one kernel (the combine_send stage reads 0)
       TensorView out(expert_out_->ptr, DType::kBFloat16, {P, H}, device());
       MEGAMOE_RETURN_IF_ERROR(transport_->send_and_combine(out, topk_ids, y, stream));
     }
@@ -279,9 +281,9 @@ class RoutedMoeLayer final : public MoeLayer {
       fc1.d_scales = reinterpret_cast<float*>(base + l.intermediate_scales.offset);
       fc1.ld_d_scales = P;
     }
-    // FC2: intermediate -> the source ranks' combine rows (bf16 wire: weighted in fp32, one
-    // rounding, written through the LSA pointers), else -> expert_out (bf16, unweighted) for
-    // combine_send to encode.
+    // FC2: intermediate -> the source ranks' combine rows (bf16 wire, one row per slot: weighted in
+    // fp32, one rounding, written through the LSA pointers), else -> expert_out (bf16, unweighted)
+    // for the combine to sum (owner reduce) and encode.
     gemm::GroupedGemmArgs fc2;
     fc2.dtype = fc1.dtype;
     fc2.layout = gemm::GroupedLayout::kContiguous;
@@ -294,7 +296,7 @@ class RoutedMoeLayer final : public MoeLayer {
     fc2.expert_offsets = fc1.expert_offsets;
     fc2.b = w2_->ptr;
     fc2.ldd = H;
-    fc2_writes_combine_ = config_.combine_dtype == CombineDtype::kBf16;
+    fc2_writes_combine_ = fc2_writes_combine();
     if (!fc2_writes_combine_) {
       fc2.d = expert_out_->ptr;
     } else {

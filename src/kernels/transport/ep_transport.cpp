@@ -21,7 +21,8 @@ using kernels::TransportParams;
 int64_t align256(int64_t v) { return (v + 255) / 256 * 256; }
 
 struct ScratchLayout {
-  int64_t pool_intra = 0, pool_hist = 0, seg_total = 0, pool_dst = 0, pool_weight = 0, input_status = 0;
+  int64_t pool_intra = 0, pool_hist = 0, seg_total = 0, pool_dst = 0, pool_weight = 0, recv_pool_row = 0;
+  int64_t input_status = 0;
   int64_t dispatch_hist = 0, dispatch_accum = 0, token_rows = 0, combine_counters = 0, total = 0;
   static ScratchLayout make(const WorkspaceParams& p) {
     ScratchLayout s;
@@ -38,6 +39,7 @@ struct ScratchLayout {
     const int64_t P = WorkspaceLayout::pool_rows_for(p);
     take(&s.pool_dst, P * 4);
     take(&s.pool_weight, P * 4);
+    take(&s.recv_pool_row, p.owner_reduce ? R * T * k * 4 : 0);
     take(&s.input_status, sizeof(InputStatus));
     take(&s.dispatch_hist, p.ep_size * p.experts_per_rank * 4);
     take(&s.dispatch_accum, sizeof(kernels::DispatchAccum));
@@ -193,6 +195,8 @@ Status EpTransport::warmup(cudaStream_t stream) {
     MEGAMOE_RETURN_IF_ERROR(kernels::resolve_peer_pointers(make_args(*this, window_, scratch_, options_, 0), 0, peer_base_));
     const TransportParams args = make_args(*this, window_, scratch_, options_, 0);
     combine_targets_ = CombineTargets{};
+    // The owner reduce sums a token's rows here before one row goes out: no per-row targets.
+    if (options_.params.owner_reduce) return Status::ok();
     combine_targets_.pool_dst = args.pool_dst;
     combine_targets_.pool_weight = args.pool_weight;
     combine_targets_.num_ranks = size_;
@@ -253,6 +257,7 @@ TransportParams make_args(const EpTransport& t, void* window, void* scratch, con
   a.seg_total = reinterpret_cast<int32_t*>(s + sl.seg_total);
   a.pool_dst = reinterpret_cast<int32_t*>(s + sl.pool_dst);
   a.pool_weight = reinterpret_cast<float*>(s + sl.pool_weight);
+  a.recv_pool_row = o.params.owner_reduce ? reinterpret_cast<int32_t*>(s + sl.recv_pool_row) : nullptr;
   a.input_status = reinterpret_cast<InputStatus*>(s + sl.input_status);
   a.dispatch_hist = reinterpret_cast<int32_t*>(s + sl.dispatch_hist);
   a.dispatch_accum = reinterpret_cast<kernels::DispatchAccum*>(s + sl.dispatch_accum);

@@ -10,8 +10,10 @@
 //   build_expert_pool() owner: expert_offsets, pool_src, pool_x(_scales) (expert-major, BM-padded)
 //   ... experts (FC1/FC2) ...; FC2 either writes the source's combine rows itself or calls
 //   combine_send()      owner: partial = weight * out[pool row] -> wire format -> source's combine row
+//                       (owner reduce: a received token's partials summed in slot order -> one row)
 //   combine()           source: publish "my partials are sent", wait for every rank's, reduce the k
-//                       partials of each token in slot order (fp32) into y (bf16)
+//                       partials of each token in slot order (fp32) into y (bf16) (owner reduce: the
+//                       owners' rows in rank order)
 //   send_and_combine()  combine_send() + combine() in one kernel (same bits, one launch fewer)
 // Every rank calls these in the same order, the same number of times (a rank with 0 tokens too).
 // check_error() synchronises the stream and turns the device error cell (bounded-wait timeouts, peer
@@ -86,7 +88,9 @@ class EpTransport {
   // of peer_combine[src] (rank src's combine region through its LSA pointer, rows of H bf16), -1 none;
   // the partial is pool_weight[p] * FC2 row in fp32, rounded to bf16 once. build_expert_pool()
   // rewrites both arrays each forward; combine() then publishes and reduces as after combine_send().
-  // Valid after warmup().
+  // Valid after warmup(), and only without the owner reduce (WorkspaceParams::owner_reduce: the owner
+  // sums a token's partials before one row goes out, so there is no per-pool-row target; num_ranks
+  // is 0 then).
   static constexpr int kMaxCombinePeers = 8;  // = kernels::kMaxTransportRanks
   struct CombineTargets {
     const int32_t* pool_dst = nullptr;

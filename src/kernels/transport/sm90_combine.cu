@@ -10,14 +10,37 @@ namespace megamoe {
 namespace kernels {
 
 namespace {
-template <typename InT>
-cudaError_t send_as(const TransportArgs& args, const void* out, int ctas, int parts, cudaStream_t stream) {
+template <typename InT, bool kOwner>
+cudaError_t send_as_mode(const TransportArgs& args, const void* out, int ctas, int parts, cudaStream_t stream) {
   const InT* in = static_cast<const InT*>(out);
   const bool pdl = pdl_wanted(args.num_tokens);
   switch (args.layout.params.combine_format) {
-    case kWsMxfp8: return launch_pdl(combine_send_kernel<kWsMxfp8, InT>, ctas, kCombineThreads, 0, stream, pdl, args, in, parts);
-    case kWsNvfp4: return launch_pdl(combine_send_kernel<kWsNvfp4, InT>, ctas, kCombineThreads, 0, stream, pdl, args, in, parts);
-    default: return launch_pdl(combine_send_kernel<kWsBf16, InT>, ctas, kCombineThreads, 0, stream, pdl, args, in, parts);
+    case kWsMxfp8:
+      return launch_pdl(combine_send_kernel<kWsMxfp8, InT, kOwner>, ctas, kCombineThreads, 0, stream, pdl, args, in, parts);
+    case kWsNvfp4:
+      return launch_pdl(combine_send_kernel<kWsNvfp4, InT, kOwner>, ctas, kCombineThreads, 0, stream, pdl, args, in, parts);
+    default:
+      return launch_pdl(combine_send_kernel<kWsBf16, InT, kOwner>, ctas, kCombineThreads, 0, stream, pdl, args, in, parts);
+  }
+}
+
+template <typename InT>
+cudaError_t send_as(const TransportArgs& args, const void* out, int ctas, int parts, cudaStream_t stream) {
+  return args.layout.params.owner_reduce ? send_as_mode<InT, true>(args, out, ctas, parts, stream)
+                                         : send_as_mode<InT, false>(args, out, ctas, parts, stream);
+}
+
+template <bool kOwner>
+cudaError_t reduce_as(const TransportArgs& args, const int32_t* topk_ids, uint16_t* y, int ctas, int parts,
+                      cudaStream_t stream) {
+  const bool pdl = pdl_wanted(args.num_tokens);
+  switch (args.layout.params.combine_format) {
+    case kWsMxfp8:
+      return launch_pdl(combine_reduce_kernel<kWsMxfp8, kOwner>, ctas, kCombineThreads, 0, stream, pdl, args, topk_ids, y, parts);
+    case kWsNvfp4:
+      return launch_pdl(combine_reduce_kernel<kWsNvfp4, kOwner>, ctas, kCombineThreads, 0, stream, pdl, args, topk_ids, y, parts);
+    default:
+      return launch_pdl(combine_reduce_kernel<kWsBf16, kOwner>, ctas, kCombineThreads, 0, stream, pdl, args, topk_ids, y, parts);
   }
 }
 
@@ -40,10 +63,16 @@ struct SendShape {
 };
 SendShape send_shape(const TransportArgs& args, int64_t sms) {
   const int64_t warps_per_cta = kCombineThreads / 32;
-  const int64_t rows = args.num_tokens * args.top_k();
+  // rows this rank's tokens have: one per slot, or with the owner reduce one per owner rank touched
+  const int64_t per_token = args.layout.params.owner_reduce ? std::min<int64_t>(args.top_k(), args.sig.num_ranks) : args.top_k();
+  const int64_t rows = args.num_tokens * per_token;
   SendShape sh;
-  sh.parts = row_parts(rows, 2 * sms * warps_per_cta * 2,
-                       combine_send_rounds(args.layout.params.combine_format, args.layout.params.hidden), 7);
+  // At most 7 parts (a bf16 part of 4 rounds: one step of kCombineLoadRounds at H = 7168), or, for an
+  // owner-reduced bf16 row, parts of one kOwnerSendStepRounds step each: its lanes load every slot.
+  const int64_t rounds = combine_send_rounds(args.layout.params.combine_format, args.layout.params.hidden);
+  const bool owner_bf16 = args.layout.params.owner_reduce && args.layout.params.combine_format == kWsBf16;
+  sh.parts = row_parts(rows, 2 * sms * warps_per_cta * 2, rounds,
+                       owner_bf16 ? std::max<int64_t>(1, rounds / kOwnerSendStepRounds) : 7);
   sh.ctas = static_cast<int>(
       std::max<int64_t>(1, std::min<int64_t>((rows * sh.parts + warps_per_cta - 1) / warps_per_cta, 2 * sms)));
   return sh;
@@ -60,7 +89,7 @@ __global__ void resolve_peer_pointers_kernel(TransportArgs a, int64_t offset, ch
   if (r < a.sig.num_ranks) out[r] = a.sig.peer_ptr(r, offset);
 }
 
-template <int kFormat, typename InT>
+template <int kFormat, typename InT, bool kOwner>
 Status launch_fused(const TransportArgs& args, const InT* in, const int32_t* topk_ids, uint16_t* y, int64_t want_ctas,
                     CombineShape shape, cudaStream_t stream) {
   // Co-residency (see combine_kernel): at most what the SMs hold at once.
@@ -69,25 +98,32 @@ Status launch_fused(const TransportArgs& args, const InT* in, const int32_t* top
   MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   static const int per_sm = [] {  // one architecture per process
     int n = 0;
-    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, combine_kernel<kFormat, InT>, kCombineThreads, 0) == cudaSuccess ? n : 1;
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, combine_kernel<kFormat, InT, kOwner>, kCombineThreads, 0) == cudaSuccess ? n : 1;
   }();
   const int ctas = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want_ctas, static_cast<int64_t>(sms) * std::max(per_sm, 1))));
   if (ctas < 2) shape.groups = 1;  // groups need a sending and a reducing CTA
   shape.reducers = shape.groups > 1 ? std::max(1, ctas / 8) : 0;
-  MEGAMOE_CUDA_CHECK(launch_pdl(combine_kernel<kFormat, InT>, ctas, kCombineThreads, 0, stream, pdl_wanted(args.num_tokens),
+  MEGAMOE_CUDA_CHECK(launch_pdl(combine_kernel<kFormat, InT, kOwner>, ctas, kCombineThreads, 0, stream, pdl_wanted(args.num_tokens),
                                 args, in, topk_ids, y, shape));
   return Status::ok();
+}
+
+template <typename InT, bool kOwner>
+Status fused_as_mode(const TransportArgs& args, const void* out, const int32_t* topk_ids, uint16_t* y, int64_t want_ctas,
+                CombineShape shape, cudaStream_t stream) {
+  const InT* in = static_cast<const InT*>(out);
+  switch (args.layout.params.combine_format) {
+    case kWsMxfp8: return launch_fused<kWsMxfp8, InT, kOwner>(args, in, topk_ids, y, want_ctas, shape, stream);
+    case kWsNvfp4: return launch_fused<kWsNvfp4, InT, kOwner>(args, in, topk_ids, y, want_ctas, shape, stream);
+    default: return launch_fused<kWsBf16, InT, kOwner>(args, in, topk_ids, y, want_ctas, shape, stream);
+  }
 }
 
 template <typename InT>
 Status fused_as(const TransportArgs& args, const void* out, const int32_t* topk_ids, uint16_t* y, int64_t want_ctas,
                 CombineShape shape, cudaStream_t stream) {
-  const InT* in = static_cast<const InT*>(out);
-  switch (args.layout.params.combine_format) {
-    case kWsMxfp8: return launch_fused<kWsMxfp8, InT>(args, in, topk_ids, y, want_ctas, shape, stream);
-    case kWsNvfp4: return launch_fused<kWsNvfp4, InT>(args, in, topk_ids, y, want_ctas, shape, stream);
-    default: return launch_fused<kWsBf16, InT>(args, in, topk_ids, y, want_ctas, shape, stream);
-  }
+  return args.layout.params.owner_reduce ? fused_as_mode<InT, true>(args, out, topk_ids, y, want_ctas, shape, stream)
+                                         : fused_as_mode<InT, false>(args, out, topk_ids, y, want_ctas, shape, stream);
 }
 }  // namespace
 
@@ -119,18 +155,8 @@ Status launch_combine_reduce(const TransportParams& params, const int32_t* topk_
   const int64_t sms = std::max(num_sms, 1), T = args.num_tokens, warps_per_cta = kCombineThreads / 32;
   const int parts = reduce_parts(args);
   const int ctas = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((T * parts + warps_per_cta - 1) / warps_per_cta, 2 * sms)));
-  const bool pdl = pdl_wanted(T);
-  switch (args.layout.params.combine_format) {
-    case kWsMxfp8:
-      MEGAMOE_CUDA_CHECK(launch_pdl(combine_reduce_kernel<kWsMxfp8>, ctas, kCombineThreads, 0, stream, pdl, args, topk_ids, y, parts));
-      break;
-    case kWsNvfp4:
-      MEGAMOE_CUDA_CHECK(launch_pdl(combine_reduce_kernel<kWsNvfp4>, ctas, kCombineThreads, 0, stream, pdl, args, topk_ids, y, parts));
-      break;
-    default:
-      MEGAMOE_CUDA_CHECK(launch_pdl(combine_reduce_kernel<kWsBf16>, ctas, kCombineThreads, 0, stream, pdl, args, topk_ids, y, parts));
-      break;
-  }
+  MEGAMOE_CUDA_CHECK(args.layout.params.owner_reduce ? reduce_as<true>(args, topk_ids, y, ctas, parts, stream)
+                                                     : reduce_as<false>(args, topk_ids, y, ctas, parts, stream));
   return Status::ok();
 }
 

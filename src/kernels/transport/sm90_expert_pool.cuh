@@ -14,8 +14,9 @@
 // pool_scatter_kernel warp per recv row: pool row = offsets[e] + base[s][chunk][e] + intra; copies the
 //                     wire row (16-byte vectors) and scales, writes pool_src and the row's combine
 //                     destination (pool_dst, pool_weight: what an FC2 epilogue needs to write the
-//                     weighted partial into the source's combine region); then warps zero the
-//                     padding rows.
+//                     weighted partial into the source's combine region) and, with the owner
+//                     reduce, recv_pool_row (the inverse of pool_src: the combine sums a recv row's
+//                     pool rows); then warps zero the padding rows.
 #pragma once
 
 #include <cub/block/block_scan.cuh>
@@ -182,6 +183,7 @@ __global__ void __launch_bounds__(256) pool_scatter_kernel(TransportArgs a) {
   const int64_t pool_end = offsets[El];
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
   const int64_t warp_id = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const bool owner_reduce = a.layout.params.owner_reduce != 0;
 
   for (int64_t w = warp_id; w < R * T_max; w += warps) {
     const int s = static_cast<int>(w / T_max);
@@ -191,9 +193,13 @@ __global__ void __launch_bounds__(256) pool_scatter_kernel(TransportArgs a) {
     const int64_t chunk = i / kPoolChunkRows;
     for (int j = 0; j < k; ++j) {
       const int32_t e = meta_expert(a, experts, j);
-      if (e < 0) continue;
-      const int64_t p = offsets[e] + a.pool_hist[(s * chunks + chunk) * El + e] + a.pool_intra[w * k + j];
-      if (p < 0 || p >= pool_end || p >= offsets[e] + a.seg_total[e]) continue;  // inconsistent input
+      int64_t p = -1;
+      if (e >= 0) {
+        p = offsets[e] + a.pool_hist[(s * chunks + chunk) * El + e] + a.pool_intra[w * k + j];
+        if (p < 0 || p >= pool_end || p >= offsets[e] + a.seg_total[e]) p = -1;  // inconsistent input
+      }
+      if (owner_reduce && lane == 0) a.recv_pool_row[w * k + j] = static_cast<int32_t>(p);
+      if (p < 0) continue;
       if (lane == 0) {
         pool_src[p] = static_cast<int32_t>(w * k + j);
         const int32_t* meta = experts - 1;

@@ -97,6 +97,7 @@ struct TransportParams {
   int32_t* seg_total;   // [E_l] real rows per local expert
   int32_t* pool_dst;    // [P] where pool row p's partial goes: src rank * T_max*k + token*k + slot (-1: none)
   float* pool_weight;   // [P] its routing weight
+  int32_t* recv_pool_row;  // [R * T_max, k] pool row of (recv row, slot), -1: none (owner reduce only)
   InputStatus* input_status;
   int32_t* dispatch_hist;        // [E] per-expert counts summed over the dispatch CTAs (zero between launches)
   DispatchAccum* dispatch_accum;

@@ -23,6 +23,7 @@ struct TransportArgs {
   int32_t* seg_total;
   int32_t* pool_dst;
   float* pool_weight;
+  int32_t* recv_pool_row;
   InputStatus* input_status;
   int32_t* dispatch_hist;
   DispatchAccum* dispatch_accum;
@@ -42,6 +43,7 @@ struct TransportArgs {
     a.seg_total = p.seg_total;
     a.pool_dst = p.pool_dst;
     a.pool_weight = p.pool_weight;
+    a.recv_pool_row = p.recv_pool_row;
     a.input_status = p.input_status;
     a.dispatch_hist = p.dispatch_hist;
     a.dispatch_accum = p.dispatch_accum;

@@ -175,6 +175,8 @@ TEST(Tool, BadValues_NameFlagValueAndRule) {
   expect_refused(run_tool("check --preset tiny --backend cpu --routing zipf"), 2, {"--routing", "zipf"});
   expect_refused(run_tool("check --preset tiny --backend cpu --combine-dtype nvfp4 --in-kernel-fc2-reduce"), 2,
                  {"in_kernel_fc2_reduce", "bf16"});
+  expect_refused(run_tool("check --preset tiny --backend cpu --owner-reduce --in-kernel-fc2-reduce"), 2,
+                 {"owner_reduce=true", "--owner-reduce", "--in-kernel-fc2-reduce", "pick one"});
   expect_refused(run_tool("bench --preset tiny --backend cpu --tokens 1,,4"), 2, {"--tokens", "1,,4"});
   expect_refused(run_tool("bench --preset tiny --backend cpu --iters -3"), 2, {"--iters"});
   // bench-gemm's flags are checked before it looks for a GPU
@@ -243,6 +245,10 @@ TEST(Tool, Check_Tiny_Cpu_EP1) { expect_check_passes("--ep 1 --tokens 32", 1); }
 TEST(Tool, Check_Tiny_Cpu_EP2) { expect_check_passes("--ep 2 --tokens 32", 2); }
 TEST(Tool, Check_Tiny_Cpu_EP2_Dropped_Nvfp4Combine) {
   expect_check_passes("--ep 2 --tokens 16 --routing dropped --combine-dtype nvfp4 --weight-format mxfp8", 2);
+}
+
+TEST(Tool, Check_Tiny_Cpu_EP4_Dropped_OwnerReduce_Mxfp8Combine) {
+  expect_check_passes("--ep 4 --tokens 16 --routing dropped --owner-reduce --combine-dtype mxfp8", 4);
 }
 
 TEST(Tool, Check_GpuBackend_FailsWithTheLayersReason) {
@@ -338,7 +344,7 @@ TEST(Tool, Check_Dump_Tiny_EP2_NpyFilesAndMetaAgreeWithReference) {
   for (const char* k : {"hidden", "intermediate", "num_experts", "top_k", "ep_size", "max_tokens_per_rank"})
     EXPECT_TRUE(geo.contains(k)) << k;
   for (const char* k : {"backend", "weight_format", "dispatch_format", "combine_dtype", "in_kernel_fc2_reduce",
-                        "pow2_scales"})
+                        "owner_reduce", "pow2_scales"})
     EXPECT_TRUE(meta.at("config").contains(k)) << k;
   EXPECT_EQ(meta.at("formats").at("intermediate_format"), "fp8-block");
   EXPECT_EQ(meta.at("seed"), 7);
@@ -578,6 +584,56 @@ TEST(Tool, Bench_Tiny_Cpu_RowsJsonCsvAndReproducingCommand) {
   const ToolRun again = run_tool(command.substr(std::string("megamoe ").size()));
   EXPECT_EQ(again.rc, 0) << again.out;
   EXPECT_TRUE(contains(again.out, "\ncpu ")) << again.out;
+}
+
+// The NVLink bytes of the bench model (NVL_GB/s * R * median) recomputed from the inputs bench
+// generates: dispatch rows per (token, remote rank) in both modes; combine rows per remote (token,
+// slot), or with --owner-reduce per (token, remote owner rank).
+TEST(Tool, Bench_OwnerReduce_OneCombineRowPerRemoteOwner_EP2) {
+  TempDir dir;
+  const std::string base = "bench --preset tiny --backend cpu --ep 2 --tokens 8 --input-sets 1 --iters 1 --warmup 0";
+  const ToolRun slot = run_tool(base + " --json " + dir.path() + "/slot.json", /*merge_stderr=*/false);
+  const ToolRun owner = run_tool(base + " --owner-reduce --json " + dir.path() + "/owner.json", false);
+  ASSERT_EQ(slot.rc, 0) << slot.out;
+  ASSERT_EQ(owner.rc, 0) << owner.out;
+  EXPECT_TRUE(contains(owner.out, ", owner reduce;")) << owner.out;
+  const nlohmann::json js = nlohmann::json::parse(read_file(dir.path() + "/slot.json"));
+  const nlohmann::json jo = nlohmann::json::parse(read_file(dir.path() + "/owner.json"));
+  EXPECT_EQ(js.at("config").at("owner_reduce"), false);
+  EXPECT_EQ(jo.at("config").at("owner_reduce"), true);
+  const std::string command = jo.at("rows")[0].at("command");
+  EXPECT_TRUE(contains(command, " --owner-reduce")) << command;
+  EXPECT_FALSE(contains(js.at("rows")[0].at("command").get<std::string>(), "--owner-reduce"));
+
+  const int64_t R = 2, T = 8, H = 512, k = 4, El = 8;
+  const megamoe::MoeGeometry g{H, 256, 16, k, R, 0, T};
+  const double dispatch_row = H + H / 128 * 4 + megamoe::token_meta_bytes(k), combine_row = 2 * H;
+  double want_slot = 0, want_owner = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    const megamoe::reference::RankInputs in = megamoe::reference::make_rank_inputs(g, 1, r, T);
+    for (int64_t t = 0; t < T; ++t) {
+      std::vector<bool> owns(R, false);
+      for (int64_t j = 0; j < k; ++j) {
+        const int32_t e = in.topk_ids[t * k + j];
+        if (e < 0) continue;
+        owns[e / El] = true;
+        if (e / El != r) want_slot += combine_row;
+      }
+      for (int64_t d = 0; d < R; ++d) {
+        if (!owns[d] || d == r) continue;
+        want_slot += dispatch_row;
+        want_owner += dispatch_row + combine_row;
+      }
+    }
+  }
+  auto link_bytes = [&](const nlohmann::json& j) {
+    const auto& row = j.at("rows")[0];
+    return row.at("nvlink_gbps_per_rank").get<double>() * 1e9 * R * row.at("median_us").get<double>() * 1e-6;
+  };
+  std::printf("[ tool ] NVLink bytes per forward: per slot %.0f, owner reduce %.0f\n", link_bytes(js), link_bytes(jo));
+  EXPECT_NEAR(link_bytes(js), want_slot, 1e-6 * want_slot);
+  EXPECT_NEAR(link_bytes(jo), want_owner, 1e-6 * want_owner);
+  EXPECT_LT(want_owner, want_slot) << "top-4 of 16 experts on 2 ranks: most tokens have several remote slots per rank";
 }
 
 TEST(Tool, Bench_Default_FirstLineSaysCpuOnTinyWithoutDevice) {

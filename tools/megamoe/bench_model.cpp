@@ -21,7 +21,8 @@ ForwardModel model_forward(const MoeGeometry& g, const MoeConfig& c, int64_t tok
   const double dispatch_row = static_cast<double>(
       H * (c.dispatch_format == DispatchFormat::kBf16 ? 2 : 1) +
       (c.dispatch_format == DispatchFormat::kFp8Block ? H / 128 * 4 : 0) + token_meta_bytes(k));
-  // Combine: one row per (token, slot) whose expert lives elsewhere; the in-kernel reduce adds bf16.
+  // Combine: one row per (token, slot) whose expert lives elsewhere; the in-kernel reduce adds bf16;
+  // the owner reduce sends one row per (token, owner rank elsewhere).
   const WorkspaceParams wp = workspace_params(g, c);
   const double combine_row =
       static_cast<double>(c.in_kernel_fc2_reduce ? 2 * H : combine_row_bytes(wp.combine_format, H));
@@ -42,7 +43,7 @@ ForwardModel model_forward(const MoeGeometry& g, const MoeConfig& c, int64_t tok
           pairs[owner] += 1;
           hit[e] = 1;
           to_rank[owner] = 1;
-          if (owner != r) {
+          if (owner != r && !c.owner_reduce) {
             sent[owner] += combine_row;
             recv[r] += combine_row;
           }
@@ -51,6 +52,10 @@ ForwardModel model_forward(const MoeGeometry& g, const MoeConfig& c, int64_t tok
           if (!to_rank[d] || d == r) continue;
           sent[r] += dispatch_row;
           recv[d] += dispatch_row;
+          if (c.owner_reduce) {
+            sent[d] += combine_row;
+            recv[r] += combine_row;
+          }
         }
       }
     }

@@ -40,11 +40,12 @@ void print_bench_header(const BenchHeader& h) {
   const MoeGeometry& g = h.geometry;
   const MoeConfig& c = h.config;
   std::printf("megamoe bench: preset %s: hidden=%lld intermediate=%lld experts=%lld top_k=%lld, EP%lld; weight %s, "
-              "dispatch %s, intermediate %s, combine %s%s%s; routing %s; %lld input set(s) rotated\n",
+              "dispatch %s, intermediate %s, combine %s%s%s%s; routing %s; %lld input set(s) rotated\n",
               h.preset.c_str(), static_cast<long long>(g.hidden), static_cast<long long>(g.intermediate),
               static_cast<long long>(g.num_experts), static_cast<long long>(g.top_k), static_cast<long long>(g.ep_size),
               to_string(c.weight_format), to_string(c.dispatch_format), to_string(c.intermediate_format()),
               to_string(c.combine_dtype), c.in_kernel_fc2_reduce ? ", in-kernel fc2 reduce" : "",
+              c.owner_reduce ? ", owner reduce" : "",
               c.pow2_scales ? ", pow2 scales" : "", h.routing.c_str(), static_cast<long long>(h.sets));
   std::printf("time: us per forward (ranks in lockstep) = the slowest rank's CUDA-event time on GPU backends, the "
               "wall time of the slowest rank on the cpu backend; median/min/max of the timed forwards after warm-up\n");
@@ -101,6 +102,7 @@ void write_bench_json(const std::string& path, const BenchHeader& h, const std::
                  {"intermediate_format", to_string(c.intermediate_format())},
                  {"combine_dtype", to_string(c.combine_dtype)},
                  {"in_kernel_fc2_reduce", c.in_kernel_fc2_reduce},
+                 {"owner_reduce", c.owner_reduce},
                  {"pow2_scales", c.pow2_scales}};
   j["routing"] = h.routing;
   j["input_sets"] = h.sets;

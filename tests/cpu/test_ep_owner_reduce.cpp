@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "comm/host_group.h"
+#include "ep_protocol_cases.h"
 #include "megamoe/formats.h"
 #include "megamoe/workspace.h"
 #include "reference/ep_protocol.h"
@@ -24,30 +25,7 @@ namespace megamoe {
 namespace {
 
 using reference::Routing;
-
-constexpr int64_t kH = 256, kI = 128, kE = 16, kK = 4, kTMax = 24;
-
-// Token counts that cover T = T_max, T = 0 and small T.
-std::vector<int64_t> token_pattern(int ep_size) {
-  const int64_t pattern[4] = {kTMax, 0, 7, 1};
-  std::vector<int64_t> t(ep_size);
-  for (int r = 0; r < ep_size; ++r) t[r] = pattern[r % 4];
-  return t;
-}
-
-struct Buffer {
-  void* p = nullptr;
-  explicit Buffer(int64_t bytes) { p = std::aligned_alloc(256, (bytes + 255) / 256 * 256); }
-  ~Buffer() { std::free(p); }
-};
-
-struct OwnerReduceCase {
-  int ep_size;
-  Routing routing;
-  int32_t dispatch_format;  // kWsBf16 | kWsFp8Block
-  int32_t combine_format;   // kWsBf16 | kWsMxfp8 | kWsNvfp4
-  int64_t block_m;
-};
+using namespace test;  // ep_protocol_cases.h
 
 // Expert e's output: x rotated by e and scaled by 1 + e/8, so two experts of one owner give different
 // partials (identity experts would differ only by their routing weights).
@@ -119,10 +97,10 @@ void run_protocol(const WorkspaceLayout& layout, const reference::MoeProblem& pr
   for (int r = 0; r < R; ++r) ASSERT_TRUE(st[r].is_ok()) << "rank " << r << ": " << st[r].to_string();
 }
 
-class OwnerReduce : public testing::TestWithParam<OwnerReduceCase> {};
+class OwnerReduce : public testing::TestWithParam<ProtocolCase> {};
 
 TEST_P(OwnerReduce, CombineRowsAndOutputMatchTheTruth) {
-  const OwnerReduceCase c = GetParam();
+  const ProtocolCase c = GetParam();
   const int R = c.ep_size;
   MoeGeometry g;
   g.hidden = kH, g.intermediate = kI, g.num_experts = kE, g.top_k = kK, g.ep_size = R, g.max_tokens_per_rank = kTMax;
@@ -207,22 +185,14 @@ TEST_P(OwnerReduce, CombineRowsAndOutputMatchTheTruth) {
 
 INSTANTIATE_TEST_SUITE_P(
     Cases, OwnerReduce,
-    testing::Values(OwnerReduceCase{2, Routing::kUniform, kWsBf16, kWsBf16, 1},
-                    OwnerReduceCase{2, Routing::kWithDropped, kWsFp8Block, kWsBf16, 64},
-                    OwnerReduceCase{2, Routing::kUniform, kWsFp8Block, kWsMxfp8, 1},
-                    OwnerReduceCase{2, Routing::kWithDropped, kWsBf16, kWsNvfp4, 64},
-                    OwnerReduceCase{4, Routing::kWithDropped, kWsBf16, kWsBf16, 64},
-                    OwnerReduceCase{4, Routing::kWithDropped, kWsBf16, kWsMxfp8, 1},
-                    OwnerReduceCase{4, Routing::kUniform, kWsFp8Block, kWsNvfp4, 1}),
-    [](const testing::TestParamInfo<OwnerReduceCase>& info) {
-      const OwnerReduceCase& c = info.param;
-      const char* wire = c.combine_format == kWsBf16    ? "Bf16Wire"
-                         : c.combine_format == kWsMxfp8 ? "Mxfp8Wire"
-                                                        : "Nvfp4Wire";
-      return "EP" + std::to_string(c.ep_size) + "_" + (c.routing == Routing::kUniform ? "Uniform" : "Dropped") +
-             (c.dispatch_format == kWsBf16 ? "_Bf16Dispatch_" : "_Fp8Dispatch_") + wire + "_BM" +
-             std::to_string(c.block_m);
-    });
+    testing::Values(ProtocolCase{2, Routing::kUniform, kWsBf16, kWsBf16, 1},
+                    ProtocolCase{2, Routing::kWithDropped, kWsFp8Block, kWsBf16, 64},
+                    ProtocolCase{2, Routing::kUniform, kWsFp8Block, kWsMxfp8, 1},
+                    ProtocolCase{2, Routing::kWithDropped, kWsBf16, kWsNvfp4, 64},
+                    ProtocolCase{4, Routing::kWithDropped, kWsBf16, kWsBf16, 64},
+                    ProtocolCase{4, Routing::kWithDropped, kWsBf16, kWsMxfp8, 1},
+                    ProtocolCase{4, Routing::kUniform, kWsFp8Block, kWsNvfp4, 1}),
+    case_name);
 
 // Where the order of the fp32 adds shows in y: rows +X, -X and X * 2^-30 sum to X * 2^-30 in this
 // order and to 0 in any order that adds the small row before the two large ones cancel.

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "comm/host_group.h"
+#include "ep_protocol_cases.h"
 #include "megamoe/formats.h"
 #include "reference/cpu_backend.h"
 #include "reference/ep_protocol.h"
@@ -21,6 +22,7 @@ namespace megamoe {
 namespace {
 
 using reference::Routing;
+using namespace test;  // ep_protocol_cases.h
 using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
@@ -139,38 +141,6 @@ TEST(HostGroup, DifferentStagesAtOneEpochAbortInsteadOfWaiting) {
 
 // ------------------------------------------------------------------------------------------------
 // Protocol stages, driven directly
-
-struct ProtocolCase {
-  int ep_size;
-  Routing routing;
-  int32_t dispatch_format;  // kWsBf16 | kWsFp8Block
-  int32_t combine_format;   // kWsBf16 | kWsMxfp8 | kWsNvfp4
-  int64_t block_m;
-};
-
-std::string case_name(const testing::TestParamInfo<ProtocolCase>& info) {
-  const ProtocolCase& c = info.param;
-  const char* wire = c.combine_format == kWsBf16 ? "Bf16Wire" : c.combine_format == kWsMxfp8 ? "Mxfp8Wire" : "Nvfp4Wire";
-  std::string routing = c.routing == Routing::kUniform ? "Uniform" : c.routing == Routing::kSingleExpert ? "OneExpert" : "Dropped";
-  return "EP" + std::to_string(c.ep_size) + "_" + routing + (c.dispatch_format == kWsBf16 ? "_Bf16Dispatch_" : "_Fp8Dispatch_") +
-         wire + "_BM" + std::to_string(c.block_m);
-}
-
-constexpr int64_t kH = 256, kI = 128, kE = 16, kK = 4, kTMax = 24;
-
-// Token counts that cover T = T_max, T = 0 and small T.
-std::vector<int64_t> token_pattern(int ep_size) {
-  const int64_t pattern[4] = {kTMax, 0, 7, 1};
-  std::vector<int64_t> t(ep_size);
-  for (int r = 0; r < ep_size; ++r) t[r] = ep_size == 1 ? kTMax : pattern[r % 4];
-  return t;
-}
-
-struct Buffer {
-  void* p = nullptr;
-  explicit Buffer(int64_t bytes) { p = std::aligned_alloc(256, (bytes + 255) / 256 * 256); }
-  ~Buffer() { std::free(p); }
-};
 
 class EpProtocol : public testing::TestWithParam<ProtocolCase> {};
 

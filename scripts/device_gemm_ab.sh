@@ -5,16 +5,12 @@
 #   FILTER='*GroupedGemm*' BENCH=$'--preset qwen3-30b-a3b --fc fc1,fc2\n--preset deepseek-v3 --experts 32' \
 #     bash scripts/device_gemm_ab.sh
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/megamoe-gemm-ab}
-mkdir -p "$OUT"
-export LD_LIBRARY_PATH=$(python3 -c 'import nvidia.nccl as n; print(n.__path__[0])' 2>/dev/null)/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+source "$(dirname "$0")/device_env.sh" gemm-ab
 export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
-BIN=${BIN:-dev-bin}
+TEST_TIMEOUT=${TEST_TIMEOUT:-300}
 rc=0
 if [[ -n ${FILTER:-} ]]; then
-  timeout ${TEST_TIMEOUT:-300} $BIN/megamoe_gpu_tests --gtest_filter="$FILTER" > "$OUT/tests.log" 2>&1; trc=$?; rc=$((rc | trc))
-  echo "tests: exit $trc"; grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|tests ran|Failure" "$OUT/tests.log" | head -40
+  run_tests "$FILTER"; rc=$((rc | $?))
 fi
 i=0
 while IFS= read -r args; do

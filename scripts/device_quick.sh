@@ -4,16 +4,10 @@
 # lease.
 #   FILTER='Sm90Transport.*' BENCH='--tokens 1,8,128 --combine mxfp8' bash scripts/device_quick.sh
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/megamoe-quick-out}
-mkdir -p "$OUT"
-export LD_LIBRARY_PATH=$(python3 -c 'import nvidia.nccl as n; print(n.__path__[0])' 2>/dev/null)/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-export NCCL_NVLS_ENABLE=0
-BIN=${BIN:-dev-bin}
+source "$(dirname "$0")/device_env.sh" quick-out
 rc=0
 if [[ -n ${FILTER:-} ]]; then
-  timeout ${TEST_TIMEOUT:-240} $BIN/megamoe_gpu_tests --gtest_filter="$FILTER" > "$OUT/tests.log" 2>&1; trc=$?; rc=$((rc | trc))
-  echo "tests: exit $trc"; grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|tests ran|Failure|differs" "$OUT/tests.log" | head -40
+  run_tests "$FILTER"; rc=$((rc | $?))
 fi
 i=0
 while IFS= read -r args; do

@@ -251,6 +251,29 @@ __device__ __forceinline__ void send_bf16_part(const SlotPartial<InT>& src, char
   }
 }
 
+// A lane's chunks (16 wire bytes of bf16 each) of rounds [r0, r0 + kR), and which of them lie in
+// [.., re) and in the row's `chunks`.
+template <int kR>
+struct StepChunks {
+  int64_t c[kR];
+  bool on[kR];
+  __device__ __forceinline__ StepChunks(int64_t r0, int64_t re, int64_t chunks, int lane) {
+#pragma unroll
+    for (int u = 0; u < kR; ++u) {
+      c[u] = (r0 + u) * 32 + lane;
+      on[u] = r0 + u < re && c[u] < chunks;
+    }
+  }
+};
+
+// 8 fp32 values -> 8 bf16 (RNE; NaN canonical, see kHwNaNNote) in one 16-byte store.
+__device__ __forceinline__ void store_bf16x8(void* dst, const float (&v)[8]) {
+  uint32_t o[4];
+#pragma unroll
+  for (int m = 0; m < 4; ++m) o[m] = cvt_bf16x2(v[2 * m], v[2 * m + 1]);
+  st_v4(dst, make_uint4(o[0], o[1], o[2], o[3]));
+}
+
 // The 8 values of one chunk loaded raw (one 16-byte vector of bf16, two of fp32).
 template <typename InT>
 __device__ __forceinline__ void raw_chunk_values(const uint4 (&raw)[sizeof(InT) * 8 / 16], float (&v)[8]) {
@@ -277,16 +300,10 @@ __device__ __forceinline__ void send_bf16_part(const OwnerSum<InT>& src, char* d
   constexpr int kR = kOwnerSendStepRounds, kSlots = 4;
   constexpr int kVec = sizeof(InT) * 8 / 16;  // 16-byte loads per 8-element chunk
   for (int64_t r0 = rb; r0 < re; r0 += kR) {
-    int64_t c[kR];
-    bool on[kR];
-    float v[kR][8];
-#pragma unroll
-    for (int u = 0; u < kR; ++u) {
-      c[u] = (r0 + u) * 32 + lane;
-      on[u] = r0 + u < re && c[u] < chunks;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) v[u][i] = 0.f;
-    }
+    const StepChunks<kR> st(r0, re, chunks, lane);
+    const int64_t(&c)[kR] = st.c;
+    const bool(&on)[kR] = st.on;
+    float v[kR][8] = {};
     for (int j0 = 0; j0 < src.n; j0 += kSlots) {
       uint4 raw[kSlots][kR][kVec];  // raw, converted at the add: half the registers of floats for bf16 rows
 #pragma unroll
@@ -312,13 +329,8 @@ __device__ __forceinline__ void send_bf16_part(const OwnerSum<InT>& src, char* d
       }
     }
 #pragma unroll
-    for (int u = 0; u < kR; ++u) {
-      if (!on[u]) continue;
-      uint32_t o[4];
-#pragma unroll
-      for (int m = 0; m < 4; ++m) o[m] = cvt_bf16x2(v[u][2 * m], v[u][2 * m + 1]);
-      st_v4(dst + c[u] * 16, make_uint4(o[0], o[1], o[2], o[3]));
-    }
+    for (int u = 0; u < kR; ++u)
+      if (on[u]) store_bf16x8(dst + c[u] * 16, v[u]);
   }
 }
 
@@ -616,16 +628,10 @@ __device__ __forceinline__ void reduce_bf16_owner_part(const char* rows, int64_t
                                                        int64_t re, int lane) {
   constexpr int kR = 4;
   for (int64_t r0 = rb; r0 < re; r0 += kR) {
-    int64_t c[kR];
-    bool on[kR];
-    float acc[kR][8];
-#pragma unroll
-    for (int u = 0; u < kR; ++u) {
-      c[u] = (r0 + u) * 32 + lane;
-      on[u] = r0 + u < re && c[u] < chunks;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) acc[u][i] = 0.f;
-    }
+    const StepChunks<kR> st(r0, re, chunks, lane);
+    const int64_t(&c)[kR] = st.c;
+    const bool(&on)[kR] = st.on;
+    float acc[kR][8] = {};
     for (uint32_t m = owners; m != 0;) {  // warp-uniform
       const int ra = __ffs(m) - 1;
       m &= m - 1;
@@ -655,13 +661,8 @@ __device__ __forceinline__ void reduce_bf16_owner_part(const char* rows, int64_t
       }
     }
 #pragma unroll
-    for (int u = 0; u < kR; ++u) {
-      if (!on[u]) continue;
-      uint32_t o[4];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) o[q] = cvt_bf16x2(acc[u][2 * q], acc[u][2 * q + 1]);  // acc's NaN is canonical (kHwNaNNote)
-      st_v4(y_row + c[u] * 8, make_uint4(o[0], o[1], o[2], o[3]));
-    }
+    for (int u = 0; u < kR; ++u)
+      if (on[u]) store_bf16x8(y_row + c[u] * 8, acc[u]);
   }
 }
 

@@ -20,7 +20,7 @@ struct RankRun {
   std::unique_ptr<EpTransport> transport;
   cudaStream_t stream = nullptr;
   RankInputs in;
-  std::unique_ptr<DeviceBuffer> x, ids, weights, y, expert_out;
+  std::unique_ptr<DeviceBuffer> x, x_scale, ids, weights, y, expert_out;
 };
 
 // Builds the transport and uploads the inputs of `rank`.
@@ -39,7 +39,13 @@ void setup_rank(const Case& c, std::shared_ptr<Communicator> comm, int rank, Ran
   run->ids.reset(new DeviceBuffer(std::max<int64_t>(T * k * 4, 16)));
   run->weights.reset(new DeviceBuffer(std::max<int64_t>(T * k * 4, 16)));
   run->y.reset(new DeviceBuffer(std::max<int64_t>(T * H * 2, 16)));
-  run->x->upload(run->in.x);
+  if (c.x_fp8) {
+    run->x->upload(run->in.x_fp8);
+    run->x_scale.reset(new DeviceBuffer(std::max<int64_t>(T * (H / 128) * 4, 16)));
+    run->x_scale->upload(run->in.x_scale);
+  } else {
+    run->x->upload(run->in.x);
+  }
   run->ids->upload(run->in.topk_ids);
   run->weights->upload(run->in.topk_weights);
 }
@@ -56,6 +62,11 @@ TensorView view(DeviceBuffer* b, DType dt, std::initializer_list<int64_t> shape,
 
 Status dispatch_once(const Case& c, RankRun* run, int rank) {
   const int64_t T = run->in.num_tokens;
+  if (c.x_fp8)
+    return run->transport->dispatch(view(run->x.get(), DType::kFloat8E4M3, {T, c.hidden}, rank),
+                                    view(run->x_scale.get(), DType::kFloat32, {T, c.hidden / 128}, rank),
+                                    view(run->ids.get(), DType::kInt32, {T, c.top_k}, rank),
+                                    view(run->weights.get(), DType::kFloat32, {T, c.top_k}, rank), run->stream);
   return run->transport->dispatch(view(run->x.get(), DType::kBFloat16, {T, c.hidden}, rank), TensorView(),
                                   view(run->ids.get(), DType::kInt32, {T, c.top_k}, rank),
                                   view(run->weights.get(), DType::kFloat32, {T, c.top_k}, rank), run->stream);
@@ -240,6 +251,26 @@ TEST(Sm90Transport, Fp8Wire_Pow2Scales_EP2) {
   run_case(c);
 }
 
+// An e4m3 x with 1x128 scales: copied onto the fp8 wire (codes and scales, the scales gathered per
+// part), dequantised onto a bf16 wire; H = 7168 (56 scales a row) and H = 640 (5: 4-byte scale rows).
+TEST(Sm90Transport, Fp8Input_BothWires_EP2) {
+  Case c = base_case();
+  c.x_fp8 = true;
+  for (int64_t H : {int64_t{7168}, int64_t{640}}) {
+    c.hidden = H;
+    c.dispatch_format = kWsFp8Block;
+    c.pow2_scales = H == 640;
+    run_case(c, 2);
+    c.dispatch_format = kWsBf16;
+    run_case(c);
+  }
+  c.hidden = 7168;
+  c.dispatch_format = kWsFp8Block;
+  c.tokens = {3, 1};  // small T: a row split into many parts
+  c.owner_reduce = true;
+  run_case(c, 2);
+}
+
 TEST(Sm90Transport, Mxfp8Combine_EP2) {
   Case c = base_case();
   c.dispatch_format = kWsFp8Block;
@@ -297,8 +328,9 @@ TEST(Sm90Transport, ManyTokensPerCta_FewSms_EP2) {
 
 // The fused combine with recv-row groups (reduce behind the sends; token_rows waits): every wire
 // format, uneven ranks, a 0-token rank, few CTAs (one reducer), and groups of one row.
-TEST(Sm90Transport, GroupedCombine_EP2) {
+void run_grouped_cases(bool owner_reduce) {
   Case c = base_case();
+  c.owner_reduce = owner_reduce;
   c.dispatch_format = kWsFp8Block;
   c.combine_groups = 3;
   run_case(c, 4);
@@ -314,9 +346,11 @@ TEST(Sm90Transport, GroupedCombine_EP2) {
   run_case(c, 2);
 }
 
+TEST(Sm90Transport, GroupedCombine_EP2) { run_grouped_cases(false); }
+
 // The owner reduce: each owner sums its slots' partials of a token before one row goes out, the
 // source sums the owners' rows in rank order. Every wire format, both combine kernels (run_case
-// alternates fused and split), groups, a 0-token rank, one sending and one reducing CTA, graph replay.
+// alternates fused and split), graph replay, and the grouped cases above.
 TEST(Sm90Transport, OwnerReduce_EveryWire_EP2) {
   Case c = base_case();
   c.owner_reduce = true;
@@ -328,19 +362,9 @@ TEST(Sm90Transport, OwnerReduce_EveryWire_EP2) {
     c.combine_format = f;
     run_case(c, 4);
   }
-  c.combine_groups = 3;
-  run_case(c, 4);
-  c.combine_format = kWsMxfp8;
-  c.tokens = {40, 0};
-  run_case(c, 2);
   c.combine_format = kWsBf16;
-  c.tokens = {5, 3};
-  c.num_sms = 1;  // 2 CTAs: one sends, one reduces
-  run_case(c, 2);
-  c.num_sms = 0;
-  c.combine_groups = 0;
-  c.tokens = {48, 37};
   run_case(c, 1, true);
+  run_grouped_cases(true);
 }
 
 // The benchmark's geometry (deepseek-v3 hidden, 256 experts, top-8) at T = T_max, and many tokens

@@ -77,6 +77,15 @@ RankInputs Case::inputs(int rank) const {
     in.x[t * hidden + 0] = fmt::float_to_bf16(static_cast<float>(rank + 1));  // rank tag
     in.x[t * hidden + 1] = fmt::float_to_bf16(static_cast<float>(t % 256));   // token tag
   }
+  if (x_fp8) {
+    in.x_fp8.assign(T * hidden, 0);
+    in.x_scale.assign(T * (hidden / 128), 0.f);
+    std::vector<float> f(hidden);
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t h = 0; h < hidden; ++h) f[h] = fmt::bf16_to_float(in.x[t * hidden + h]);
+      fmt::quantize_fp8_1x128(f.data(), hidden, &in.x_fp8[t * hidden], &in.x_scale[t * (hidden / 128)], pow2_scales);
+    }
+  }
   in.topk_ids.assign(T * top_k, -1);
   in.topk_weights.assign(T * top_k, 0.f);
   std::uniform_real_distribution<float> uni(0.05f, 1.f);
@@ -156,12 +165,19 @@ Truth protocol_truth(const Case& c, const std::vector<RankInputs>& all, int dest
 
 void encode_wire_row(const Case& c, const uint16_t* x_row, std::vector<uint8_t>* bytes, std::vector<float>* scales) {
   const int64_t H = c.hidden;
-  if (c.dispatch_format == kWsFp8Block) {
-    std::vector<float> f(H);
-    for (int64_t h = 0; h < H; ++h) f[h] = fmt::bf16_to_float(x_row[h]);
+  std::vector<float> f(H);
+  for (int64_t h = 0; h < H; ++h) f[h] = fmt::bf16_to_float(x_row[h]);
+  if (c.dispatch_format == kWsFp8Block || c.x_fp8) {
     bytes->assign(H, 0);
     scales->assign(H / 128, 0.f);
     fmt::quantize_fp8_1x128(f.data(), H, bytes->data(), scales->data(), c.pow2_scales);
+    if (c.dispatch_format == kWsFp8Block) return;
+    // e4m3 x on a bf16 wire: code * scale (fp32), rounded to bf16
+    fmt::dequantize_fp8_1x128(bytes->data(), scales->data(), H, f.data());
+    scales->clear();
+    bytes->assign(H * 2, 0);
+    uint16_t* b = reinterpret_cast<uint16_t*>(bytes->data());
+    for (int64_t h = 0; h < H; ++h) b[h] = fmt::float_to_bf16(f[h]);
   } else {
     bytes->assign(reinterpret_cast<const uint8_t*>(x_row), reinterpret_cast<const uint8_t*>(x_row + H));
     scales->clear();

@@ -71,6 +71,8 @@ enum class Routing { kRandom, kOneExpert, kWithBad };
 struct RankInputs {
   int64_t num_tokens = 0;
   std::vector<uint16_t> x;        // [T, H] bf16
+  std::vector<uint8_t> x_fp8;     // [T, H] e4m3 codes of x (1x128 blocks), with Case::x_fp8
+  std::vector<float> x_scale;     // [T, H / 128]
   std::vector<int32_t> topk_ids;  // [T, k]
   std::vector<float> topk_weights;
 };
@@ -84,6 +86,7 @@ struct Case {
   int num_sms = 0;  // EpTransportOptions::num_sms (0: every SM); small values force many tokens per CTA
   int combine_groups = 0;  // EpTransportOptions::combine_groups (0: by the token count)
   bool owner_reduce = false;  // WorkspaceParams::owner_reduce: one combine row per (token, owner)
+  bool x_fp8 = false;         // dispatch x given as e4m3 + 1x128 scales (x quantised on the host)
   Routing routing = Routing::kRandom;
   std::vector<int64_t> tokens;  // per rank
   uint32_t seed = 1;
@@ -102,7 +105,9 @@ struct Truth {
 };
 Truth protocol_truth(const Case& c, const std::vector<RankInputs>& all, int dest);
 
-// The wire row of one token (quantisation point 1): fp8 codes + scales, or bf16 bytes.
+// The wire row of one token (quantisation point 1): fp8 codes + scales, or bf16 bytes. With x_fp8 the
+// input is x quantised (1x128, pow2 per the case): the fp8 wire carries exactly those codes and scales
+// (the same as quantising x in the kernel), the bf16 wire their dequantised values rounded to bf16.
 void encode_wire_row(const Case& c, const uint16_t* x_row, std::vector<uint8_t>* bytes, std::vector<float>* scales);
 
 // y of `rank` given every rank's inputs and the identity experts (FC2 output = dequantised wire row),

@@ -359,6 +359,21 @@ __device__ __forceinline__ void dispatch_part(const TransportArgs& a, char* cons
     if (scales_v4 && win < re) flush_scales(re);
   } else if constexpr (kMode == kFp8Copy || kMode == kBf16Copy) {
     const char* src = static_cast<const char*>(x) + t * row_bytes;
+    // x_scale 16-byte aligned too (the host does not require it)
+    const bool gather_scales = kMode == kFp8Copy && scales_v4 && (reinterpret_cast<uintptr_t>(x_scale) & 15u) == 0;
+    if (gather_scales) {
+      // The part's scales first, lane i the float4 of round rb + i: one coalesced store per
+      // destination for up to 32 rounds (4 lanes' 4-byte stores per round were 14 small NVLink
+      // writes per token at H = 7168, as the quantising path's were before it gathered them).
+      for (int64_t w0 = rb; w0 < re; w0 += 32) {
+        const int64_t rr = w0 + lane;
+        if (rr >= re) continue;
+        const float4 sv = *reinterpret_cast<const float4*>(x_scale + t * scale_cols + rr * 4);
+        for_each_dest(rows, R, row0, [&](int r, int64_t row) {
+          *reinterpret_cast<float4*>(reinterpret_cast<float*>(peer_base[r] + scale_off) + row * scale_cols + rr * 4) = sv;
+        });
+      }
+    }
     // One round ahead, as above.
     const auto load_round = [&](int64_t rr) {
       const int64_t c = rr * 32 + lane;
@@ -369,7 +384,7 @@ __device__ __forceinline__ void dispatch_part(const TransportArgs& a, char* cons
     for (int64_t rr = rb; rr < re; ++rr) {
       const uint4 nxt = load_round(rr + 1);
       const int64_t c = rr * 32 + lane;
-      if constexpr (kMode == kFp8Copy) {  // the round's 4 blocks' scales, by lanes 0..3
+      if (kMode == kFp8Copy && !gather_scales) {  // the round's 4 blocks' scales, by lanes 0..3
         const int64_t b = rr * 4 + lane;
         const float sv = (lane < 4 && b < scale_cols) ? x_scale[t * scale_cols + b] : 0.f;
         for_each_dest(rows, R, row0, [&](int r, int64_t row) {

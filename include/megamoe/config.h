@@ -80,12 +80,9 @@ struct MoeConfig {
   // Each owner rank sums the weighted partials of its experts for a token (fp32, in slot order) and
   // sends one combine row per (token, owner rank) instead of one per (token, slot): k / (ranks a token
   // touches) times fewer combine bytes (4x for top-8 on 2 ranks), and fewer wire roundings. The source
-  // sums the owners' rows in rank order: bitwise reproducible, but the bits depend on ep_size (the
-  // per-slot combine, false, gives the same bits at every ep_size). The default; must be false with
-  // in_kernel_fc2_reduce. (2 x H200, deepseek-v3 EP2 transport: combine 34 -> 16 us at 128 tokens,
-  // 1402 -> 457 us at 8192; qwen3-30b-a3b routed layer EP2: equal at 8-1024 tokens, 635 -> 604 us at
-  // 4096.)
-  bool owner_reduce = true;
+  // then sums the owners' rows in rank order, so the result differs from the per-slot order in the
+  // last bits; still bitwise reproducible. Not with in_kernel_fc2_reduce.
+  bool owner_reduce = false;
   // auto: mega when 0 < max_tokens_per_rank <= this, routed above. Overridden by a measured
   // crossover from the knob cache when one exists.
   int64_t mega_max_tokens_per_rank = 1024;

@@ -177,8 +177,6 @@ TEST(Tool, BadValues_NameFlagValueAndRule) {
                  {"in_kernel_fc2_reduce", "bf16"});
   expect_refused(run_tool("check --preset tiny --backend cpu --owner-reduce --in-kernel-fc2-reduce"), 2,
                  {"owner_reduce=true", "--owner-reduce", "--in-kernel-fc2-reduce", "pick one"});
-  expect_refused(run_tool("check --preset tiny --backend cpu --owner-reduce --no-owner-reduce"), 2,
-                 {"--owner-reduce", "--no-owner-reduce"});
   expect_refused(run_tool("bench --preset tiny --backend cpu --tokens 1,,4"), 2, {"--tokens", "1,,4"});
   expect_refused(run_tool("bench --preset tiny --backend cpu --iters -3"), 2, {"--iters"});
   // bench-gemm's flags are checked before it looks for a GPU
@@ -251,13 +249,6 @@ TEST(Tool, Check_Tiny_Cpu_EP2_Dropped_Nvfp4Combine) {
 
 TEST(Tool, Check_Tiny_Cpu_EP4_Dropped_OwnerReduce_Mxfp8Combine) {
   expect_check_passes("--ep 4 --tokens 16 --routing dropped --owner-reduce --combine-dtype mxfp8", 4);
-}
-
-// The owner reduce is the default; --in-kernel-fc2-reduce alone turns it off (per-slot partials),
-// --no-owner-reduce the per-slot combine with a staged wire.
-TEST(Tool, Check_Tiny_Cpu_EP2_InKernelReduceAlone_And_NoOwnerReduce) {
-  expect_check_passes("--ep 2 --tokens 16 --in-kernel-fc2-reduce", 2);
-  expect_check_passes("--ep 2 --tokens 16 --no-owner-reduce --combine-dtype mxfp8", 2);
 }
 
 TEST(Tool, Check_GpuBackend_FailsWithTheLayersReason) {
@@ -601,8 +592,8 @@ TEST(Tool, Bench_Tiny_Cpu_RowsJsonCsvAndReproducingCommand) {
 TEST(Tool, Bench_OwnerReduce_OneCombineRowPerRemoteOwner_EP2) {
   TempDir dir;
   const std::string base = "bench --preset tiny --backend cpu --ep 2 --tokens 8 --input-sets 1 --iters 1 --warmup 0";
-  const ToolRun slot = run_tool(base + " --no-owner-reduce --json " + dir.path() + "/slot.json", /*merge_stderr=*/false);
-  const ToolRun owner = run_tool(base + " --json " + dir.path() + "/owner.json", false);  // the default
+  const ToolRun slot = run_tool(base + " --json " + dir.path() + "/slot.json", /*merge_stderr=*/false);
+  const ToolRun owner = run_tool(base + " --owner-reduce --json " + dir.path() + "/owner.json", false);
   ASSERT_EQ(slot.rc, 0) << slot.out;
   ASSERT_EQ(owner.rc, 0) << owner.out;
   EXPECT_TRUE(contains(owner.out, ", owner reduce;")) << owner.out;
@@ -612,7 +603,7 @@ TEST(Tool, Bench_OwnerReduce_OneCombineRowPerRemoteOwner_EP2) {
   EXPECT_EQ(jo.at("config").at("owner_reduce"), true);
   const std::string command = jo.at("rows")[0].at("command");
   EXPECT_TRUE(contains(command, " --owner-reduce")) << command;
-  EXPECT_TRUE(contains(js.at("rows")[0].at("command").get<std::string>(), " --no-owner-reduce"));
+  EXPECT_FALSE(contains(js.at("rows")[0].at("command").get<std::string>(), "--owner-reduce"));
 
   const int64_t R = 2, T = 8, H = 512, k = 4, El = 8;
   const megamoe::MoeGeometry g{H, 256, 16, k, R, 0, T};

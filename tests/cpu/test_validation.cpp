@@ -107,9 +107,7 @@ TEST(Validation, GoodConfigsPass) {
   EXPECT_TRUE(c.validate(g).is_ok());
   g.max_tokens_per_rank = 0;  // a layer may be built for zero tokens (it still takes part)
   EXPECT_TRUE(g.validate().is_ok());
-  EXPECT_TRUE(c.owner_reduce);  // the default: one combine row per (token, owner rank)
-  c.owner_reduce = false;
-  c.in_kernel_fc2_reduce = true;  // bf16 wire, per-slot partials: allowed
+  c.in_kernel_fc2_reduce = true;  // bf16 wire: allowed
   EXPECT_TRUE(c.validate(g).is_ok());
 }
 
@@ -144,7 +142,7 @@ TEST(Validation, PrintersNameEveryField) {
   MoeConfig c;
   EXPECT_NE(c.to_string().find("combine_dtype=bf16"), std::string::npos);
   EXPECT_NE(c.to_string().find("weight_format=fp8-block"), std::string::npos);
-  EXPECT_NE(c.to_string().find("owner_reduce=true"), std::string::npos);
+  EXPECT_NE(c.to_string().find("owner_reduce=false"), std::string::npos);
 }
 
 TEST(Validation, ParsersNameAcceptedValues) {

@@ -77,10 +77,9 @@ TEST(WorkspaceLayout, SizeIsAffineInMaxTokensWithNoDpFactor) {
   }
   // The T-proportional term is exactly the per-rank formula: per token of T_max, R receive rows
   // (tokens, scales, meta), R*min(k, E_l) pool rows (src index, x, x scales, intermediate and its
-  // scales) and R combine rows (the default owner reduce; k per-slot rows without it). Nothing
-  // multiplies T_max by a dp factor.
+  // scales) and k combine rows. Nothing multiplies T_max by a dp factor.
   const int64_t R = 2, k = 8, H = 7168, I = 2048, meta = ((1 + 2 * k) * 4 + 15) / 16 * 16;
-  const int64_t per_token = R * (H + H / 128 * 4 + meta) + R * k * (4 + H + H / 128 * 4 + I + I / 128 * 4) + R * 2 * H;
+  const int64_t per_token = R * (H + H / 128 * 4 + meta) + R * k * (4 + H + H / 128 * 4 + I + I / 128 * 4) + k * 2 * H;
   const int64_t step = total(deepseek(R, 2048), c) - total(deepseek(R, 1024), c);
   EXPECT_LE(std::llabs(step - 1024 * per_token), WorkspaceLayout::kNumRegions * WorkspaceLayout::kAlign);
 }
@@ -90,7 +89,6 @@ TEST(WorkspaceLayout, FormatsChangeTheRightRegions) {
   MoeConfig c;
   c.dispatch_format = DispatchFormat::kBf16;
   c.weight_format = WeightFormat::kBf16;
-  c.owner_reduce = false;  // per-slot combine rows: 8 per token
   WorkspaceLayout bf = WorkspaceLayout::make(workspace_params(g, c));
   EXPECT_EQ(bf.recv_scales.bytes, 0);
   EXPECT_EQ(bf.intermediate_scales.bytes, 0);
@@ -111,7 +109,6 @@ TEST(WorkspaceLayout, OwnerReduceSizesTheCombineByRanks) {
     for (CombineDtype d : {CombineDtype::kBf16, CombineDtype::kMxfp8, CombineDtype::kNvfp4}) {
       MoeConfig c;
       c.combine_dtype = d;
-      c.owner_reduce = false;
       const WorkspaceLayout per_slot = WorkspaceLayout::make(workspace_params(g, c));
       c.owner_reduce = true;
       const WorkspaceParams p = workspace_params(g, c);
@@ -206,12 +203,11 @@ TEST(WorkspacePool, DifferentGeometryOptionsRankOrGroupNeverShare) {
   c2.combine_dtype = CombineDtype::kMxfp8;
   expect_distinct(key_for(g, c2));
   c2 = c;
-  c2.owner_reduce = false;
   c2.in_kernel_fc2_reduce = true;
   expect_distinct(key_for(g, c2));
   c2 = c;
-  c2.owner_reduce = false;  // the combine region holds other rows
-  EXPECT_NE(key_for(g, c).to_string().find("owner_reduce=1"), std::string::npos) << key_for(g, c).to_string();
+  c2.owner_reduce = true;  // the combine region holds other rows
+  EXPECT_NE(key_for(g, c2).to_string().find("owner_reduce=1"), std::string::npos) << key_for(g, c2).to_string();
   EXPECT_TRUE(key_for(g, c) < key_for(g, c2) || key_for(g, c2) < key_for(g, c));
   expect_distinct(key_for(g, c2));
   c2 = c;

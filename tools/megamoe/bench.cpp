@@ -71,7 +71,7 @@ std::string reproduce_command(const BenchOptions& o, const std::string& preset, 
                     " --dispatch-format " + shell_quote(l.dispatch_format) + " --combine-dtype " +
                     shell_quote(l.combine_dtype);
   if (l.in_kernel_fc2_reduce) cmd += " --in-kernel-fc2-reduce";
-  cmd += resolved_owner_reduce(l) ? " --owner-reduce" : " --no-owner-reduce";
+  if (l.owner_reduce) cmd += " --owner-reduce";
   if (l.pow2_scales) cmd += " --pow2-scales";
   if (!l.experts.empty()) cmd += " --experts " + shell_quote(l.experts);
   if (!l.max_tokens.empty()) cmd += " --max-tokens " + shell_quote(l.max_tokens);

@@ -58,12 +58,9 @@ void add_layer_options(CLI::App* app, LayerOptions* o, bool with_pow2_scales) {
       ->default_str(o->combine_dtype);
   app->add_flag("--in-kernel-fc2-reduce", o->in_kernel_fc2_reduce,
                 "FC2 adds bf16 partials straight into the source rank's output (bf16 combine only)");
-  CLI::Option* owner = app->add_flag("--owner-reduce", o->owner_reduce,
-                                     "each owner rank sums its experts' partials of a token and sends one combine "
-                                     "row per (token, owner rank) (the default, except with --in-kernel-fc2-reduce)");
-  app->add_flag("--no-owner-reduce", o->no_owner_reduce,
-                "one combine row per (token, slot), summed in slot order: results bitwise independent of --ep")
-      ->excludes(owner);
+  app->add_flag("--owner-reduce", o->owner_reduce,
+                "each owner rank sums its experts' partials of a token and sends one combine row per (token, "
+                "owner rank)");
   if (with_pow2_scales)
     app->add_flag("--pow2-scales", o->pow2_scales, "power-of-two (ue8m0) fp32 scales for the fp8-block formats");
   app->add_flag("--pad", o->pad, "round hidden and intermediate up to a multiple of 128 (MoeGeometry::padded())");
@@ -156,11 +153,6 @@ MoeGeometry make_geometry(const LayerOptions& o, int64_t max_tokens_per_rank) {
   return g;
 }
 
-bool resolved_owner_reduce(const LayerOptions& o) {
-  if (o.owner_reduce || o.no_owner_reduce) return o.owner_reduce;
-  return MoeConfig{}.owner_reduce && !o.in_kernel_fc2_reduce;
-}
-
 MoeConfig make_config(const LayerOptions& o, Backend backend) {
   MoeConfig c;
   c.backend = backend;
@@ -174,7 +166,7 @@ MoeConfig make_config(const LayerOptions& o, Backend backend) {
     throw ToolError(kExitUsage,
                     "invalid value for --combine-dtype: '" + o.combine_dtype + "', must be bf16, mxfp8 or nvfp4");
   c.in_kernel_fc2_reduce = o.in_kernel_fc2_reduce;
-  c.owner_reduce = resolved_owner_reduce(o);
+  c.owner_reduce = o.owner_reduce;
   c.pow2_scales = o.pow2_scales;
   const Status st = c.validate();
   if (!st) {

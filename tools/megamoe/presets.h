@@ -56,15 +56,10 @@ struct LayerOptions {
   std::string dispatch_format = to_string(DispatchFormat::kFp8Block);
   std::string combine_dtype = to_string(CombineDtype::kBf16);
   bool in_kernel_fc2_reduce = false;
-  bool owner_reduce = false;     // --owner-reduce given
-  bool no_owner_reduce = false;  // --no-owner-reduce given
+  bool owner_reduce = false;
   bool pow2_scales = false;
   bool pad = false;
 };
-
-// Whether the layer sums each owner's partials before the combine (MoeConfig::owner_reduce): as the
-// flags say, else MoeConfig's default, except with --in-kernel-fc2-reduce (per-slot partials).
-bool resolved_owner_reduce(const LayerOptions& o);
 
 void add_layer_options(CLI::App* app, LayerOptions* o, bool with_pow2_scales);
 

@@ -212,6 +212,8 @@ class RoutedMoeLayer final : public MoeLayer {
 
  private:
   bool fp8() const { return config_.weight_format == WeightFormat::kFp8Block; }
+  // FC2's epilogue writes the per-slot bf16 combine rows itself (no combine_send); else it writes
+  // expert_out, which send_and_combine encodes (a quantised wire) or sums per owner first.
   bool fc2_writes_combine() const { return config_.combine_dtype == CombineDtype::kBf16 && !config_.owner_reduce; }
 
   // dispatch -> pool -> FC1 -> FC2 -> combine_send -> combine, with stage marks.
@@ -241,9 +243,9 @@ class RoutedMoeLayer final : public MoeLayer {
     }
     MEGAMOE_RETURN_IF_ERROR(mark(4, stream));
     MEGAMOE_RETURN_IF_ERROR(mark(5, stream));
-    if (fc2_writes_combine_) {
+    if (fc2_writes_combine()) {
       MEGAMOE_RETURN_IF_ERROR(transport_->combine(topk_ids, y, stream));
-    } else {  // quantised wire or owner reduce: (sum +) encode + send + reduce in one kernel (the combine_send stage reads 0)
+    } else {  // (owner sums +) encode + send + reduce in one kernel (the combine_send stage reads 0)
       TensorView out(expert_out_->ptr, DType::kBFloat16, {P, H}, device());
       MEGAMOE_RETURN_IF_ERROR(transport_->send_and_combine(out, topk_ids, y, stream));
     }
@@ -296,8 +298,7 @@ class RoutedMoeLayer final : public MoeLayer {
     fc2.expert_offsets = fc1.expert_offsets;
     fc2.b = w2_->ptr;
     fc2.ldd = H;
-    fc2_writes_combine_ = fc2_writes_combine();
-    if (!fc2_writes_combine_) {
+    if (!fc2_writes_combine()) {
       fc2.d = expert_out_->ptr;
     } else {
       const EpTransport::CombineTargets& targets = transport_->combine_targets();
@@ -382,7 +383,6 @@ class RoutedMoeLayer final : public MoeLayer {
   Status broken_;  // the first failure that left this rank out of step with its group
   gemm::GroupedGemmArgs fc1_, fc2_;
   bool warmed_up_ = false;           // warmup() completed: workspace, scratch, GEMM arguments
-  bool fc2_writes_combine_ = false;  // FC2's epilogue writes the combine rows (no combine_send)
   bool stage_timing_ = false, stage_recorded_ = false;
   cudaEvent_t stage_events_[kNumStages + 1] = {};
   std::unique_ptr<EpTransport> transport_;

@@ -82,10 +82,10 @@ struct MoeConfig {
   // touches) times fewer combine bytes (4x for top-8 on 2 ranks), and fewer wire roundings. The source
   // sums the owners' rows in rank order: bitwise reproducible, but the bits depend on ep_size (the
   // per-slot combine's do not). Not with in_kernel_fc2_reduce. Where it pays (2 x H200, docs/PERF.md
-  // "Session 9"): whenever the combine sends after FC2 anyway (a quantised wire, or a caller of the
-  // transport's send_and_combine: 34 -> 16 us at 128 tokens, 1402 -> 457 us at 8192 for
-  // deepseek-v3's bf16 rows), and for small experts at large T (qwen3-30b-a3b routed EP2, 4096
-  // tokens: 635 -> 604 us). Off by default: with a bf16 wire the routed FC2 writes the per-slot rows
+  // "Session 9"): whenever the combine sends after FC2 anyway (a quantised wire: qwen3-30b-a3b routed
+  // EP2 with mxfp8, 282 -> 265 us at 1024 tokens, 661 -> 607 at 4096; a caller of the transport's
+  // send_and_combine: 34 -> 16 us at 128 tokens, 1402 -> 457 us at 8192 for deepseek-v3's bf16 rows),
+  // and for small experts at large T (qwen3-30b-a3b routed EP2, bf16, 4096 tokens: 635 -> 604 us). Off by default: with a bf16 wire the routed FC2 writes the per-slot rows
   // itself, behind its GEMM, and deepseek-v3's routed layer is 1-2% faster that way at 1024-4096.
   bool owner_reduce = false;
   // auto: mega when 0 < max_tokens_per_rank <= this, routed above. Overridden by a measured

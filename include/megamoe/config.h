@@ -81,13 +81,14 @@ struct MoeConfig {
   // sends one combine row per (token, owner rank) instead of one per (token, slot): k / (ranks a token
   // touches) times fewer combine bytes (4x for top-8 on 2 ranks), and fewer wire roundings. The source
   // sums the owners' rows in rank order: bitwise reproducible, but the bits depend on ep_size (the
-  // per-slot combine's do not). Not with in_kernel_fc2_reduce. Where it pays (2 x H200, docs/PERF.md
-  // "Session 9"): whenever the combine sends after FC2 anyway (a quantised wire: qwen3-30b-a3b routed
-  // EP2 with mxfp8, 282 -> 265 us at 1024 tokens, 661 -> 607 at 4096; a caller of the transport's
-  // send_and_combine: 34 -> 16 us at 128 tokens, 1402 -> 457 us at 8192 for deepseek-v3's bf16 rows),
-  // and for small experts at large T (qwen3-30b-a3b routed EP2, bf16, 4096 tokens: 635 -> 604 us). Off by default: with a bf16 wire the routed FC2 writes the per-slot rows
-  // itself, behind its GEMM, and deepseek-v3's routed layer is 1-2% faster that way at 1024-4096.
-  bool owner_reduce = false;
+  // per-slot combine's do not). kAuto: on with a quantised combine wire (mxfp8, nvfp4), off with bf16;
+  // kOn is refused with in_kernel_fc2_reduce. Measured (2 x H200, docs/PERF.md "Session 9"): whenever
+  // the combine sends after FC2 anyway it pays (a quantised wire: qwen3-30b-a3b routed EP2 with mxfp8,
+  // 282 -> 265 us at 1024 tokens, 661 -> 607 at 4096; a caller of the transport's send_and_combine:
+  // 34 -> 16 us at 128 tokens, 1402 -> 457 us at 8192 for deepseek-v3's bf16 rows). With a bf16 wire
+  // the routed FC2 writes the per-slot rows itself, behind its GEMM: deepseek-v3's routed layer is 1-2%
+  // faster that way at 1024-4096 tokens, qwen3-30b-a3b's 5% slower at 4096 (kOn for it).
+  OwnerReduce owner_reduce = OwnerReduce::kAuto;
   // auto: mega when 0 < max_tokens_per_rank <= this, routed above. Overridden by a measured
   // crossover from the knob cache when one exists.
   int64_t mega_max_tokens_per_rank = 1024;
@@ -97,6 +98,9 @@ struct MoeConfig {
   // Rules that need the geometry too (e.g. the nvfp4 combine wire needs hidden % 16 == 0).
   Status validate(const MoeGeometry& geometry) const;
   std::string to_string() const;
+
+  // owner_reduce resolved: kOn, or kAuto with a quantised combine wire and no in-kernel FC2 reduce.
+  bool uses_owner_reduce() const;
 
   // Format of the SwiGLU output that FC2 consumes: fp8-block for the fp8-family weight formats
   // (requantised in the FC1 epilogue), bf16 for bf16 weights.

@@ -44,16 +44,22 @@ enum class DispatchFormat : int32_t {
 // Format of the FC2 partials sent back to the source rank.
 enum class CombineDtype : int32_t { kBf16 = 0, kMxfp8, kNvfp4 };
 
+// Whether each owner rank sums its experts' partials of a token before the combine sends them
+// (MoeConfig::owner_reduce): auto (on for a quantised combine wire), off (one row per slot), on.
+enum class OwnerReduce : int32_t { kAuto = 0, kOff, kOn };
+
 const char* to_string(DType v);
 const char* to_string(Backend v);
 const char* to_string(WeightFormat v);
 const char* to_string(DispatchFormat v);
 const char* to_string(CombineDtype v);
+const char* to_string(OwnerReduce v);
 
 Status parse_backend(const std::string& s, Backend* out);
 Status parse_weight_format(const std::string& s, WeightFormat* out);
 Status parse_dispatch_format(const std::string& s, DispatchFormat* out);
 Status parse_combine_dtype(const std::string& s, CombineDtype* out);
+Status parse_owner_reduce(const std::string& s, OwnerReduce* out);
 
 // Bytes per element; for kFloat4E2M1x2 the bytes of one packed pair (1).
 int64_t dtype_bytes(DType v);

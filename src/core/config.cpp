@@ -106,8 +106,10 @@ Status MoeConfig::validate() const {
                             "in_kernel_fc2_reduce adds bf16 partials atomically into the owner's output and needs "
                             "combine_dtype=bf16 (a quantized wire needs a staged (data, scale) pair and a "
                             "dequantizing receiver)");
-  if (owner_reduce && in_kernel_fc2_reduce)
-    return invalid_argument("config", "owner_reduce", "true",
+  if (static_cast<int>(owner_reduce) < 0 || static_cast<int>(owner_reduce) > static_cast<int>(OwnerReduce::kOn))
+    return invalid_argument("config", "owner_reduce", str(static_cast<int>(owner_reduce)), "must be auto, off or on");
+  if (owner_reduce == OwnerReduce::kOn && in_kernel_fc2_reduce)
+    return invalid_argument("config", "owner_reduce", "on",
                             "cannot be combined with in_kernel_fc2_reduce=true (the in-kernel reduce adds per-slot "
                             "bf16 partials atomically into the source's output; the owner reduce sends one summed "
                             "row per owner rank; pick one)");
@@ -132,9 +134,14 @@ std::string MoeConfig::to_string() const {
      << ", dispatch_format=" << megamoe::to_string(dispatch_format)
      << ", combine_dtype=" << megamoe::to_string(combine_dtype) << ", pow2_scales=" << (pow2_scales ? "true" : "false")
      << ", in_kernel_fc2_reduce=" << (in_kernel_fc2_reduce ? "true" : "false")
-     << ", owner_reduce=" << (owner_reduce ? "true" : "false")
+     << ", owner_reduce=" << megamoe::to_string(owner_reduce)
      << ", mega_max_tokens_per_rank=" << mega_max_tokens_per_rank << ", knobs=" << knobs.to_string() << ")";
   return os.str();
+}
+
+bool MoeConfig::uses_owner_reduce() const {
+  if (owner_reduce == OwnerReduce::kAuto) return combine_dtype != CombineDtype::kBf16 && !in_kernel_fc2_reduce;
+  return owner_reduce == OwnerReduce::kOn;
 }
 
 DispatchFormat MoeConfig::intermediate_format() const {

@@ -55,6 +55,15 @@ const char* to_string(CombineDtype v) {
   return "unknown";
 }
 
+const char* to_string(OwnerReduce v) {
+  switch (v) {
+    case OwnerReduce::kAuto: return "auto";
+    case OwnerReduce::kOff: return "off";
+    case OwnerReduce::kOn: return "on";
+  }
+  return "unknown";
+}
+
 namespace {
 
 // Looks `s` up among the names of values [0, count) of enum E.
@@ -85,6 +94,7 @@ Status parse_dispatch_format(const std::string& s, DispatchFormat* out) {
 Status parse_combine_dtype(const std::string& s, CombineDtype* out) {
   return parse_enum("combine_dtype", s, 3, out);
 }
+Status parse_owner_reduce(const std::string& s, OwnerReduce* out) { return parse_enum("owner_reduce", s, 3, out); }
 
 int64_t dtype_bytes(DType v) {
   switch (v) {

@@ -57,7 +57,7 @@ WorkspaceParams workspace_params(const MoeGeometry& g, const MoeConfig& c) {
   p.intermediate_format = ws_format(c.intermediate_format());
   p.combine_format = ws_format(c.combine_dtype);
   p.in_kernel_fc2_reduce = c.in_kernel_fc2_reduce ? 1 : 0;
-  p.owner_reduce = c.owner_reduce ? 1 : 0;
+  p.owner_reduce = c.uses_owner_reduce() ? 1 : 0;
   return p;
 }
 

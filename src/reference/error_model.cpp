@@ -43,7 +43,7 @@ ErrorBound error_bound(const MoeConfig& c, int64_t top_k) {
       break;
   }
   // Owner reduce: the wire rounds each owner's fp32 sum of its partials once, still one rounding term.
-  if (c.owner_reduce) what += " (one sum per owner rank)";
+  if (c.uses_owner_reduce()) what += " (one sum per owner rank)";
   ErrorBound b;
   b.rel_l2 = 2.0 * std::sqrt(sum_sq);
   b.derivation = what + ", 2x the root-sum-square of the per-rounding relative RMS";

@@ -63,11 +63,12 @@ MoeConfig config(WeightFormat w, DispatchFormat d, CombineDtype c, bool pow2 = f
   cfg.combine_dtype = c;
   cfg.pow2_scales = pow2;
   cfg.in_kernel_fc2_reduce = in_kernel;
+  cfg.owner_reduce = OwnerReduce::kOff;  // the per-slot combine (EP-invariant bits); with_owner_reduce() for the other
   return cfg;
 }
 
 MoeConfig with_owner_reduce(MoeConfig c) {
-  c.owner_reduce = true;
+  c.owner_reduce = OwnerReduce::kOn;
   return c;
 }
 

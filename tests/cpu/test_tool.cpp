@@ -176,7 +176,9 @@ TEST(Tool, BadValues_NameFlagValueAndRule) {
   expect_refused(run_tool("check --preset tiny --backend cpu --combine-dtype nvfp4 --in-kernel-fc2-reduce"), 2,
                  {"in_kernel_fc2_reduce", "bf16"});
   expect_refused(run_tool("check --preset tiny --backend cpu --owner-reduce --in-kernel-fc2-reduce"), 2,
-                 {"owner_reduce=true", "--owner-reduce", "--in-kernel-fc2-reduce", "pick one"});
+                 {"owner_reduce=on", "--owner-reduce", "--in-kernel-fc2-reduce", "pick one"});
+  expect_refused(run_tool("check --preset tiny --backend cpu --owner-reduce --no-owner-reduce"), 2,
+                 {"--owner-reduce", "--no-owner-reduce"});
   expect_refused(run_tool("bench --preset tiny --backend cpu --tokens 1,,4"), 2, {"--tokens", "1,,4"});
   expect_refused(run_tool("bench --preset tiny --backend cpu --iters -3"), 2, {"--iters"});
   // bench-gemm's flags are checked before it looks for a GPU
@@ -344,7 +346,7 @@ TEST(Tool, Check_Dump_Tiny_EP2_NpyFilesAndMetaAgreeWithReference) {
   for (const char* k : {"hidden", "intermediate", "num_experts", "top_k", "ep_size", "max_tokens_per_rank"})
     EXPECT_TRUE(geo.contains(k)) << k;
   for (const char* k : {"backend", "weight_format", "dispatch_format", "combine_dtype", "in_kernel_fc2_reduce",
-                        "owner_reduce", "pow2_scales"})
+                        "owner_reduce", "owner_reduce_in_use", "pow2_scales"})
     EXPECT_TRUE(meta.at("config").contains(k)) << k;
   EXPECT_EQ(meta.at("formats").at("intermediate_format"), "fp8-block");
   EXPECT_EQ(meta.at("seed"), 7);
@@ -599,8 +601,10 @@ TEST(Tool, Bench_OwnerReduce_OneCombineRowPerRemoteOwner_EP2) {
   EXPECT_TRUE(contains(owner.out, ", owner reduce;")) << owner.out;
   const nlohmann::json js = nlohmann::json::parse(read_file(dir.path() + "/slot.json"));
   const nlohmann::json jo = nlohmann::json::parse(read_file(dir.path() + "/owner.json"));
-  EXPECT_EQ(js.at("config").at("owner_reduce"), false);
-  EXPECT_EQ(jo.at("config").at("owner_reduce"), true);
+  EXPECT_EQ(js.at("config").at("owner_reduce"), "auto");  // a bf16 wire: per slot
+  EXPECT_EQ(js.at("config").at("owner_reduce_in_use"), false);
+  EXPECT_EQ(jo.at("config").at("owner_reduce"), "on");
+  EXPECT_EQ(jo.at("config").at("owner_reduce_in_use"), true);
   const std::string command = jo.at("rows")[0].at("command");
   EXPECT_TRUE(contains(command, " --owner-reduce")) << command;
   EXPECT_FALSE(contains(js.at("rows")[0].at("command").get<std::string>(), "--owner-reduce"));

@@ -72,8 +72,10 @@ const BadConfigCase kBadConfigs[] = {
      [](MoeGeometry&, MoeConfig& c) { c.in_kernel_fc2_reduce = true; c.combine_dtype = CombineDtype::kNvfp4; },
      {"combine_dtype=nvfp4", "in_kernel_fc2_reduce"}},
     {"owner_reduce_with_in_kernel_reduce",
-     [](MoeGeometry&, MoeConfig& c) { c.owner_reduce = true; c.in_kernel_fc2_reduce = true; },
-     {"owner_reduce=true", "in_kernel_fc2_reduce=true", "pick one"}},
+     [](MoeGeometry&, MoeConfig& c) { c.owner_reduce = OwnerReduce::kOn; c.in_kernel_fc2_reduce = true; },
+     {"owner_reduce=on", "in_kernel_fc2_reduce=true", "pick one"}},
+    {"owner_reduce_out_of_range", [](MoeGeometry&, MoeConfig& c) { c.owner_reduce = static_cast<OwnerReduce>(7); },
+     {"owner_reduce=7", "auto, off or on"}},
     {"pow2_without_fp8_block",
      [](MoeGeometry&, MoeConfig& c) {
        c.pow2_scales = true;
@@ -115,12 +117,44 @@ TEST(Validation, OwnerReduceAlone_AcceptedWithEveryCombineDtype) {
   const MoeGeometry g = good_geometry();
   for (CombineDtype d : {CombineDtype::kBf16, CombineDtype::kMxfp8, CombineDtype::kNvfp4}) {
     MoeConfig c;
-    c.owner_reduce = true;
+    c.owner_reduce = OwnerReduce::kOn;
     c.combine_dtype = d;
     const Status st = c.validate(g);
     EXPECT_TRUE(st.is_ok()) << to_string(d) << ": " << st.to_string();
-    EXPECT_NE(c.to_string().find("owner_reduce=true"), std::string::npos) << c.to_string();
+    EXPECT_NE(c.to_string().find("owner_reduce=on"), std::string::npos) << c.to_string();
   }
+}
+
+// auto: on with a quantised combine wire (the combine sends after FC2 anyway), off with bf16 (the
+// routed FC2 writes the per-slot rows itself) and with the in-kernel reduce; on / off as set.
+TEST(Validation, OwnerReduceResolves) {
+  MoeConfig c;
+  EXPECT_EQ(c.owner_reduce, OwnerReduce::kAuto);
+  const struct {
+    OwnerReduce mode;
+    CombineDtype wire;
+    bool in_kernel;
+    bool uses;
+  } table[] = {{OwnerReduce::kAuto, CombineDtype::kBf16, false, false},
+               {OwnerReduce::kAuto, CombineDtype::kMxfp8, false, true},
+               {OwnerReduce::kAuto, CombineDtype::kNvfp4, false, true},
+               {OwnerReduce::kAuto, CombineDtype::kBf16, true, false},
+               {OwnerReduce::kOn, CombineDtype::kBf16, false, true},
+               {OwnerReduce::kOff, CombineDtype::kMxfp8, false, false},
+               {OwnerReduce::kOff, CombineDtype::kBf16, true, false}};
+  for (const auto& row : table) {
+    c.owner_reduce = row.mode;
+    c.combine_dtype = row.wire;
+    c.in_kernel_fc2_reduce = row.in_kernel;
+    EXPECT_EQ(c.uses_owner_reduce(), row.uses) << c.to_string();
+    EXPECT_TRUE(c.validate(good_geometry()).is_ok()) << c.to_string();
+  }
+  OwnerReduce parsed;
+  EXPECT_TRUE(parse_owner_reduce("on", &parsed).is_ok());
+  EXPECT_EQ(parsed, OwnerReduce::kOn);
+  const Status st = parse_owner_reduce("yes", &parsed);
+  EXPECT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("yes"), std::string::npos) << st.message();
 }
 
 TEST(Validation, PaddedGeometryIsValid) {
@@ -142,7 +176,7 @@ TEST(Validation, PrintersNameEveryField) {
   MoeConfig c;
   EXPECT_NE(c.to_string().find("combine_dtype=bf16"), std::string::npos);
   EXPECT_NE(c.to_string().find("weight_format=fp8-block"), std::string::npos);
-  EXPECT_NE(c.to_string().find("owner_reduce=false"), std::string::npos);
+  EXPECT_NE(c.to_string().find("owner_reduce=auto"), std::string::npos);
 }
 
 TEST(Validation, ParsersNameAcceptedValues) {

@@ -89,6 +89,7 @@ TEST(WorkspaceLayout, FormatsChangeTheRightRegions) {
   MoeConfig c;
   c.dispatch_format = DispatchFormat::kBf16;
   c.weight_format = WeightFormat::kBf16;
+  c.owner_reduce = OwnerReduce::kOff;  // per-slot combine rows: 8 per token in every wire format
   WorkspaceLayout bf = WorkspaceLayout::make(workspace_params(g, c));
   EXPECT_EQ(bf.recv_scales.bytes, 0);
   EXPECT_EQ(bf.intermediate_scales.bytes, 0);
@@ -109,8 +110,10 @@ TEST(WorkspaceLayout, OwnerReduceSizesTheCombineByRanks) {
     for (CombineDtype d : {CombineDtype::kBf16, CombineDtype::kMxfp8, CombineDtype::kNvfp4}) {
       MoeConfig c;
       c.combine_dtype = d;
+      EXPECT_EQ(workspace_params(g, c).owner_reduce, d == CombineDtype::kBf16 ? 0 : 1);  // auto
+      c.owner_reduce = OwnerReduce::kOff;
       const WorkspaceLayout per_slot = WorkspaceLayout::make(workspace_params(g, c));
-      c.owner_reduce = true;
+      c.owner_reduce = OwnerReduce::kOn;
       const WorkspaceParams p = workspace_params(g, c);
       EXPECT_EQ(p.owner_reduce, 1);
       EXPECT_EQ(WorkspaceLayout::combine_rows_per_token(p), R);
@@ -206,7 +209,7 @@ TEST(WorkspacePool, DifferentGeometryOptionsRankOrGroupNeverShare) {
   c2.in_kernel_fc2_reduce = true;
   expect_distinct(key_for(g, c2));
   c2 = c;
-  c2.owner_reduce = true;  // the combine region holds other rows
+  c2.owner_reduce = OwnerReduce::kOn;  // the combine region holds other rows
   EXPECT_NE(key_for(g, c2).to_string().find("owner_reduce=1"), std::string::npos) << key_for(g, c2).to_string();
   EXPECT_TRUE(key_for(g, c) < key_for(g, c2) || key_for(g, c2) < key_for(g, c));
   expect_distinct(key_for(g, c2));

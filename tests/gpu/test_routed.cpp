@@ -210,7 +210,7 @@ struct RoutedCase {
   Routing routing;
   bool bf16;
   CombineDtype combine;
-  bool owner_reduce = false;  // MoeConfig::owner_reduce
+  OwnerReduce owner_reduce = OwnerReduce::kOff;  // MoeConfig::owner_reduce
 };
 
 class Sm90Routed : public ::testing::TestWithParam<RoutedCase> {};
@@ -271,11 +271,11 @@ INSTANTIATE_TEST_SUITE_P(
                       RoutedCase{"Fp8_EP2_SingleExpert_T64", 512, 256, 16, 4, 2, 64, Routing::kSingleExpert, false,
                                  CombineDtype::kBf16},
                       RoutedCase{"Fp8_EP1_Tiny_T64_OwnerReduce", 512, 256, 16, 4, 1, 64, Routing::kUniform, false,
-                                 CombineDtype::kBf16, true},
+                                 CombineDtype::kBf16, OwnerReduce::kOn},
                       RoutedCase{"Fp8_EP2_Qwen3_30B_T64_OwnerReduce", 2048, 768, 128, 8, 2, 64, Routing::kWithDropped,
-                                 false, CombineDtype::kBf16, true},
+                                 false, CombineDtype::kBf16, OwnerReduce::kOn},
                       RoutedCase{"Fp8_EP2_DeepSeekV3Dims_E16_T8_OwnerReduce_Mxfp8Wire", 7168, 2048, 16, 8, 2, 8,
-                                 Routing::kUniform, false, CombineDtype::kMxfp8, true}),
+                                 Routing::kUniform, false, CombineDtype::kMxfp8, OwnerReduce::kAuto}),
     [](const ::testing::TestParamInfo<RoutedCase>& info) { return std::string(info.param.name); });
 
 // Layers of one geometry share one symmetric workspace (EP1 layers built without a communicator

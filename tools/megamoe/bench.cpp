@@ -72,6 +72,7 @@ std::string reproduce_command(const BenchOptions& o, const std::string& preset, 
                     shell_quote(l.combine_dtype);
   if (l.in_kernel_fc2_reduce) cmd += " --in-kernel-fc2-reduce";
   if (l.owner_reduce) cmd += " --owner-reduce";
+  if (l.no_owner_reduce) cmd += " --no-owner-reduce";
   if (l.pow2_scales) cmd += " --pow2-scales";
   if (!l.experts.empty()) cmd += " --experts " + shell_quote(l.experts);
   if (!l.max_tokens.empty()) cmd += " --max-tokens " + shell_quote(l.max_tokens);

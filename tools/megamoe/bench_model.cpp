@@ -43,7 +43,7 @@ ForwardModel model_forward(const MoeGeometry& g, const MoeConfig& c, int64_t tok
           pairs[owner] += 1;
           hit[e] = 1;
           to_rank[owner] = 1;
-          if (owner != r && !c.owner_reduce) {
+          if (owner != r && !c.uses_owner_reduce()) {
             sent[owner] += combine_row;
             recv[r] += combine_row;
           }
@@ -52,7 +52,7 @@ ForwardModel model_forward(const MoeGeometry& g, const MoeConfig& c, int64_t tok
           if (!to_rank[d] || d == r) continue;
           sent[r] += dispatch_row;
           recv[d] += dispatch_row;
-          if (c.owner_reduce) {
+          if (c.uses_owner_reduce()) {
             sent[d] += combine_row;
             recv[r] += combine_row;
           }

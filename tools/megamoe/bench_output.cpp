@@ -45,7 +45,7 @@ void print_bench_header(const BenchHeader& h) {
               static_cast<long long>(g.num_experts), static_cast<long long>(g.top_k), static_cast<long long>(g.ep_size),
               to_string(c.weight_format), to_string(c.dispatch_format), to_string(c.intermediate_format()),
               to_string(c.combine_dtype), c.in_kernel_fc2_reduce ? ", in-kernel fc2 reduce" : "",
-              c.owner_reduce ? ", owner reduce" : "",
+              c.uses_owner_reduce() ? ", owner reduce" : "",
               c.pow2_scales ? ", pow2 scales" : "", h.routing.c_str(), static_cast<long long>(h.sets));
   std::printf("time: us per forward (ranks in lockstep) = the slowest rank's CUDA-event time on GPU backends, the "
               "wall time of the slowest rank on the cpu backend; median/min/max of the timed forwards after warm-up\n");
@@ -102,7 +102,8 @@ void write_bench_json(const std::string& path, const BenchHeader& h, const std::
                  {"intermediate_format", to_string(c.intermediate_format())},
                  {"combine_dtype", to_string(c.combine_dtype)},
                  {"in_kernel_fc2_reduce", c.in_kernel_fc2_reduce},
-                 {"owner_reduce", c.owner_reduce},
+                 {"owner_reduce", to_string(c.owner_reduce)},
+                 {"owner_reduce_in_use", c.uses_owner_reduce()},
                  {"pow2_scales", c.pow2_scales}};
   j["routing"] = h.routing;
   j["input_sets"] = h.sets;

@@ -275,7 +275,8 @@ int run_check(const CheckOptions& o) {
                       {"dispatch_format", to_string(c.dispatch_format)},
                       {"combine_dtype", to_string(c.combine_dtype)},
                       {"in_kernel_fc2_reduce", c.in_kernel_fc2_reduce},
-                      {"owner_reduce", c.owner_reduce},
+                      {"owner_reduce", to_string(c.owner_reduce)},
+                      {"owner_reduce_in_use", c.uses_owner_reduce()},
                       {"pow2_scales", c.pow2_scales}};
     meta["formats"] = {{"weight_format", to_string(c.weight_format)},
                        {"dispatch_format", to_string(c.dispatch_format)},

@@ -58,9 +58,12 @@ void add_layer_options(CLI::App* app, LayerOptions* o, bool with_pow2_scales) {
       ->default_str(o->combine_dtype);
   app->add_flag("--in-kernel-fc2-reduce", o->in_kernel_fc2_reduce,
                 "FC2 adds bf16 partials straight into the source rank's output (bf16 combine only)");
-  app->add_flag("--owner-reduce", o->owner_reduce,
-                "each owner rank sums its experts' partials of a token and sends one combine row per (token, "
-                "owner rank)");
+  CLI::Option* owner = app->add_flag("--owner-reduce", o->owner_reduce,
+                                     "each owner rank sums its experts' partials of a token and sends one combine "
+                                     "row per (token, owner rank) (default: with a quantised combine wire)");
+  app->add_flag("--no-owner-reduce", o->no_owner_reduce,
+                "one combine row per (token, slot), summed in slot order: bits independent of --ep")
+      ->excludes(owner);
   if (with_pow2_scales)
     app->add_flag("--pow2-scales", o->pow2_scales, "power-of-two (ue8m0) fp32 scales for the fp8-block formats");
   app->add_flag("--pad", o->pad, "round hidden and intermediate up to a multiple of 128 (MoeGeometry::padded())");
@@ -166,14 +169,14 @@ MoeConfig make_config(const LayerOptions& o, Backend backend) {
     throw ToolError(kExitUsage,
                     "invalid value for --combine-dtype: '" + o.combine_dtype + "', must be bf16, mxfp8 or nvfp4");
   c.in_kernel_fc2_reduce = o.in_kernel_fc2_reduce;
-  c.owner_reduce = o.owner_reduce;
+  c.owner_reduce = o.owner_reduce ? OwnerReduce::kOn : o.no_owner_reduce ? OwnerReduce::kOff : OwnerReduce::kAuto;
   c.pow2_scales = o.pow2_scales;
   const Status st = c.validate();
   if (!st) {
     std::string flag;
     if (c.in_kernel_fc2_reduce && c.combine_dtype != CombineDtype::kBf16)
       flag = " (--in-kernel-fc2-reduce needs --combine-dtype bf16)";
-    else if (c.owner_reduce && c.in_kernel_fc2_reduce)
+    else if (c.owner_reduce == OwnerReduce::kOn && c.in_kernel_fc2_reduce)
       flag = " (drop --owner-reduce or --in-kernel-fc2-reduce)";
     else if (c.pow2_scales)
       flag = " (--pow2-scales needs --weight-format or --dispatch-format fp8-block)";

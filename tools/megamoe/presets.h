@@ -56,7 +56,8 @@ struct LayerOptions {
   std::string dispatch_format = to_string(DispatchFormat::kFp8Block);
   std::string combine_dtype = to_string(CombineDtype::kBf16);
   bool in_kernel_fc2_reduce = false;
-  bool owner_reduce = false;
+  bool owner_reduce = false;     // --owner-reduce: on
+  bool no_owner_reduce = false;  // --no-owner-reduce: off (neither: auto)
   bool pow2_scales = false;
   bool pad = false;
 };

@@ -214,7 +214,7 @@ class RoutedMoeLayer final : public MoeLayer {
   bool fp8() const { return config_.weight_format == WeightFormat::kFp8Block; }
   // FC2's epilogue writes the per-slot bf16 combine rows itself (no combine_send); else it writes
   // expert_out, which send_and_combine encodes (a quantised wire) or sums per owner first.
-  bool fc2_writes_combine() const { return config_.combine_dtype == CombineDtype::kBf16 && !config_.owner_reduce; }
+  bool fc2_writes_combine() const { return config_.combine_dtype == CombineDtype::kBf16 && !config_.uses_owner_reduce(); }
 
   // dispatch -> pool -> FC1 -> FC2 -> combine_send -> combine, with stage marks.
   Status run_stages(const TensorView& x, const TensorView& x_scale, const TensorView& topk_ids,

@@ -301,7 +301,8 @@ TEST(Sm90Transport, AllTokensToOneExpert_EP2) {
   run_case(c);
 }
 
-TEST(Sm90Transport, TEqualsMaxTokens_DeepSeekHidden_EP2_H7168_K8_E256) {
+// The benchmark's geometry (deepseek-v3 hidden, 256 experts, top-8, fp8 wire) at T = T_max = 128.
+Case deepseek_case() {
   Case c;
   c.hidden = 7168;
   c.num_experts = 256;
@@ -309,7 +310,11 @@ TEST(Sm90Transport, TEqualsMaxTokens_DeepSeekHidden_EP2_H7168_K8_E256) {
   c.max_tokens = 128;
   c.tokens = {128, 128};
   c.dispatch_format = kWsFp8Block;
-  run_case(c);
+  return c;
+}
+
+TEST(Sm90Transport, TEqualsMaxTokens_DeepSeekHidden_EP2_H7168_K8_E256) {
+  run_case(deepseek_case());
 }
 
 // Many tokens per dispatch CTA (cross-CTA prefix counts, multi-warp ranking inside a CTA) and
@@ -367,17 +372,10 @@ TEST(Sm90Transport, OwnerReduce_EveryWire_EP2) {
   run_grouped_cases(true);
 }
 
-// The benchmark's geometry (deepseek-v3 hidden, 256 experts, top-8) at T = T_max, and many tokens
-// with groups.
+// The owner reduce at the benchmark's geometry, and many tokens with groups.
 TEST(Sm90Transport, OwnerReduce_DeepSeekHidden_EP2_H7168_K8_E256) {
-  Case c;
+  Case c = deepseek_case();
   c.owner_reduce = true;
-  c.hidden = 7168;
-  c.num_experts = 256;
-  c.top_k = 8;
-  c.max_tokens = 128;
-  c.tokens = {128, 128};
-  c.dispatch_format = kWsFp8Block;
   run_case(c, 2);
   c.combine_format = kWsMxfp8;
   run_case(c, 2);

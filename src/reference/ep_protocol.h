@@ -7,9 +7,10 @@
 //   stage            runs on   reads                         writes
 //   compute_layout   source    topk_ids                      DispatchPlan (host)
 //   dispatch         source    wire rows, topk ids/weights   owner's recv_tokens/scales/meta,
-//                                                            recv_token_counts[src], recv_expert_counts[src]
+//                                                            recv_token_counts[src]
 //   -- barrier "dispatch-done" --
-//   build_expert_pool owner    recv_*                        expert_offsets, pool_src, pool_x(_scales)
+//   build_expert_pool owner    recv_*                        recv_expert_counts, expert_offsets, pool_src,
+//                                                            pool_x(_scales)
 //   run_experts      owner     pool_*                        intermediate(_scales), FC2 output (host)
 //   combine_send     owner     FC2 output, recv_meta         source's combine rows, or source's y
 //   -- barrier "combine-done" --
@@ -54,8 +55,11 @@
 //   - recv_meta row: src_token, local_expert[k] (the slot's expert minus the owner's first expert, or
 //     -1 when that slot's expert is elsewhere or is -1), weight[k] (the slot's routing weight where
 //     local_expert != -1, else 0), zero padding.
-//   - recv_token_counts[src] and recv_expert_counts[src][e] are written by every source to every
-//     destination each forward, zeros included (a rank with 0 tokens still signals).
+//   - recv_token_counts[src] is written by every source to every destination each forward, zeros
+//     included (a rank with 0 tokens still signals). recv_expert_counts[src][e] (rows from src whose
+//     metadata names local expert e) is the owner's own, derived from the metadata by the pool build:
+//     sending it would repeat what the metadata rows say, and on a GPU it would need the whole
+//     source grid's sum before the dispatch could signal.
 //   - Expert pool: rows expert-major, ordered by (local expert, source rank, arrival row); each
 //     expert's segment starts at expert_offsets[e] (a multiple of segment_align) and is padded with rows
 //     whose pool_src = -1 and whose pool_x bytes (and scales) are zero. pool_src = recv_row*k + slot.

@@ -1,7 +1,8 @@
 // Device primitives for cross-GPU signalling over NCCL symmetric memory (sm_90a).
 //
 // Signals region (WorkspaceLayout::signals, uint64[R][kSignalSlots]), in rank d's copy:
-//   [s][kSlotDispatch]  epoch written by source s: s's dispatch rows for that epoch are in d's recv_*
+//   [s][kSlotDispatch]  launches << 32, added to by source s's dispatch CTAs (each launch's shares sum
+//                       to 2^32): at epoch << 32 s's dispatch rows of that epoch are in d's recv_*
 //   [s][kSlotCombine]   epoch << 20 | bound, raised (max) by owner s: s's partials of d's tokens whose
 //                       recv row at s is below `bound` are in d's combine rows (kCombineAllRows: all)
 //   [s][kSlotAbort]     non-zero once rank s gave up waiting (1 + stage); sticky: the group is dead
@@ -62,6 +63,12 @@ __device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
 // never goes down.
 __device__ __forceinline__ void red_max_release_sys(uint64_t* p, uint64_t v) {
   asm volatile("red.release.sys.global.max.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// *p += v at system scope, relaxed (after a fence.acq_rel.sys: a release pattern whose later RMWs of
+// the same cell by other CTAs keep it in the value's release sequence).
+__device__ __forceinline__ void red_add_relaxed_sys(uint64_t* p, uint64_t v) {
+  asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
 __device__ __forceinline__ void st_relaxed_sys(uint64_t* p, uint64_t v) {
@@ -201,6 +208,15 @@ __device__ __forceinline__ bool wait_for_epoch(const SignalCtx& ctx, const uint6
 __device__ __forceinline__ bool wait_all_ranks(const SignalCtx& ctx, int slot, uint64_t epoch, int32_t stage) {
   for (int s = 0; s < ctx.num_ranks; ++s)
     if (!wait_for_epoch(ctx, ctx.own_cell(s, slot), epoch, stage, s)) return false;
+  return true;
+}
+
+// Waits for lo <= cell [s][slot] < hi for every source rank s (see wait_for_range; `shift` as there).
+// Returns false at the first failure.
+__device__ __forceinline__ bool wait_all_sources(const SignalCtx& ctx, int slot, uint64_t lo, uint64_t hi, int32_t stage,
+                                                 int shift) {
+  for (int s = 0; s < ctx.num_ranks; ++s)
+    if (!wait_for_range(ctx, ctx.own_cell(s, slot), lo, hi, stage, s, shift, 0)) return false;
   return true;
 }
 

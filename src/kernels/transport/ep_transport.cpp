@@ -23,7 +23,7 @@ int64_t align256(int64_t v) { return (v + 255) / 256 * 256; }
 struct ScratchLayout {
   int64_t pool_intra = 0, pool_hist = 0, seg_total = 0, pool_dst = 0, pool_weight = 0, recv_pool_row = 0;
   int64_t input_status = 0;
-  int64_t dispatch_hist = 0, dispatch_accum = 0, token_rows = 0, combine_counters = 0, total = 0;
+  int64_t dispatch_accum = 0, token_rows = 0, combine_counters = 0, total = 0;
   static ScratchLayout make(const WorkspaceParams& p) {
     ScratchLayout s;
     const int64_t R = p.ep_size, T = std::max<int64_t>(p.max_tokens_per_rank, 1), k = p.top_k;
@@ -41,7 +41,6 @@ struct ScratchLayout {
     take(&s.pool_weight, P * 4);
     take(&s.recv_pool_row, p.owner_reduce ? R * T * k * 4 : 0);
     take(&s.input_status, sizeof(InputStatus));
-    take(&s.dispatch_hist, p.ep_size * p.experts_per_rank * 4);
     take(&s.dispatch_accum, sizeof(kernels::DispatchAccum));
     take(&s.token_rows, T * R * 4);
     take(&s.combine_counters, sizeof(kernels::CombineCounters));
@@ -259,7 +258,6 @@ TransportParams make_args(const EpTransport& t, void* window, void* scratch, con
   a.pool_weight = reinterpret_cast<float*>(s + sl.pool_weight);
   a.recv_pool_row = o.params.owner_reduce ? reinterpret_cast<int32_t*>(s + sl.recv_pool_row) : nullptr;
   a.input_status = reinterpret_cast<InputStatus*>(s + sl.input_status);
-  a.dispatch_hist = reinterpret_cast<int32_t*>(s + sl.dispatch_hist);
   a.dispatch_accum = reinterpret_cast<kernels::DispatchAccum*>(s + sl.dispatch_accum);
   a.token_rows = reinterpret_cast<int32_t*>(s + sl.token_rows);
   a.combine_counters = reinterpret_cast<kernels::CombineCounters*>(s + sl.combine_counters);

@@ -15,11 +15,7 @@ template <int kMode>
 Status launch_dispatch_mode(const TransportArgs& args, DispatchShape shape, int grid, const void* x,
                             const float* x_scale, const int32_t* topk_ids, const float* topk_weights,
                             cudaStream_t stream) {
-  const size_t hist_bytes = static_cast<size_t>(args.num_experts) * sizeof(int32_t);
-  if (hist_bytes + sizeof(DispatchSmem) > 48 * 1024)
-    MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(dispatch_kernel<kMode>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(hist_bytes)));
-  MEGAMOE_CUDA_CHECK(launch_pdl(dispatch_kernel<kMode>, grid, kDispatchThreads, hist_bytes, stream,
+  MEGAMOE_CUDA_CHECK(launch_pdl(dispatch_kernel<kMode>, grid, kDispatchThreads, 0, stream,
                                 pdl_wanted(args.num_tokens), args, shape, x, x_scale, topk_ids, topk_weights));
   return Status::ok();
 }

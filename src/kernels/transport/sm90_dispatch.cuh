@@ -5,12 +5,12 @@
 //   layout   every CTA counts, per destination rank, the tokens before its chunk that go there
 //            (redundantly: ids are read from L2, no grid-wide scan or barrier), then ranks its own
 //            chunk's tokens with warp ballots: row i at destination r = the i-th token of this rank
-//            sent to r, in token order (the CPU reference's compaction). The ids are checked (bad
-//            ones counted, the first recorded, treated as -1) and counted per expert, one lane per
-//            slot: up to kDirectCountTokens tokens all by CTA 0, which writes recv_token_counts[me] /
-//            recv_expert_counts[me][*] into every destination's copy (zeros included: a rank with 0
-//            tokens still writes them) right there; above, every CTA its chunk, summed in device
-//            scratch and written by the last CTA to finish.
+//            sent to r, in token order (the CPU reference's compaction). The ids of the chunk are
+//            checked (bad ones counted, the first recorded, treated as -1), one lane per slot. The
+//            last CTA's "before" covers every other chunk, so it publishes recv_token_counts[me] in
+//            every destination right there (zeros included: a rank with 0 tokens still writes them).
+//            The per-expert counts are not sent: the owner derives them from the metadata rows in
+//            its pool build (pool_offsets_kernel), which reads those rows anyway.
 //   copy     work item = (token, part): a part is a contiguous range of 32-chunk rounds of the row,
 //            so a small T still spreads over many warps. Each lane loads the next round while it
 //            quantises and stores the current one (latency hiding), and sends the token once per
@@ -19,11 +19,12 @@
 //            16-byte stores for rows and metadata; a round's 4 block scales gathered into a float4
 //            that one lane keeps, so a row's scales go out as one coalesced warp store.
 //            bf16 -> e4m3 1x128 on the fly: e4m3(div_rn(x, s)) (quantize_e4m3_pair_div).
-//   signal   each CTA fences its stores and takes a ticket; the last one publishes the summed counts
-//            (above kDirectCountTokens), bumps the launch epoch,
-//            publishes it in every destination's [me][kSlotDispatch] cell, and waits (bounded) until
-//            every source has published it here, so when the kernel ends this rank's receive regions
-//            are complete.
+//   signal   each CTA fences its stores and adds its share to this source's [me][kSlotDispatch]
+//            counter in every destination (the shares of one launch sum to 2^32: the counter's high
+//            word counts launches), so no CTA waits for another before its signal leaves. Then it
+//            takes a ticket; the last one records bad input, bumps the launch epoch and waits
+//            (bounded) until every source's counter reaches epoch << 32, so when the kernel ends
+//            this rank's receive regions are complete.
 #pragma once
 
 #include "kernels/common/pdl.cuh"
@@ -36,10 +37,6 @@ namespace kernels {
 constexpr int kDispatchThreads = 512;
 constexpr int kDispatchWarps = kDispatchThreads / 32;
 constexpr int kMaxTokensPerCta = kDispatchThreads;  // one token per thread in the ranking pass
-// Up to this many tokens CTA 0 checks and counts all of them and publishes the counts before its
-// copy (a few warp steps); above, every CTA counts its chunk and the last one publishes the sums
-// (CTA 0 walking 8192 tokens was a ~50 us tail). Measured at 8 tokens: 19.4 vs 22.1 us.
-constexpr int64_t kDirectCountTokens = 128;
 
 // Host-chosen shape of one dispatch launch (launch_dispatch): grid = ceil(T / tokens_per_cta).
 struct DispatchShape {
@@ -74,59 +71,25 @@ struct DispatchSmem {
   int32_t rows[kMaxTokensPerCta][kMaxTransportRanks];  // row at destination r of each chunk token, or -1
   unsigned long long warp_counts[kDispatchWarps][2];    // per warp, packed per destination like before
   unsigned long long before[2];  // packed per-destination counts of the tokens before the chunk
-  unsigned long long total[2];   // ... of the tokens this CTA counted (all T in CTA 0 up to
-                                 // kDirectCountTokens, else its chunk)
-  long long first_bad;           // their first bad (token * k + slot)
+  unsigned long long total[2];   // ... of the chunk's tokens
+  long long first_bad;           // the chunk's first bad (token * k + slot)
   int num_bad;
-  int is_last;                   // this CTA took the last ticket: it publishes and signals
+  int is_last;                   // this CTA took the last ticket: it records bad input and waits
 };
 
-// Writes the counts into every destination (recv_expert_counts[me][*] and recv_token_counts[me],
-// zeros included: a rank with 0 tokens still writes them) and records bad input. Called by every
-// thread of one CTA; hist is CTA 0's own (T <= kDirectCountTokens) or the grid's sum in
-// dispatch_hist, which it returns to zero as it reads it.
-__device__ __forceinline__ void publish_counts(const TransportArgs& a, const DispatchSmem& s, int32_t* hist, bool zero,
-                                               const unsigned long long (&total)[2], int num_bad, long long first_bad,
-                                               const int32_t* __restrict__ topk_ids) {
-  const int tid = threadIdx.x, R = a.sig.num_ranks, rank = a.sig.rank;
-  const int64_t El = a.experts_per_rank(), k = a.top_k();
-  if (tid == 0 && num_bad > 0) {
-    InputStatus* st = a.input_status;
-    if (st->bad_count == 0) {
-      st->first_token = static_cast<int32_t>(first_bad / k);
-      st->first_slot = static_cast<int32_t>(first_bad % k);
-      st->first_value = topk_ids[first_bad];
-    }
-    st->bad_count += num_bad;
-  }
-  for (int64_t i = tid; i < R * El; i += blockDim.x) {
-    const int64_t r = a.el_div.div(static_cast<uint32_t>(i)), e = i - r * El;
-    const int32_t v = hist[i];
-    if (zero) hist[i] = 0;
-    reinterpret_cast<int32_t*>(s.peer_base[r] + a.layout.recv_expert_counts.offset)[rank * El + e] = v;
-  }
-  if (tid < R)
-    reinterpret_cast<int32_t*>(s.peer_base[tid] + a.layout.recv_token_counts.offset)[rank] =
-        static_cast<int32_t>(packed_count(total, tid));
-}
-
-// Layout part of a CTA: s.rows for its chunk [t_lo, t_hi), and the id checks, per-expert histogram
-// `hist` (dynamic shared, [E]) and per-destination totals: of all T tokens by CTA 0, which publishes
-// them here, when T <= kDirectCountTokens; else of its chunk by every CTA, added to dispatch_hist /
-// dispatch_accum for the last CTA to finish to publish (the kernel's end).
+// Layout part of a CTA: s.rows for its chunk [t_lo, t_hi), the chunk's id checks (bad input added
+// to dispatch_accum for the last CTA to record) and per-destination totals; the grid's last CTA
+// publishes recv_token_counts[me] in every destination.
 __device__ __forceinline__ void dispatch_layout(const TransportArgs& a, const int32_t* __restrict__ topk_ids,
-                                                DispatchSmem& s, int32_t* hist, int64_t t_lo, int64_t t_hi) {
+                                                DispatchSmem& s, int64_t t_lo, int64_t t_hi) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int k = static_cast<int>(a.top_k());
   const uint32_t E = static_cast<uint32_t>(a.num_experts);
-  const bool direct = a.num_tokens <= kDirectCountTokens;
-  const int64_t c_lo = direct ? 0 : t_lo, c_hi = direct ? (blockIdx.x == 0 ? a.num_tokens : 0) : t_hi;
   if (tid < 2) s.before[tid] = s.total[tid] = 0;
   if (tid == 0) {
     s.first_bad = LLONG_MAX;
     s.num_bad = 0;
   }
-  for (int64_t i = tid; i < E; i += blockDim.x) hist[i] = 0;
   __syncthreads();
 
   // Tokens before the chunk, per destination (redundant across CTAs; the ids come from L2).
@@ -147,7 +110,7 @@ __device__ __forceinline__ void dispatch_layout(const TransportArgs& a, const in
   }
 
   {
-    // The chunk's id checks, histogram and totals. Lane l of a warp takes slot l % k of token
+    // The chunk's id checks and totals. Lane l of a warp takes slot l % k of token
     // t0 + l / k (32 / k tokens per warp step, one coalesced load of their ids): a token's slots are
     // checked in parallel (__match_any_sync finds repeated ids and ranks, keyed by token) instead of
     // by one thread's chain of dependent loads.
@@ -157,9 +120,9 @@ __device__ __forceinline__ void dispatch_layout(const TransportArgs& a, const in
     long long first_bad = LLONG_MAX;
     int num_bad = 0;
     unsigned long long total0 = 0, total1 = 0;
-    for (int64_t t0 = c_lo + static_cast<int64_t>(warp) * tpw; t0 < c_hi; t0 += static_cast<int64_t>(kDispatchWarps) * tpw) {
+    for (int64_t t0 = t_lo + static_cast<int64_t>(warp) * tpw; t0 < t_hi; t0 += static_cast<int64_t>(kDispatchWarps) * tpw) {
       const int64_t t = t0 + sub;
-      const bool live = sub < tpw && t < c_hi;
+      const bool live = sub < tpw && t < t_hi;
       const int32_t id = live ? __ldg(topk_ids + t * k + j) : -1;
       // valid: in [0, E) and no lower slot of the same token holds the same id
       const uint32_t same = __match_any_sync(0xFFFFFFFFu, (static_cast<uint64_t>(sub) << 32) | static_cast<uint32_t>(id));
@@ -168,7 +131,6 @@ __device__ __forceinline__ void dispatch_layout(const TransportArgs& a, const in
       // the token counts once per destination: its first valid slot of each rank
       const uint32_t same_r = __match_any_sync(0xFFFFFFFFu, (static_cast<uint64_t>(sub) << 32) | r);
       if (valid) {
-        atomicAdd(&hist[id], 1);
         if ((same_r & lanes_below) == 0) {
           total0 += spread4((1u << r) & 0xFu);
           total1 += spread4((1u << r) >> 4);
@@ -229,22 +191,17 @@ __device__ __forceinline__ void dispatch_layout(const TransportArgs& a, const in
     }
   }
 
-  if (direct) {
-    if (blockIdx.x == 0) publish_counts(a, s, hist, /*zero=*/false, s.total, s.num_bad, s.first_bad, topk_ids);
-  } else {
-    for (int64_t i = tid; i < E; i += blockDim.x)
-      if (hist[i] != 0) atomicAdd(&a.dispatch_hist[i], hist[i]);
-    if (tid == 0) {
-      DispatchAccum* acc = a.dispatch_accum;
-      if (s.num_bad > 0) {
-        atomicAdd(&acc->num_bad, s.num_bad);
-        atomicMax(&acc->first_bad, ~0ull - static_cast<unsigned long long>(s.first_bad));
-      }
-      if (blockIdx.x == gridDim.x - 1) {  // its "before" covers every other chunk
-        acc->total[0] = s.before[0] + s.total[0];
-        acc->total[1] = s.before[1] + s.total[1];
-      }
-    }
+  if (tid == 0 && s.num_bad > 0) {
+    DispatchAccum* acc = a.dispatch_accum;
+    atomicAdd(&acc->num_bad, s.num_bad);
+    atomicMax(&acc->first_bad, ~0ull - static_cast<unsigned long long>(s.first_bad));
+  }
+  // The last chunk's "before" covers every other chunk: the totals are complete here. Ordered
+  // before the signal by the CTA's fence like its rows.
+  if (blockIdx.x == gridDim.x - 1 && tid < a.sig.num_ranks) {
+    const unsigned long long total[2] = {s.before[0] + s.total[0], s.before[1] + s.total[1]};
+    reinterpret_cast<int32_t*>(s.peer_base[tid] + a.layout.recv_token_counts.offset)[a.sig.rank] =
+        static_cast<int32_t>(packed_count(total, tid));
   }
   __syncthreads();
 }
@@ -463,12 +420,11 @@ __global__ void __launch_bounds__(kDispatchThreads, 2)
     dispatch_kernel(TransportArgs a, DispatchShape shape, const void* __restrict__ x, const float* __restrict__ x_scale,
                     const int32_t* __restrict__ topk_ids, const float* __restrict__ topk_weights) {
   __shared__ DispatchSmem s;
-  extern __shared__ int32_t hist[];  // [E], CTA 0 only
   pdl_enter();  // launched with launch_pdl (sm90_dispatch.cu)
   if (threadIdx.x < a.sig.num_ranks) s.peer_base[threadIdx.x] = a.sig.peer_ptr(threadIdx.x, 0);
   const int64_t t_lo = static_cast<int64_t>(blockIdx.x) * shape.tokens_per_cta;
   const int64_t t_hi = min(a.num_tokens, t_lo + shape.tokens_per_cta);
-  dispatch_layout(a, topk_ids, s, hist, t_lo, t_hi);  // ends with a CTA barrier
+  dispatch_layout(a, topk_ids, s, t_lo, t_hi);  // ends with a CTA barrier
 
   const int lane = threadIdx.x & 31;
   const int items = (t_hi > t_lo ? static_cast<int>(t_hi - t_lo) : 0) * shape.parts;
@@ -477,41 +433,44 @@ __global__ void __launch_bounds__(kDispatchThreads, 2)
     dispatch_part<kMode>(a, s.peer_base, s.rows[ct], t_lo + ct, part, shape.parts, x, x_scale, topk_ids, topk_weights, lane);
   }
 
-  // invariant: every CTA takes exactly one ticket, whatever happened above.
-  // One fence per CTA, after the barrier: the CTA's stores and its dispatch_hist / dispatch_accum
-  // atomics happen-before thread 0's system-scope fence, which orders them before its ticket (a
-  // fence per thread serialised ~1 us each and cost tens of us).
+  // invariant: every CTA adds exactly one share and takes exactly one ticket, whatever happened above.
+  // One fence per CTA, after the barrier: the CTA's stores (rows, and the last CTA's token counts)
+  // and its dispatch_accum atomics happen-before thread 0's system-scope fence, which orders them
+  // before its share and its ticket (a fence per thread serialised ~1 us each and cost tens of us).
+  // The shares are RMWs of one cell, so the value a waiter acquires lies in the release sequence
+  // of every CTA's fence + share: it sees every CTA's rows.
   __syncthreads();
   if (threadIdx.x == 0) {
     fence_acq_rel_sys();
+    const uint64_t share = blockIdx.x == 0 ? (1ull << 32) - (gridDim.x - 1) : 1ull;  // G shares sum to 2^32
+    for (int p = 0; p < a.sig.num_ranks; ++p) red_add_relaxed_sys(a.sig.peer_cell(p, a.sig.rank, kSlotDispatch), share);
     uint64_t* ticket = a.sig.own_cell(a.sig.rank, kLocalDispatchTicket);
     s.is_last = atomic_add_acq_rel_gpu(ticket, 1) + 1 == gridDim.x;
   }
   __syncthreads();
-  if (!s.is_last) return;  // CTA-uniform
-  // The last CTA: every other CTA's sums are visible (their tickets released them, thread 0's
-  // acquired them, the barrier passed that on); it publishes them, then signals.
-  const bool direct = a.num_tokens <= kDirectCountTokens;
-  if (!direct) {
-    DispatchAccum* acc = a.dispatch_accum;
-    const unsigned long long total[2] = {acc->total[0], acc->total[1]};
-    const int num_bad = acc->num_bad;
+  if (!s.is_last || threadIdx.x != 0) return;
+  // The last CTA's thread 0: every other CTA's accumulators are visible (their tickets released
+  // them, this one acquired them).
+  DispatchAccum* acc = a.dispatch_accum;
+  if (acc->num_bad > 0) {
     const long long first_bad = static_cast<long long>(~0ull - acc->first_bad);
-    __syncthreads();  // everyone has read acc before thread 0 clears it
-    if (threadIdx.x == 0) *acc = DispatchAccum{};
-    publish_counts(a, s, a.dispatch_hist, /*zero=*/true, total, num_bad, first_bad, topk_ids);
-    __syncthreads();
+    const int64_t k = a.top_k();
+    InputStatus* st = a.input_status;
+    if (st->bad_count == 0) {
+      st->first_token = static_cast<int32_t>(first_bad / k);
+      st->first_slot = static_cast<int32_t>(first_bad % k);
+      st->first_value = topk_ids[first_bad];
+    }
+    st->bad_count += acc->num_bad;
+    *acc = DispatchAccum{};
   }
-  if (threadIdx.x == 0) {
-    *a.sig.own_cell(a.sig.rank, kLocalDispatchTicket) = 0;  // the next launch starts after this kernel ends
-    // The launch epoch of this forward (combine reads it): bumped once, by the last CTA.
-    uint64_t* epoch_cell = a.sig.own_cell(a.sig.rank, kLocalEpoch);
-    const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(epoch_cell) + 1;
-    *reinterpret_cast<volatile uint64_t*>(epoch_cell) = epoch;  // read by later kernels (stream order)
-    signal_all_ranks(a.sig, kSlotDispatch, epoch);  // its fence covers the counts just published (!direct)
-    const SignalCtx sig = a.sig;  // a local copy: the wait is not inlined
-    wait_all_ranks(sig, kSlotDispatch, epoch, kStageDispatchDone);
-  }
+  *a.sig.own_cell(a.sig.rank, kLocalDispatchTicket) = 0;  // the next launch starts after this kernel ends
+  // The launch epoch of this forward (combine reads it): bumped once, by the last CTA.
+  uint64_t* epoch_cell = a.sig.own_cell(a.sig.rank, kLocalEpoch);
+  const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(epoch_cell) + 1;
+  *reinterpret_cast<volatile uint64_t*>(epoch_cell) = epoch;  // read by later kernels (stream order)
+  const SignalCtx sig = a.sig;  // a local copy: the wait is not inlined
+  wait_all_sources(sig, kSlotDispatch, epoch << 32, (epoch + 1) << 32, kStageDispatchDone, 32);
 }
 
 }  // namespace kernels

@@ -8,9 +8,10 @@
 //                     rows per expert (pool_hist). Deterministic: no atomics. Each lane compares its
 //                     kK slots with every slot of the chunk's live rows only (kK = top_k rounded up to
 //                     4, 8 or 16): a decode chunk of 1 row does 1 x kK x kK compares, not 32 x 16 x 16.
-// pool_offsets_kernel warp per expert: turns pool_hist into exclusive bases over (source, chunk) and
-//                     seg_total; the last CTA (ticket) block-scans the padded segment sizes into
-//                     expert_offsets.
+// pool_offsets_kernel warp per expert: turns pool_hist into exclusive bases over (source, chunk),
+//                     recv_expert_counts[source][expert] (the rows from each source that name the
+//                     expert: the dispatch does not send them) and seg_total; the last CTA (ticket)
+//                     block-scans the padded segment sizes into expert_offsets.
 // pool_scatter_kernel warp per recv row: pool row = offsets[e] + base[s][chunk][e] + intra; copies the
 //                     wire row (16-byte vectors) and scales, writes pool_src and the row's combine
 //                     destination (pool_dst, pool_weight: what an FC2 epilogue needs to write the
@@ -105,6 +106,7 @@ __global__ void __launch_bounds__(kPoolOffsetsThreads) pool_offsets_kernel(Trans
   const int64_t El = a.experts_per_rank(), T_max = a.t_max(), chunks = a.num_chunks(), BM = a.layout.params.segment_align;
   const int32_t* recv_counts = a.own<int32_t>(a.layout.recv_token_counts);
   int32_t* offsets = a.own<int32_t>(a.layout.expert_offsets);
+  int32_t* expert_counts = a.own<int32_t>(a.layout.recv_expert_counts);
 
   // A warp per expert: exclusive bases over (source, chunk) in place, 32 chunks per warp scan.
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * warps_per_cta + warp; e < El;
@@ -113,6 +115,7 @@ __global__ void __launch_bounds__(kPoolOffsetsThreads) pool_offsets_kernel(Trans
     for (int s = 0; s < R; ++s) {
       const int64_t n = min(static_cast<int64_t>(recv_counts[s]), T_max);
       const int64_t used = (n + kPoolChunkRows - 1) / kPoolChunkRows;
+      const int64_t from_earlier = running;
       int32_t* hist = a.pool_hist + s * chunks * El + e;
       for (int64_t c0 = 0; c0 < used; c0 += 32) {
         const int64_t c = c0 + lane;
@@ -126,6 +129,7 @@ __global__ void __launch_bounds__(kPoolOffsetsThreads) pool_offsets_kernel(Trans
         if (c < used) hist[c * El] = static_cast<int32_t>(running + incl - h);
         running += __shfl_sync(0xFFFFFFFFu, incl, 31);
       }
+      if (lane == 0) expert_counts[s * El + e] = static_cast<int32_t>(running - from_earlier);  // zeros too
     }
     if (lane == 0) a.seg_total[e] = static_cast<int32_t>(running);
   }

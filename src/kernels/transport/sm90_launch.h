@@ -29,7 +29,7 @@ enum SignalSlot : int {
   kSlotCombine = 1,
   kSlotAbort = 2,
   // Local cells (row = own rank).
-  kLocalEpoch = 8,           // launch epoch, bumped by the dispatch kernel's last CTA
+  kLocalEpoch = 8,           // launch epoch, bumped by the dispatch kernel's last CTA (by ticket)
   kLocalDispatchTicket = 9,  // blocks of the dispatch kernel that finished (last one resets it)
   kLocalCombineTicket = 10,  // blocks of combine_kernel that finished sending (last one resets it)
   kLocalPoolTicket = 11,     // blocks of pool_offsets_kernel that finished (last one resets it)
@@ -53,10 +53,9 @@ struct InputStatus {
   int32_t pad[3];
 };
 
-// What the dispatch CTAs of a launch sum up for the last one to publish (device scratch, zero between
-// launches: the publishing CTA returns it to zero).
+// Bad input the dispatch CTAs of a launch sum up for the last one to record (device scratch, zero
+// between launches: the recording CTA returns it to zero).
 struct DispatchAccum {
-  unsigned long long total[2];   // packed per-destination token counts of all T tokens (16 bits each)
   unsigned long long first_bad;  // UINT64_MAX - (first bad token * k + slot), 0: none
   int32_t num_bad;
   int32_t pad;
@@ -99,7 +98,6 @@ struct TransportParams {
   float* pool_weight;   // [P] its routing weight
   int32_t* recv_pool_row;  // [R * T_max, k] pool row of (recv row, slot), -1: none (owner reduce only)
   InputStatus* input_status;
-  int32_t* dispatch_hist;        // [E] per-expert counts summed over the dispatch CTAs (zero between launches)
   DispatchAccum* dispatch_accum;
   int32_t* token_rows;           // [T_max, R] this rank's token t's recv row at owner r (-1: none), by dispatch
   CombineCounters* combine_counters;

@@ -25,7 +25,6 @@ struct TransportArgs {
   float* pool_weight;
   int32_t* recv_pool_row;
   InputStatus* input_status;
-  int32_t* dispatch_hist;
   DispatchAccum* dispatch_accum;
   int32_t* token_rows;
   CombineCounters* combine_counters;
@@ -45,7 +44,6 @@ struct TransportArgs {
     a.pool_weight = p.pool_weight;
     a.recv_pool_row = p.recv_pool_row;
     a.input_status = p.input_status;
-    a.dispatch_hist = p.dispatch_hist;
     a.dispatch_accum = p.dispatch_accum;
     a.token_rows = p.token_rows;
     a.combine_counters = p.combine_counters;
@@ -66,7 +64,7 @@ __device__ __forceinline__ int64_t hidden() const { return layout.params.hidden;
 
 // invariant: the same rule decides a slot's validity in layout, dispatch and combine (and the CPU
 // protocol): valid iff 0 <= id < E and no earlier slot of the token has the same id; a slot that is
-// neither -1 nor valid is bad input (reported, then treated as -1). The dispatch's histogram pass
+// neither -1 nor valid is bad input (reported, then treated as -1). The dispatch's check pass
 // applies it to 32 / k tokens per warp with the same __match_any_sync test keyed by token.
 // The rule for one token, by a whole warp at once (all 32 lanes call it): lane j < k reads
 // slot j (*my_id; -1 on the other lanes) and __match_any_sync finds a repeat of a lower slot, so the

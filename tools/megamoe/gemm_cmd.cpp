@@ -6,9 +6,12 @@
 // peer, timed in the same process. Timing: CUDA events around each launch, L2 flushed before every
 // timed launch (--flush memset: a 256 MiB memset, as DeepGEMM's harness does, which leaves L2 full of
 // dirty lines whose write-back the GEMM's loads pay for; --flush read: a 256 MiB read, which leaves it
-// clean), median / min / max over --iters after --warmup launches.
+// clean), median / min / max over --iters after --warmup launches; and, where libcupti can be opened,
+// the same launches' kernel time from the GPU's timestamps (kernel_timer.h: what PyTorch's profiler
+// and DeepGEMM's harness report; it leaves out the ~3 us of launch and teardown events include).
 #include "gemm_cmd.h"
 
+#include "kernel_timer.h"
 #include "presets.h"
 
 #include <CLI/CLI.hpp>
@@ -89,7 +92,8 @@ std::vector<int64_t> parse_list(const std::string& flag, const std::string& text
 }
 
 struct Timing {
-  double med_us = 0, min_us = 0, max_us = 0;
+  double med_us = 0, min_us = 0, max_us = 0;  // CUDA events around each launch
+  double kernel_med_us = 0, kernel_min_us = 0;  // GPU timestamps of the launch's kernels (0: not measured)
 };
 
 // What runs before every timed launch, outside the timed region.
@@ -112,6 +116,9 @@ Timing time_launches(Launch&& launch, const L2Flush& flush, int iters, int warmu
   cudaEvent_t e0, e1;
   cuda_check(cudaEventCreate(&e0), "cudaEventCreate");
   cuda_check(cudaEventCreate(&e1), "cudaEventCreate");
+  cuda_check(cudaStreamSynchronize(s), "warm-up launches");
+  KernelTimer* timer = KernelTimer::get();
+  const bool timed = timer != nullptr && timer->start();
   std::vector<double> us;
   for (int i = 0; i < iters; ++i) {
     flush.run(i, s);
@@ -126,7 +133,19 @@ Timing time_launches(Launch&& launch, const L2Flush& flush, int iters, int warmu
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
   std::sort(us.begin(), us.end());
-  return {us[us.size() / 2], us.front(), us.back()};
+  Timing t{us[us.size() / 2], us.front(), us.back()};
+  if (timed) {
+    // Each timed launch follows its flush: a memset, or the read kernel.
+    std::vector<double> k = launch_spans_us(timer->stop(), [](const DeviceSpan& sp) {
+      return sp.memset || sp.name.find("read_kernel") != std::string::npos;
+    });
+    if (int(k.size()) == iters) {
+      std::sort(k.begin(), k.end());
+      t.kernel_med_us = k[k.size() / 2];
+      t.kernel_min_us = k.front();
+    }
+  }
+  return t;
 }
 
 // cuBLASLt dense fp8 GEMM D[M, N] = X[M, K] * W[N, K]^T (bf16 out), row-major views.
@@ -181,7 +200,7 @@ struct Row {
   std::string model, fc, layout, tiles;
   int64_t experts, tokens, n, k;
   Timing ours, peer;
-  double tflops, weight_gbs, peer_tflops, ratio, floor_us;
+  double tflops, weight_gbs, weight_gbs_kernel, peer_tflops, ratio, floor_us;
   bool peer_ok;
   std::string command;
 };
@@ -195,8 +214,13 @@ int run_bench_gemm(const BenchOptions& o) {
   std::printf("# bench-gemm on %s (%d SMs); floor = max(weight bytes / %.1f TB/s, FLOPs / %.0f TFLOP/s); L2 flush: %s\n",
               prop.name, prop.multiProcessorCount, kHbmBytesPerS / 1e12, kFp8FlopsPerS / 1e12,
               o.flush == "read" ? "256 MiB read (clean)" : "256 MiB memset (dirty)");
-  std::printf("# %-13s %-10s %4s %5s %-10s %-22s %9s %8s %8s %8s | %9s %8s %6s %10s\n", "model", "fc", "E", "T/E",
-              "layout", "tiles", "us(med)", "min", "TFLOP/s", "wGB/s", "cublas_us", "TFLOP/s", "ratio", "time/floor");
+  if (KernelTimer::get() == nullptr)
+    std::printf("# kernel time (kern_us, wGB/s(k)): not measured: %s\n", KernelTimer::why_unavailable().c_str());
+  else
+    std::printf("# kern_us: median kernel time from the GPU's timestamps (CUPTI); wGB/s(k): weight bytes / kern_us\n");
+  std::printf("# %-13s %-10s %4s %5s %-10s %-22s %9s %8s %8s %8s %8s %9s | %9s %8s %8s %6s %10s\n", "model", "fc", "E",
+              "T/E", "layout", "tiles", "us(med)", "min", "TFLOP/s", "wGB/s", "kern_us", "wGB/s(k)", "cublas_us",
+              "kern_us", "TFLOP/s", "ratio", "time/floor");
   cudaStream_t s;
   cuda_check(cudaStreamCreate(&s), "cudaStreamCreate");
   L2Flush flush;
@@ -300,6 +324,7 @@ int run_bench_gemm(const BenchOptions& o) {
           const double wbytes = double(E) * double(N) * double(K);
           r.tflops = flops / (r.ours.med_us * 1e-6) / 1e12;
           r.weight_gbs = wbytes / (r.ours.med_us * 1e-6) / 1e9;
+          r.weight_gbs_kernel = r.ours.kernel_med_us > 0 ? wbytes / (r.ours.kernel_med_us * 1e-6) / 1e9 : 0;
           r.floor_us = std::max(wbytes / kHbmBytesPerS, flops / kFp8FlopsPerS) * 1e6;
           r.peer_ok = false;
           r.peer_tflops = 0;
@@ -319,10 +344,12 @@ int run_bench_gemm(const BenchOptions& o) {
           cmd << "megamoe bench-gemm --preset " << ms->name << " --experts " << E << " --tokens " << T << " --fc "
               << (is_fc1 ? "fc1" : "fc2") << " --layout " << r.layout;
           r.command = cmd.str();
-          std::printf("  %-13s %-10s %4lld %5lld %-10s %-22s %9.1f %8.1f %8.1f %8.0f | %9.1f %8.1f %6.3f %10.2f   # %s\n",
+          std::printf("  %-13s %-10s %4lld %5lld %-10s %-22s %9.1f %8.1f %8.1f %8.0f %8.1f %9.0f | %9.1f %8.1f %8.1f %6.3f "
+                      "%10.2f   # %s\n",
                       r.model.c_str(), r.fc.c_str(), (long long)E, (long long)T, r.layout.c_str(), r.tiles.c_str(),
-                      r.ours.med_us, r.ours.min_us, r.tflops, r.weight_gbs, r.peer_ok ? r.peer.med_us : 0.0,
-                      r.peer_tflops, r.ratio, r.ours.med_us / r.floor_us, r.command.c_str());
+                      r.ours.med_us, r.ours.min_us, r.tflops, r.weight_gbs, r.ours.kernel_med_us, r.weight_gbs_kernel,
+                      r.peer_ok ? r.peer.med_us : 0.0, r.peer_ok ? r.peer.kernel_med_us : 0.0, r.peer_tflops, r.ratio,
+                      r.ours.med_us / r.floor_us, r.command.c_str());
           std::fflush(stdout);
           rows.push_back(r);
           cudaFree(a);
@@ -349,7 +376,10 @@ int run_bench_gemm(const BenchOptions& o) {
         << ", \"tokens_per_expert\": " << r.tokens << ", \"n\": " << r.n << ", \"k\": " << r.k << ", \"layout\": \""
         << r.layout << "\", \"tiles\": \"" << r.tiles << "\", \"us_median\": " << r.ours.med_us
         << ", \"us_min\": " << r.ours.min_us << ", \"us_max\": " << r.ours.max_us << ", \"tflops\": " << r.tflops
-        << ", \"weight_gbs\": " << r.weight_gbs << ", \"cublas_us\": " << (r.peer_ok ? r.peer.med_us : 0)
+        << ", \"weight_gbs\": " << r.weight_gbs << ", \"kernel_us_median\": " << r.ours.kernel_med_us
+        << ", \"kernel_us_min\": " << r.ours.kernel_min_us << ", \"weight_gbs_kernel\": " << r.weight_gbs_kernel
+        << ", \"cublas_us\": " << (r.peer_ok ? r.peer.med_us : 0)
+        << ", \"cublas_kernel_us\": " << (r.peer_ok ? r.peer.kernel_med_us : 0)
         << ", \"cublas_tflops\": " << r.peer_tflops << ", \"ratio_to_cublas\": " << r.ratio
         << ", \"time_over_floor\": " << r.ours.med_us / r.floor_us << ", \"command\": \"" << r.command << "\"}"
         << (i + 1 < rows.size() ? "," : "") << "\n";

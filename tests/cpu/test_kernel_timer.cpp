@@ -1,0 +1,36 @@
+// bench-gemm's kernel-time bookkeeping: device spans split into timed launches at each flush.
+#include <gtest/gtest.h>
+
+#include "../../tools/megamoe/kernel_timer.h"
+
+namespace megamoe::tool {
+namespace {
+
+DeviceSpan kernel(const char* name, uint64_t start, uint64_t end) { return DeviceSpan{false, name, start, end}; }
+DeviceSpan memset_span(uint64_t start, uint64_t end) { return DeviceSpan{true, "", start, end}; }
+bool is_flush(const DeviceSpan& s) { return s.memset || s.name == "read_kernel"; }
+
+TEST(KernelTimer, EachLaunchSpansItsKernelsAfterItsFlush) {
+  const std::vector<DeviceSpan> spans = {
+      kernel("warm", 0, 900),                                  // before the first flush: not timed
+      memset_span(1000, 2000), kernel("gemm", 3000, 13000),    // launch 1: 10 us
+      memset_span(20000, 21000), kernel("a", 22000, 25000),    // launch 2: two kernels, 22..30 us
+      kernel("b", 24000, 30000),
+      kernel("read_kernel", 40000, 41000), kernel("gemm", 41500, 42000),  // launch 3 after a read flush
+  };
+  const std::vector<double> us = launch_spans_us(spans, is_flush);
+  ASSERT_EQ(us.size(), 3u);
+  EXPECT_DOUBLE_EQ(us[0], 10.0);
+  EXPECT_DOUBLE_EQ(us[1], 8.0);
+  EXPECT_DOUBLE_EQ(us[2], 0.5);
+}
+
+TEST(KernelTimer, ALaunchWithoutKernelsGivesNoTimes) {
+  const std::vector<DeviceSpan> spans = {memset_span(0, 10), memset_span(20, 30), kernel("gemm", 40, 50)};
+  EXPECT_TRUE(launch_spans_us(spans, is_flush).empty());
+  EXPECT_TRUE(launch_spans_us({memset_span(0, 10)}, is_flush).empty());
+  EXPECT_TRUE(launch_spans_us({}, is_flush).empty());
+}
+
+}  // namespace
+}  // namespace megamoe::tool

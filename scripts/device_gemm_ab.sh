@@ -21,7 +21,7 @@ while IFS= read -r args; do
       [[ -x $BIN/$b ]] || continue
       timeout ${BENCH_TIMEOUT:-120} $BIN/$b bench-gemm --no-cublas --iters ${ITERS:-20} $args > "$OUT/gemm${i}_r${round}_$b.log" 2>&1
       echo "== $b (round $round) $args: exit $?"
-      grep -vE "^#" "$OUT/gemm${i}_r${round}_$b.log" | cut -c1-120
+      grep -vE "^#" "$OUT/gemm${i}_r${round}_$b.log" | cut -c1-175
     done
   done
 done <<< "${BENCH:-}"

@@ -6,16 +6,19 @@
 namespace megamoe::tool {
 namespace {
 
-DeviceSpan kernel(const char* name, uint64_t start, uint64_t end) { return DeviceSpan{false, name, start, end}; }
-DeviceSpan memset_span(uint64_t start, uint64_t end) { return DeviceSpan{true, "", start, end}; }
-bool is_flush(const DeviceSpan& s) { return s.memset || s.name == "read_kernel"; }
+constexpr uint64_t kFlushBytes = 256u << 20;
+DeviceSpan kernel(const char* name, uint64_t start, uint64_t end) { return DeviceSpan{false, name, start, end, 0}; }
+DeviceSpan memset_span(uint64_t start, uint64_t end, uint64_t bytes = kFlushBytes) {
+  return DeviceSpan{true, "", start, end, bytes};
+}
+bool is_flush(const DeviceSpan& s) { return s.memset ? s.bytes >= kFlushBytes : s.name == "read_kernel"; }
 
 TEST(KernelTimer, EachLaunchSpansItsKernelsAfterItsFlush) {
   const std::vector<DeviceSpan> spans = {
       kernel("warm", 0, 900),                                  // before the first flush: not timed
       memset_span(1000, 2000), kernel("gemm", 3000, 13000),    // launch 1: 10 us
-      memset_span(20000, 21000), kernel("a", 22000, 25000),    // launch 2: two kernels, 22..30 us
-      kernel("b", 24000, 30000),
+      memset_span(20000, 21000), kernel("a", 22000, 25000),    // launch 2: a kernel, a small memset
+      memset_span(25500, 26000, 4096), kernel("b", 24000, 30000),  // of its own and a kernel, 22..30 us
       kernel("read_kernel", 40000, 41000), kernel("gemm", 41500, 42000),  // launch 3 after a read flush
   };
   const std::vector<double> us = launch_spans_us(spans, is_flush);

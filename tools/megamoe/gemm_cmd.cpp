@@ -135,9 +135,10 @@ Timing time_launches(Launch&& launch, const L2Flush& flush, int iters, int warmu
   std::sort(us.begin(), us.end());
   Timing t{us[us.size() / 2], us.front(), us.back()};
   if (timed) {
-    // Each timed launch follows its flush: a memset, or the read kernel.
-    std::vector<double> k = launch_spans_us(timer->stop(), [](const DeviceSpan& sp) {
-      return sp.memset || sp.name.find("read_kernel") != std::string::npos;
+    // Each timed launch follows its flush: the 256 MiB memset (a library's own memsets are launch
+    // spans), or the read kernel.
+    std::vector<double> k = launch_spans_us(timer->stop(), [&flush](const DeviceSpan& sp) {
+      return sp.memset ? sp.bytes >= flush.bytes : sp.name.find("read_kernel") != std::string::npos;
     });
     if (int(k.size()) == iters) {
       std::sort(k.begin(), k.end());

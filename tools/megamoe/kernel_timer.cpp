@@ -45,10 +45,10 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
     if (rec->kind == CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL || rec->kind == CUPTI_ACTIVITY_KIND_KERNEL) {
       // start, end and name sit where every CUpti_ActivityKernel version since 4 keeps them.
       const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(rec);
-      g_spans.push_back(DeviceSpan{false, k->name ? k->name : "", k->start, k->end});
+      g_spans.push_back(DeviceSpan{false, k->name ? k->name : "", k->start, k->end, 0});
     } else if (rec->kind == CUPTI_ACTIVITY_KIND_MEMSET) {
       const auto* m = reinterpret_cast<const CUpti_ActivityMemset4*>(rec);
-      g_spans.push_back(DeviceSpan{true, "", m->start, m->end});
+      g_spans.push_back(DeviceSpan{true, "", m->start, m->end, m->bytes});
     }
   }
   std::free(buffer);

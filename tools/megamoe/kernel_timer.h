@@ -15,6 +15,7 @@ struct DeviceSpan {
   bool memset = false;  // a memset, else a kernel
   std::string name;     // kernel name (mangled), empty for a memset
   uint64_t start_ns = 0, end_ns = 0;
+  uint64_t bytes = 0;   // a memset's size
 };
 
 class KernelTimer {

@@ -227,14 +227,17 @@ class RoutedMoeLayer final : public MoeLayer {
     MEGAMOE_RETURN_IF_ERROR(transport_->build_expert_pool(stream));
     MEGAMOE_RETURN_IF_ERROR(mark(2, stream));
     if (P > 0) {
+      const int64_t T = x.ndim == 2 ? x.shape[0] : 0;
       if (fp8()) {
         const char* base = static_cast<const char*>(transport_->base());
-        MEGAMOE_CUDA_CHECK(kernels::launch_scale_transpose(reinterpret_cast<const float*>(base + l.pool_x_scales.offset),
-                                                           P, H / 128, static_cast<float*>(a_scales_->ptr), P, stream));
+        MEGAMOE_CUDA_CHECK(kernels::launch_scale_transpose(
+            reinterpret_cast<const float*>(base + l.pool_x_scales.offset),
+            reinterpret_cast<const int32_t*>(base + l.expert_offsets.offset) + geometry_.experts_per_rank(), P, H / 128,
+            static_cast<float*>(a_scales_->ptr), P, stream));
       }
       // The tile bucket follows this forward's tokens (host-known, no sync): decode runs 64-row tiles.
       gemm::GroupedGemmArgs fc1 = fc1_, fc2 = fc2_;
-      fc1.expected_m_per_expert = fc2.expected_m_per_expert = expected_rows_per_expert(x.ndim == 2 ? x.shape[0] : 0);
+      fc1.expected_m_per_expert = fc2.expected_m_per_expert = expected_rows_per_expert(T);
       MEGAMOE_RETURN_IF_ERROR(gemm::launch_grouped_gemm(fc1, stream));
       MEGAMOE_RETURN_IF_ERROR(mark(3, stream));
       MEGAMOE_RETURN_IF_ERROR(gemm::launch_grouped_gemm(fc2, stream));

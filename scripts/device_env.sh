@@ -1,7 +1,10 @@
 # Sourced by the device scripts (scripts/device_*.sh): the repository root as the working directory,
 # $OUT (created; default /tmp/megamoe-$1), NCCL from PyTorch's environment on the library path, NVLink
 # multicast off, $BIN (default dev-bin), MEGAMOE_CUPTI_LIB (a libcupti found there), and
-# run_tests FILTER: the GPU tests matching it, their summary printed, their exit status returned.
+# run_tests FILTER: the GPU tests matching it, their summary printed, their exit status returned;
+# tests_if_filter: run_tests "$FILTER" when FILTER is set (exit status 0 otherwise);
+# for_lines_and_bins LINES FN: FN INDEX BINARY ARGS for each non-empty line of LINES (index from 1)
+# and each binary of BINS (default "megamoe megamoe_before") present in $BIN, binaries alternated.
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-/tmp/megamoe-$1}
 mkdir -p "$OUT"
@@ -24,4 +27,21 @@ run_tests() {
   echo "tests: exit $trc"
   grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|tests ran|Failure|differs|rel-L2" "$OUT/tests.log" | head -40
   return $trc
+}
+
+tests_if_filter() {
+  [[ -n ${FILTER:-} ]] || return 0
+  run_tests "$FILTER"
+}
+
+for_lines_and_bins() {
+  local lines=$1 fn=$2 args b i=0
+  while IFS= read -r args; do
+    [[ -z $args ]] && continue
+    i=$((i + 1))
+    for b in ${BINS:-megamoe megamoe_before}; do
+      [[ -x $BIN/$b ]] || continue
+      "$fn" "$i" "$b" "$args"
+    done
+  done <<< "$lines"
 }

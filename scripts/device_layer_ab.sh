@@ -6,19 +6,11 @@
 #   CASES=$'--preset qwen3-30b-a3b --ep 2 --tokens 1,8,128' bash scripts/device_layer_ab.sh
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" layer-ab
-rc=0
-if [[ -n ${FILTER:-} ]]; then
-  run_tests "$FILTER"; rc=$((rc | $?))
-fi
-i=0
-while IFS= read -r args; do
-  [[ -z $args ]] && continue
-  i=$((i + 1))
-  for b in ${BINS:-megamoe megamoe_before}; do
-    [[ -x $BIN/$b ]] || continue
-    timeout ${BENCH_TIMEOUT:-240} $BIN/$b bench --backend routed --iters ${ITERS:-50} --max-host-gb 120 $args \
-      > "$OUT/layer${i}_$b.txt" 2>&1
-    echo "== $b $args: exit $?"; grep -E "^ *routed" "$OUT/layer${i}_$b.txt" | cut -c1-110 | head -8
-  done
-done <<< "${CASES:-}"
+tests_if_filter; rc=$?
+bench() {  # index binary args
+  timeout ${BENCH_TIMEOUT:-240} $BIN/$2 bench --backend routed --iters ${ITERS:-50} --max-host-gb 120 $3 \
+    > "$OUT/layer$1_$2.txt" 2>&1
+  echo "== $2 $3: exit $?"; grep -E "^ *routed" "$OUT/layer$1_$2.txt" | cut -c1-110 | head -8
+}
+for_lines_and_bins "${CASES:-}" bench
 exit $rc

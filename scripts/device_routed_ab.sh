@@ -4,10 +4,7 @@
 #   FILTER='Sm90Routed*' ROUTED=$'--owner-reduce\n--combine-dtype bf16' bash scripts/device_routed_ab.sh
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" routed-ab
-rc=0
-if [[ -n ${FILTER:-} ]]; then
-  run_tests "$FILTER"; rc=$((rc | $?))
-fi
+tests_if_filter; rc=$?
 i=0
 while IFS= read -r args; do
   i=$((i + 1))

@@ -157,6 +157,27 @@ TEST(GemmHeuristic, KnobOverridesFieldByField) {
   EXPECT_EQ(select_gemm_tiles(hint(512, 8, 4096, 7168), &k).num_sms, 132);
 }
 
+// Round-robin tiles for short launches whose experts span several m-blocks; the counter otherwise.
+TEST(GemmHeuristic, TileOrderBySpanAndLength) {
+  // qwen3-30b-a3b 64 experts x 256 rows: 2 m-blocks, 1024 (FC2) / 768 (FC1) tiles on 132 SMs
+  EXPECT_TRUE(select_gemm_tiles(hint(256, 64, 2048, 768)).round_robin);
+  EXPECT_TRUE(select_gemm_tiles(hint(256, 64, 1536, 2048)).round_robin);
+  // deepseek-v3 32 x 256: 2 m-blocks, 1024 FC1 tiles (7.8 per SM) but 1792 FC2 tiles (13.6)
+  EXPECT_TRUE(select_gemm_tiles(hint(256, 32, 4096, 7168)).round_robin);
+  EXPECT_FALSE(select_gemm_tiles(hint(256, 32, 7168, 2048)).round_robin);
+  // long launches: 128 x 256 (4096 FC1 tiles), 32 x 512 (27 waves), 64 x 1024
+  EXPECT_FALSE(select_gemm_tiles(hint(256, 128, 4096, 7168)).round_robin);
+  EXPECT_FALSE(select_gemm_tiles(hint(512, 32, 7168, 2048)).round_robin);
+  EXPECT_FALSE(select_gemm_tiles(hint(1024, 64, 2048, 768)).round_robin);
+  // one m-block per expert: decode and 128 rows
+  EXPECT_FALSE(select_gemm_tiles(hint(8, 64, 2048, 768)).round_robin);
+  EXPECT_FALSE(select_gemm_tiles(hint(128, 32, 7168, 2048)).round_robin);
+  // the count follows the SMs the launch may use
+  megamoe::Knobs k;
+  k.num_sms = 60;
+  EXPECT_FALSE(select_gemm_tiles(hint(256, 64, 2048, 768), &k).round_robin);  // 1024 tiles > 8 x 60
+}
+
 TEST(GemmTiles, CountMatchesScheduler) {
   const std::vector<int32_t> rows = {0, 1, 64, 65, 300};
   GemmTileConfig c;

@@ -61,7 +61,7 @@ struct BenchOptions {
   bool swiglu = true;           // also time FC1 with the SwiGLU + fp8 requant epilogue
   bool cublas = true;
   int block_m = 0, block_n = 0, num_sms = 0;
-  std::string schedule = "dynamic";  // dynamic (a global tile counter) or static (round-robin)
+  std::string schedule = "auto";  // auto (the heuristic), dynamic (a global tile counter) or static (round-robin)
   std::string flush = "memset";      // memset (dirty L2) or read (clean L2) before each timed launch
   int iters = 20, warmup = 3;
   std::string json;
@@ -304,7 +304,10 @@ int run_bench_gemm(const BenchOptions& o) {
           g.tiles.block_m = o.block_m;
           g.tiles.block_n = swiglu && o.block_n == 128 ? 0 : o.block_n;
           g.tiles.num_sms = o.num_sms;
-          g.tile_counter = o.schedule == "static" ? nullptr : tile_counter;
+          g.tile_counter = tile_counter;
+          g.tile_order = o.schedule == "static"    ? gemm::GemmTileOrder::kRoundRobin
+                         : o.schedule == "dynamic" ? gemm::GemmTileOrder::kCounter
+                                                   : gemm::GemmTileOrder::kAuto;
           gemm::GemmTileConfig used;
           Status st = gemm::launch_grouped_gemm(g, s, &used);
           if (!st.is_ok()) fail(kExitUnavailable, st.to_string());
@@ -314,7 +317,7 @@ int run_bench_gemm(const BenchOptions& o) {
           r.fc = fc.first;
           r.layout = masked ? "masked" : "contiguous";
           r.tiles = std::to_string(used.block_m) + "x" + std::to_string(used.block_n) +
-                    (o.schedule == "static" ? " static" : "");
+                    (used.round_robin ? " static" : "");
           r.experts = E;
           r.tokens = T;
           r.n = N;
@@ -403,9 +406,10 @@ CLI::App* add_flags(CLI::App* app, BenchOptions* o) {
   sub->add_option("--block-m", o->block_m, "tile rows: 64 or 128 (default: heuristic)")->check(CLI::IsMember({64, 128}));
   sub->add_option("--block-n", o->block_n, "tile columns: 128 or 256 (default: heuristic)")->check(CLI::IsMember({128, 256}));
   sub->add_option("--num-sms", o->num_sms, "persistent CTAs (default: all SMs)")->check(CLI::Range(1, 1 << 20));
-  sub->add_option("--schedule", o->schedule, "tile order: dynamic (tiles in order from a global counter) or static (round-robin)")
+  sub->add_option("--schedule", o->schedule,
+                  "tile order: auto (the heuristic's), dynamic (tiles in order from a global counter) or static (round-robin)")
       ->capture_default_str()
-      ->check(CLI::IsMember({"dynamic", "static"}));
+      ->check(CLI::IsMember({"auto", "dynamic", "static"}));
   sub->add_option("--flush", o->flush,
                   "L2 flush before each timed launch: memset (256 MiB written: L2 left dirty, as DeepGEMM's harness) or "
                   "read (256 MiB read: L2 left clean)")

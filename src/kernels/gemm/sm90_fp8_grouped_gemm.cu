@@ -31,7 +31,8 @@ const char* to_string(GemmEpilogue e) {
 
 std::string GemmTileConfig::to_string() const {
   std::ostringstream s;
-  s << "GemmTileConfig(block_m=" << block_m << ", block_n=" << block_n << ", num_sms=" << num_sms << ")";
+  s << "GemmTileConfig(block_m=" << block_m << ", block_n=" << block_n << ", num_sms=" << num_sms
+    << ", order=" << (round_robin ? "round-robin" : "counter") << ")";
   return s.str();
 }
 
@@ -189,7 +190,9 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream, Gem
   overrides.block_m = args.tiles.block_m;
   overrides.block_n = args.tiles.block_n;
   overrides.num_sms = args.tiles.num_sms;
-  const GemmTileConfig cfg = select_gemm_tiles(hint, &overrides);
+  GemmTileConfig cfg = select_gemm_tiles(hint, &overrides);
+  if (args.tile_order != GemmTileOrder::kAuto) cfg.round_robin = args.tile_order == GemmTileOrder::kRoundRobin;
+  if (args.tile_counter == nullptr) cfg.round_robin = true;
   if (used) *used = cfg;
   if (args.m_rows == 0) return Status::ok();  // no rows: nothing to compute (masked max_m = 0 too)
 
@@ -236,7 +239,7 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream, Gem
   p.ld_sfd = args.ld_d_scales ? args.ld_d_scales : round_up4(args.m_rows);
   p.sfd_expert_stride = masked ? int64_t(args.n / 256) * p.ld_sfd : 0;
   p.pow2_scales = args.pow2_scales ? 1 : 0;
-  p.tile_counter = args.tile_counter;
+  p.tile_counter = cfg.round_robin ? nullptr : args.tile_counter;
   p.tma_store = tma_store ? 1 : 0;
 
   // Persistent grid: all SMs, fewer when the contiguous pool cannot have that many tiles.

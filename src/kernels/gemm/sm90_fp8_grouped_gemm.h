@@ -55,8 +55,13 @@ struct GemmTileConfig {
   int32_t block_m = 0;  // 64 or 128 (rows per tile: one or two math warpgroups)
   int32_t block_n = 0;  // 128 or 256 (SwiGLU: 256 = 128 gate + 128 up)
   int32_t num_sms = 0;  // persistent CTAs; 0 = all SMs
+  bool round_robin = false;  // tiles i, i + grid, ... per CTA instead of from the tile counter
   std::string to_string() const;
 };
+
+// Order in which the persistent CTAs take tiles: the heuristic's choice (GemmTileConfig::round_robin),
+// from the tile counter (needs GroupedGemmArgs::tile_counter), or round-robin.
+enum class GemmTileOrder { kAuto, kCounter, kRoundRobin };
 
 struct GroupedGemmArgs {
   GemmDtype dtype = GemmDtype::kFp8Block;
@@ -94,6 +99,7 @@ struct GroupedGemmArgs {
   // they drift apart over a long launch and re-read it). Launches that share one must be ordered
   // (one stream). null: static round-robin.
   int32_t* tile_counter = nullptr;
+  GemmTileOrder tile_order = GemmTileOrder::kAuto;  // round-robin whatever it says when tile_counter is null
   // Tiles: 0 fields from the heuristic, with expected_m_per_expert as its bucket hint (0: derived
   // from m_rows / num_experts).
   GemmTileConfig tiles;

@@ -8,6 +8,13 @@ namespace megamoe::gemm {
 GemmTileConfig select_gemm_tiles(const GemmShapeHint& hint, const Knobs* overrides) {
   const bool swiglu = hint.epilogue != GemmEpilogue::kStoreBf16;
   const int32_t sms = hint.num_sms > 0 ? hint.num_sms : 132;
+  // m-blocks of one expert (at least 1) and the launch's tiles, for the bucket's rows per expert
+  const auto m_blocks_per_expert = [&hint](int32_t block_m) {
+    return std::max<int64_t>(1, (hint.m_per_expert + block_m - 1) / block_m);
+  };
+  const auto expected_tiles = [&](int32_t block_m, int32_t block_n) {
+    return hint.num_experts * m_blocks_per_expert(block_m) * (hint.n / block_n);
+  };
   GemmTileConfig c;
   c.num_sms = sms;
   if (hint.m_per_expert <= 64) {
@@ -33,9 +40,7 @@ GemmTileConfig select_gemm_tiles(const GemmShapeHint& hint, const Knobs* overrid
   // few tiles for the SMs (e.g. FC2 of a small model at small batch): narrower N tiles give the
   // persistent grid more work items.
   if (!swiglu && c.block_n == 256) {
-    const int64_t m_blocks = hint.num_experts * std::max<int64_t>(1, (hint.m_per_expert + c.block_m - 1) / c.block_m);
-    const int64_t tiles = m_blocks * (hint.n / 256);
-    if (tiles < sms) c.block_n = 128;
+    if (expected_tiles(c.block_m, 256) < sms) c.block_n = 128;
   }
   if (overrides != nullptr) {
     if (overrides->block_m == 64 || overrides->block_m == 128) c.block_m = overrides->block_m;
@@ -57,11 +62,8 @@ GemmTileConfig select_gemm_tiles(const GemmShapeHint& hint, const Knobs* overrid
   //     (27), qwen3-30b-a3b 64 x 1024 FC2 207.4 vs 211.0 (31);
   //   one m-block per expert (deepseek-v3 32 / 128 experts x 8-128 rows, qwen3 decode): the counter
   //     ahead by 0-4%.
-  {
-    const int64_t m_blocks_per_expert = std::max<int64_t>(1, (hint.m_per_expert + c.block_m - 1) / c.block_m);
-    const int64_t tiles = hint.num_experts * m_blocks_per_expert * (hint.n / c.block_n);
-    c.round_robin = m_blocks_per_expert >= 2 && tiles <= 8 * static_cast<int64_t>(c.num_sms);
-  }
+  c.round_robin = m_blocks_per_expert(c.block_m) >= 2 &&
+                  expected_tiles(c.block_m, c.block_n) <= 8 * static_cast<int64_t>(c.num_sms);
   return c;
 }
 

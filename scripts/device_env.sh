@@ -4,7 +4,8 @@
 # run_tests FILTER: the GPU tests matching it, their summary printed, their exit status returned;
 # tests_if_filter: run_tests "$FILTER" when FILTER is set (exit status 0 otherwise);
 # for_lines_and_bins LINES FN: FN INDEX BINARY ARGS for each non-empty line of LINES (index from 1)
-# and each binary of BINS (default "megamoe megamoe_before") present in $BIN, binaries alternated.
+# and each binary of BINS (default "megamoe megamoe_before") present in $BIN, binaries alternated;
+# pack_out: $OUT's files into $OUT/out.tgz (a device call returns at most 8 files).
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-/tmp/megamoe-$1}
 mkdir -p "$OUT"
@@ -44,4 +45,8 @@ for_lines_and_bins() {
       "$fn" "$i" "$b" "$args"
     done
   done <<< "$lines"
+}
+
+pack_out() {
+  (cd "$OUT" && tar czf /tmp/megamoe-out.tgz --exclude=out.tgz . && rm -rf ./* && mv /tmp/megamoe-out.tgz out.tgz)
 }

@@ -110,8 +110,11 @@ GemmShapeHint hint(int64_t m, int32_t e, int32_t n, int32_t k, GemmEpilogue epi 
 }
 
 TEST(GemmHeuristic, BucketsByTokensPerExpert) {
-  // decode: <= 64 rows per expert -> one math warpgroup
-  EXPECT_EQ(select_gemm_tiles(hint(8, 32, 4096, 7168)).block_m, 64);
+  // decode: <= 16 rows per expert -> 16-row tiles (deeper ring); <= 64 -> one math warpgroup
+  EXPECT_EQ(select_gemm_tiles(hint(1, 32, 4096, 7168)).block_m, 16);
+  EXPECT_EQ(select_gemm_tiles(hint(8, 32, 4096, 7168)).block_m, 16);
+  EXPECT_EQ(select_gemm_tiles(hint(16, 32, 4096, 7168)).block_m, 16);
+  EXPECT_EQ(select_gemm_tiles(hint(17, 32, 4096, 7168)).block_m, 64);
   EXPECT_EQ(select_gemm_tiles(hint(64, 32, 4096, 7168)).block_m, 64);
   // prefill: two math warpgroups
   EXPECT_EQ(select_gemm_tiles(hint(65, 32, 4096, 7168)).block_m, 128);
@@ -126,13 +129,23 @@ TEST(GemmHeuristic, BucketsByTokensPerExpert) {
   // small N (qwen3-30b-a3b) at <= 128 rows per expert -> 128-wide tiles; from 256 rows, and for
   // deepseek-v3 FC2 (N 7168), 256
   EXPECT_EQ(select_gemm_tiles(hint(128, 64, 1536, 2048)).block_n, 128);
-  EXPECT_EQ(select_gemm_tiles(hint(8, 64, 2048, 768)).block_n, 128);
+  EXPECT_EQ(select_gemm_tiles(hint(32, 64, 2048, 768)).block_n, 128);
+  EXPECT_EQ(select_gemm_tiles(hint(8, 64, 2048, 768)).block_n, 256);  // 16-row swapped tiles: 256 wide
   EXPECT_EQ(select_gemm_tiles(hint(256, 64, 1536, 2048)).block_n, 256);
   EXPECT_EQ(select_gemm_tiles(hint(256, 64, 2048, 768)).block_n, 256);
   EXPECT_EQ(select_gemm_tiles(hint(256, 64, 7168, 2048)).block_n, 256);
   EXPECT_EQ(select_gemm_tiles(hint(1024, 64, 1536, 2048)).block_n, 256);
   EXPECT_EQ(select_gemm_tiles(hint(256, 64, 1536, 2048, GemmEpilogue::kSwigluFp8)).block_n, 256);
   EXPECT_EQ(select_gemm_tiles(hint(512, 32, 4096, 7168)).num_sms, 132);
+  // 16-row (swapped) tiles only for fp8 with bf16 rows out: SwiGLU and bf16 keep 64 at decode
+  EXPECT_EQ(select_gemm_tiles(hint(8, 32, 4096, 7168, GemmEpilogue::kSwigluFp8)).block_m, 64);
+  GemmShapeHint bf16 = hint(8, 32, 4096, 7168);
+  bf16.fp8 = false;
+  EXPECT_EQ(select_gemm_tiles(bf16).block_m, 64);
+  megamoe::Knobs k16;
+  k16.block_m = 16;
+  EXPECT_EQ(select_gemm_tiles(hint(8, 32, 4096, 7168, GemmEpilogue::kSwigluFp8), &k16).block_m, 64);
+  EXPECT_EQ(select_gemm_tiles(hint(512, 32, 4096, 7168), &k16).block_m, 16);
 }
 
 TEST(GemmHeuristic, KnobOverridesFieldByField) {
@@ -221,6 +234,15 @@ TEST(GemmValidate, MessagesNameTheField) {
   a.d_scales = reinterpret_cast<float*>(dummy);
   st = validate_grouped_gemm(a);
   EXPECT_NE(st.message().find("tiles.block_n"), std::string::npos) << st.message();
+  a.tiles.block_n = 256;
+  a.tiles.block_m = 16;  // 16-row tiles: fp8 with the store-bf16 epilogue only
+  st = validate_grouped_gemm(a);
+  EXPECT_NE(st.message().find("tiles.block_m=16"), std::string::npos) << st.message();
+  a.epilogue = GemmEpilogue::kStoreBf16;
+  EXPECT_TRUE(validate_grouped_gemm(a).is_ok()) << validate_grouped_gemm(a).message();
+  a.probe = megamoe::gemm::GemmProbe::kStream;  // a probe needs the timeline
+  st = validate_grouped_gemm(a);
+  EXPECT_NE(st.message().find("probe"), std::string::npos) << st.message();
 }
 
 // Rows written into several buffers (each rank's combine region): the rules name their field.

@@ -345,6 +345,11 @@ std::vector<GemmCase> store_cases() {
       {"Fp8_Qwen3_FC1_N1536_K2048", F, C, 1536, 2048, {200, 13, 0}, 0, 0, true, false},
       {"Fp8_Qwen3_FC2_N2048_K768", F, C, 2048, 768, {200, 13, 0}, 0, 0, true, false},
       {"Fp8_Qwen3_FC2_Masked_N2048_K768", F, M, 2048, 768, {9, 0, 32}, 0, 0, false, false},
+      // 16-row decode tiles, operands swapped (tokens as wgmma's N): experts of 17 and 40 rows span 2
+      // and 3 m-blocks, segment starts not a multiple of 4, rows 1..16 of a tile
+      {"Fp8_Contig_Unpadded_BM16_BN128", F, C, 256, 384, {1, 7, 15, 16, 17, 0, 40}, 16, 128, false, false},
+      {"Fp8_Masked_BM16_BN256", F, M, 512, 512, {8, 0, 1, 16, 33}, 16, 256, false, false},
+      {"Fp8_Qwen3_FC2_Masked_BM16_N2048_K768", F, M, 2048, 768, {8, 16, 0, 5}, 16, 128, false, false},
       {"Bf16_Contig_BM128_BN256", H, C, 512, 384, {1, 7, 129, 0, 64}, 128, 256, true, false},
       {"Bf16_Contig_BM64_BN128", H, C, 384, 256, {63, 65}, 64, 128, false, false},
       {"Bf16_Masked_BM64", H, M, 256, 512, {8, 0, 33}, 64, 256, false, false},
@@ -377,44 +382,48 @@ TEST(Sm90GroupedGemm, Fp8_RowMapAndWeights) {
   DevBuf<float> dsa(p.a_scales), dsb(p.b_scales), dw(weight);
   DevBuf<int32_t> doff(p.offsets), dmap(row_map);
   DevBuf<uint16_t> dd(out_rows * p.N);
-  CUDA_OK(cudaMemset(dd.p, 0xFF, out_rows * p.N * 2));
-  GroupedGemmArgs a;
-  a.num_experts = p.E;
-  a.n = p.N;
-  a.k = p.K;
-  a.a = da.p;
-  a.m_rows = p.m_rows;
-  a.a_scales = dsa.p;
-  a.ld_a_scales = p.ld_sa;
-  a.expert_offsets = doff.p;
-  a.b = db.p;
-  a.b_scales = dsb.p;
-  a.d = dd.p;
-  a.row_map = dmap.p;
-  a.row_weight = dw.p;
-  const megamoe::Status st = megamoe::gemm::launch_grouped_gemm(a, nullptr);
-  ASSERT_TRUE(st.is_ok()) << st.to_string();
-  CUDA_OK(cudaDeviceSynchronize());
-  const std::vector<uint16_t> d = dd.get();
-  double num = 0, den = 0;
-  std::vector<bool> written(out_rows, false);
-  for (int64_t r = 0; r < rows; ++r) {
-    if (std::isnan(ref[r * p.N]) || row_map[r] < 0) continue;
-    written[row_map[r]] = true;
-    for (int64_t n = 0; n < p.N; ++n) {
-      const double rv = fmt::round_to_bf16(float(ref[r * p.N + n] * weight[r]));
-      const double g = bf16_at(d, int64_t(row_map[r]) * p.N + n);
-      num += (g - rv) * (g - rv);
-      den += rv * rv;
+  // the heuristic's tiles (128 rows) and the swapped 16-row decode tiles
+  for (const int block_m : {0, 16}) {
+    CUDA_OK(cudaMemset(dd.p, 0xFF, out_rows * p.N * 2));
+    GroupedGemmArgs a;
+    a.num_experts = p.E;
+    a.n = p.N;
+    a.k = p.K;
+    a.a = da.p;
+    a.m_rows = p.m_rows;
+    a.a_scales = dsa.p;
+    a.ld_a_scales = p.ld_sa;
+    a.expert_offsets = doff.p;
+    a.b = db.p;
+    a.b_scales = dsb.p;
+    a.d = dd.p;
+    a.row_map = dmap.p;
+    a.row_weight = dw.p;
+    a.tiles.block_m = block_m;
+    const megamoe::Status st = megamoe::gemm::launch_grouped_gemm(a, nullptr);
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+    CUDA_OK(cudaDeviceSynchronize());
+    const std::vector<uint16_t> d = dd.get();
+    double num = 0, den = 0;
+    std::vector<bool> written(out_rows, false);
+    for (int64_t r = 0; r < rows; ++r) {
+      if (std::isnan(ref[r * p.N]) || row_map[r] < 0) continue;
+      written[row_map[r]] = true;
+      for (int64_t n = 0; n < p.N; ++n) {
+        const double rv = fmt::round_to_bf16(float(ref[r * p.N + n] * weight[r]));
+        const double g = bf16_at(d, int64_t(row_map[r]) * p.N + n);
+        num += (g - rv) * (g - rv);
+        den += rv * rv;
+      }
     }
+    const double rel = std::sqrt(num / den);
+    std::printf("  row_map + weights, block_m %d: rel_l2 = %.3e\n", block_m, rel);
+    EXPECT_LE(rel, 1e-3);
+    for (int64_t o = 0; o < out_rows; ++o)
+      if (!written[o]) {
+        EXPECT_EQ(d[o * p.N], 0xFFFF) << "row " << o << " written but no A row maps to it";
+      }
   }
-  const double rel = std::sqrt(num / den);
-  std::printf("  row_map + weights: rel_l2 = %.3e\n", rel);
-  EXPECT_LE(rel, 1e-3);
-  for (int64_t o = 0; o < out_rows; ++o)
-    if (!written[o]) {
-      EXPECT_EQ(d[o * p.N], 0xFFFF) << "row " << o << " written but no A row maps to it";
-    }
 }
 
 // FC1 with SwiGLU + fp8 requant: codes and scales against the CPU codec on the float64 GEMM.

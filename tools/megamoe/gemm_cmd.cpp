@@ -56,6 +56,7 @@ struct BenchOptions {
   std::string presets = "deepseek-v3,qwen3-30b-a3b";
   std::string experts;  // empty: the model's default list
   std::string tokens;   // empty: the model's default list
+  int64_t hidden = 0, intermediate = 0;  // 0: the model's
   std::string fcs = "fc1,fc2";
   std::string layout = "auto";  // auto: masked at <= 32 tokens per expert, else contiguous
   bool swiglu = true;           // also time FC1 with the SwiGLU + fp8 requant epilogue
@@ -63,6 +64,9 @@ struct BenchOptions {
   int block_m = 0, block_n = 0, num_sms = 0;
   std::string schedule = "auto";  // auto (the heuristic), dynamic (a global tile counter) or static (round-robin)
   std::string flush = "memset";      // memset (dirty L2) or read (clean L2) before each timed launch
+  std::string weights_l2 = "normal";  // L2 policy of weight tiles read once: normal (the library default) or evict-first
+  std::string probe = "none";        // none, stream (no MMA / epilogue) or no-epilogue: where the time goes
+  std::string trace;                 // per-CTA timeline of one more launch per case, as JSON (empty: none)
   int iters = 20, warmup = 3;
   std::string json;
 };
@@ -197,6 +201,93 @@ struct CublasFp8 {
   }
 };
 
+// One more flushed launch with the GEMM's timeline on (GroupedGemmArgs::trace): prints where its time
+// went and appends the stamps to `json` (one object per case, µs from the first CTA's start).
+constexpr int kTraceTiles = 1 << 16;
+
+double pct(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, size_t(q * double(v.size() - 1) + 0.5))];
+}
+
+void trace_case(GroupedGemmArgs g, const L2Flush& flush, cudaStream_t s, double weight_bytes, const std::string& label,
+                std::ostream* json) {
+  int sms = 0, dev = 0;
+  cuda_check(cudaGetDevice(&dev), "cudaGetDevice");
+  cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
+  const int64_t header = int64_t(sms) * gemm::kTraceWordsHeader;
+  const int64_t words = header + int64_t(kTraceTiles) * gemm::kTraceWordsPerTile;
+  uint64_t* dtrace = nullptr;
+  cuda_check(cudaMalloc(&dtrace, words * 8), "cudaMalloc(trace)");
+  cuda_check(cudaMemset(dtrace, 0, words * 8), "cudaMemset(trace)");
+  g.trace = dtrace;
+  g.trace_max_tiles = kTraceTiles;
+  flush.run(0, s);
+  gemm::GemmTileConfig used;
+  const Status st = gemm::launch_grouped_gemm(g, s, &used);
+  if (!st.is_ok()) fail(kExitUnavailable, st.to_string());
+  cuda_check(cudaStreamSynchronize(s), "traced launch");
+  std::vector<uint64_t> h(words);
+  cuda_check(cudaMemcpy(h.data(), dtrace, words * 8, cudaMemcpyDeviceToHost), "copy trace");
+  cudaFree(dtrace);
+  uint64_t t0 = ~0ull;
+  int ctas = 0;
+  for (int c = 0; c < sms; ++c)
+    if (h[c * gemm::kTraceWordsHeader] != 0) {
+      t0 = std::min(t0, h[c * gemm::kTraceWordsHeader]);
+      ctas = c + 1;
+    }
+  if (ctas == 0) return;
+  auto us = [t0](uint64_t t) { return t == 0 ? 0.0 : double(t - t0) * 1e-3; };
+  // each CTA's tiles in the order it ran them
+  std::vector<std::vector<const uint64_t*>> tiles(ctas);
+  for (int64_t t = 0; t < kTraceTiles; ++t) {
+    const uint64_t* r = &h[header + t * gemm::kTraceWordsPerTile];
+    if (r[0] >= 1 && r[0] <= uint64_t(ctas) && r[5] != 0) tiles[r[0] - 1].push_back(r);
+  }
+  std::vector<double> tables, first, done, kloop, epi, gap, ntiles;
+  for (int c = 0; c < ctas; ++c) {
+    const uint64_t* hd = &h[c * gemm::kTraceWordsHeader];
+    tables.push_back(us(hd[1]));
+    done.push_back(us(hd[3]));
+    auto& v = tiles[c];
+    std::sort(v.begin(), v.end(), [](const uint64_t* a, const uint64_t* b) { return a[3] < b[3]; });
+    for (size_t j = 0; j < v.size(); ++j) {
+      if (j == 0) first.push_back(us(v[j][3]));
+      kloop.push_back(double(v[j][4] - v[j][3]) * 1e-3);
+      epi.push_back(double(v[j][5] - v[j][4]) * 1e-3);
+      if (j + 1 < v.size()) gap.push_back(double(v[j + 1][3] - v[j][5]) * 1e-3);
+    }
+    ntiles.push_back(double(v.size()));
+  }
+  const double span = pct(done, 0.5) - pct(first, 0.5);
+  std::printf("  # trace %s (%s): %d CTAs, tiles/CTA %.0f-%.0f; µs from the first CTA's start: tables med %.2f, first "
+              "data min/med/max %.2f/%.2f/%.2f, done min/med/max %.2f/%.2f/%.2f; per tile med (p90): K loop %.2f (%.2f), "
+              "epilogue %.2f (%.2f), wait for the next %.2f (%.2f); weights over first data..done (medians) %.0f GB/s\n",
+              label.c_str(), used.to_string().c_str(), ctas, pct(ntiles, 0), pct(ntiles, 1), pct(tables, 0.5),
+              pct(first, 0), pct(first, 0.5), pct(first, 1), pct(done, 0), pct(done, 0.5), pct(done, 1),
+              pct(kloop, 0.5), pct(kloop, 0.9), pct(epi, 0.5), pct(epi, 0.9), pct(gap, 0.5), pct(gap, 0.9),
+              span > 0 ? weight_bytes / (span * 1e-6) / 1e9 : 0.0);
+  if (json != nullptr) {
+    *json << "{\"case\": \"" << label << "\", \"tiles\": \"" << used.to_string()
+          << "\", \"tile_fields\": [\"id\", \"claimed\", \"issued\", \"first_data\", \"k_loop_done\", "
+             "\"epilogue_done\"], \"ctas\": [";
+    for (int c = 0; c < ctas; ++c) {
+      const uint64_t* hd = &h[c * gemm::kTraceWordsHeader];
+      *json << (c ? ",\n  " : "\n  ") << "{\"start\": " << us(hd[0]) << ", \"tables\": " << us(hd[1])
+            << ", \"producer_done\": " << us(hd[2]) << ", \"math_done\": " << us(hd[3]) << ", \"tiles\": [";
+      for (size_t j = 0; j < tiles[c].size(); ++j) {
+        const uint64_t* r = tiles[c][j];
+        *json << (j ? ", " : "") << "[" << (r - &h[header]) / gemm::kTraceWordsPerTile << ", " << us(r[1]) << ", "
+              << us(r[2]) << ", " << us(r[3]) << ", " << us(r[4]) << ", " << us(r[5]) << "]";
+      }
+      *json << "]}";
+    }
+    *json << "]}";
+  }
+}
+
 struct Row {
   std::string model, fc, layout, tiles;
   int64_t experts, tokens, n, k;
@@ -235,6 +326,13 @@ int run_bench_gemm(const BenchOptions& o) {
   cuda_check(cudaMemset(tile_counter, 0, 2 * sizeof(int32_t)), "cudaMemset(tile counter)");
   CublasFp8* cublas = o.cublas ? new CublasFp8() : nullptr;
   std::vector<Row> rows;
+  std::ofstream trace_json;
+  if (!o.trace.empty()) {
+    trace_json.open(o.trace);
+    if (!trace_json) fail(kExitIo, "cannot write --trace file '" + o.trace + "'");
+    trace_json << "[\n";
+  }
+  bool first_trace = true;
 
   std::vector<std::string> models;
   {
@@ -247,6 +345,10 @@ int run_bench_gemm(const BenchOptions& o) {
     for (const ModelShape& m : kModels)
       if (mname == m.name) ms = &m;
     if (ms == nullptr) fail(kExitUsage, "invalid value for --preset: '" + mname + "', must be deepseek-v3 or qwen3-30b-a3b");
+    ModelShape shape = *ms;
+    if (o.hidden > 0) shape.hidden = o.hidden;
+    if (o.intermediate > 0) shape.intermediate = o.intermediate;
+    ms = &shape;
     const std::vector<int64_t> experts = parse_list("--experts", o.experts.empty() ? ms->experts : o.experts);
     const std::vector<int64_t> tokens = parse_list("--tokens", o.tokens.empty() ? ms->tokens : o.tokens);
     for (int64_t E : experts)
@@ -301,13 +403,19 @@ int run_bench_gemm(const BenchOptions& o) {
           g.d = d;
           g.d_scales = swiglu ? sd : nullptr;
           g.expected_m_per_expert = T;
-          g.tiles.block_m = o.block_m;
+          g.tiles.block_m = swiglu && o.block_m == 16 ? 0 : o.block_m;  // 16-row tiles: store-bf16 only
           g.tiles.block_n = swiglu && o.block_n == 128 ? 0 : o.block_n;
           g.tiles.num_sms = o.num_sms;
           g.tile_counter = tile_counter;
-          g.tile_order = o.schedule == "static"    ? gemm::GemmTileOrder::kRoundRobin
-                         : o.schedule == "dynamic" ? gemm::GemmTileOrder::kCounter
-                                                   : gemm::GemmTileOrder::kAuto;
+          g.weights_evict_first = o.weights_l2 == "evict-first";
+          uint64_t* probe_trace = nullptr;  // a probe runs in the traced kernel: every launch gets the buffer
+          if (o.probe != "none") {
+            const int64_t words = 1024 * gemm::kTraceWordsHeader + int64_t(kTraceTiles) * gemm::kTraceWordsPerTile;
+            cuda_check(cudaMalloc(&probe_trace, words * 8), "cudaMalloc(probe trace)");
+            g.trace = probe_trace;
+            g.trace_max_tiles = kTraceTiles;
+            g.probe = o.probe == "stream" ? gemm::GemmProbe::kStream : gemm::GemmProbe::kNoEpilogue;
+          }
           gemm::GemmTileConfig used;
           Status st = gemm::launch_grouped_gemm(g, s, &used);
           if (!st.is_ok()) fail(kExitUnavailable, st.to_string());
@@ -317,7 +425,7 @@ int run_bench_gemm(const BenchOptions& o) {
           r.fc = fc.first;
           r.layout = masked ? "masked" : "contiguous";
           r.tiles = std::to_string(used.block_m) + "x" + std::to_string(used.block_n) +
-                    (used.round_robin ? " static" : "");
+                    (used.round_robin ? " static" : "") + (o.probe != "none" ? " probe:" + o.probe : "");
           r.experts = E;
           r.tokens = T;
           r.n = N;
@@ -345,7 +453,10 @@ int run_bench_gemm(const BenchOptions& o) {
             }
           }
           std::ostringstream cmd;
-          cmd << "megamoe bench-gemm --preset " << ms->name << " --experts " << E << " --tokens " << T << " --fc "
+          cmd << "megamoe bench-gemm --preset " << ms->name;
+          if (o.hidden > 0) cmd << " --hidden " << o.hidden;
+          if (o.intermediate > 0) cmd << " --intermediate " << o.intermediate;
+          cmd << " --experts " << E << " --tokens " << T << " --fc "
               << (is_fc1 ? "fc1" : "fc2") << " --layout " << r.layout;
           r.command = cmd.str();
           std::printf("  %-13s %-10s %4lld %5lld %-10s %-22s %9.1f %8.1f %8.1f %8.0f %8.1f %9.0f | %9.1f %8.1f %8.1f %6.3f "
@@ -355,6 +466,13 @@ int run_bench_gemm(const BenchOptions& o) {
                       r.peer_ok ? r.peer.med_us : 0.0, r.peer_ok ? r.peer.kernel_med_us : 0.0, r.peer_tflops, r.ratio,
                       r.ours.med_us / r.floor_us, r.command.c_str());
           std::fflush(stdout);
+          if (!o.trace.empty()) {
+            if (!first_trace) trace_json << ",\n";
+            first_trace = false;
+            trace_case(g, flush, s, wbytes, r.model + " " + r.fc + " " + std::to_string(E) + "x" + std::to_string(T),
+                       &trace_json);
+            std::fflush(stdout);
+          }
           rows.push_back(r);
           cudaFree(a);
           cudaFree(b);
@@ -363,9 +481,11 @@ int run_bench_gemm(const BenchOptions& o) {
           cudaFree(sb);
           cudaFree(sd);
           cudaFree(seg);
+          cudaFree(probe_trace);
         }
       }
   }
+  if (trace_json.is_open()) trace_json << "\n]\n";
   delete cublas;
   cudaFree(flush.buf);
   cudaFree(tile_counter);
@@ -399,11 +519,16 @@ CLI::App* add_flags(CLI::App* app, BenchOptions* o) {
   sub->add_option("--preset", o->presets, "models, comma-separated: deepseek-v3, qwen3-30b-a3b")->capture_default_str();
   sub->add_option("--experts", o->experts, "local experts, comma-separated (default: 32,128 / 64)");
   sub->add_option("--tokens", o->tokens, "rows per expert, comma-separated (default: 8,32,128,512,2048 / 8,32,256,1024)");
+  sub->add_option("--hidden", o->hidden, "hidden size H instead of the preset's (FC1 K, FC2 N; a multiple of 128)")
+      ->check(CLI::Range(int64_t(128), int64_t(1) << 16));
+  sub->add_option("--intermediate", o->intermediate,
+                  "expert intermediate size I instead of the preset's (FC1 N = 2I, FC2 K; a multiple of 128)")
+      ->check(CLI::Range(int64_t(128), int64_t(1) << 16));
   sub->add_option("--fc", o->fcs, "fc1, fc2 or fc1,fc2")->capture_default_str();
   sub->add_option("--layout", o->layout, "auto (masked at <= 32 rows per expert), contiguous or masked")->capture_default_str();
   sub->add_flag("!--no-swiglu", o->swiglu, "skip the FC1 + SwiGLU + fp8 requant rows");
   sub->add_flag("!--no-cublas", o->cublas, "skip the cuBLASLt peer");
-  sub->add_option("--block-m", o->block_m, "tile rows: 64 or 128 (default: heuristic)")->check(CLI::IsMember({64, 128}));
+  sub->add_option("--block-m", o->block_m, "tile rows: 16, 64 or 128 (default: heuristic)")->check(CLI::IsMember({16, 64, 128}));
   sub->add_option("--block-n", o->block_n, "tile columns: 128 or 256 (default: heuristic)")->check(CLI::IsMember({128, 256}));
   sub->add_option("--num-sms", o->num_sms, "persistent CTAs (default: all SMs)")->check(CLI::Range(1, 1 << 20));
   sub->add_option("--schedule", o->schedule,
@@ -415,6 +540,19 @@ CLI::App* add_flags(CLI::App* app, BenchOptions* o) {
                   "read (256 MiB read: L2 left clean)")
       ->capture_default_str()
       ->check(CLI::IsMember({"memset", "read"}));
+  sub->add_option("--weights-l2", o->weights_l2,
+                  "L2 policy of the weight tiles each read by one tile only (experts of <= BLOCK_M rows): evict-first "
+                  "or normal")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"evict-first", "normal"}));
+  sub->add_option("--probe", o->probe,
+                  "where the time goes (the output is not computed): stream (the math only waits for and releases "
+                  "each K block: the weight stream alone) or no-epilogue")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"none", "stream", "no-epilogue"}));
+  sub->add_option("--trace", o->trace,
+                  "after each case, one more launch with the kernel's timeline (per CTA and tile): a summary line, and "
+                  "the stamps as JSON in this file");
   sub->add_option("--iters", o->iters, "timed launches per case")->capture_default_str()->check(CLI::Range(1, 100000));
   sub->add_option("--warmup", o->warmup, "untimed launches per case")->capture_default_str()->check(CLI::Range(0, 1000));
   sub->add_option("--json", o->json, "also write the rows as JSON to this file");

@@ -17,7 +17,18 @@ GemmTileConfig select_gemm_tiles(const GemmShapeHint& hint, const Knobs* overrid
   };
   GemmTileConfig c;
   c.num_sms = sms;
-  if (hint.m_per_expert <= 64) {
+  const bool swap_ok = hint.fp8 && !swiglu;  // 16-row tiles: operands swapped, bf16 rows out
+  if (hint.m_per_expert <= 16 && swap_ok) {
+    // decode, <= 16 rows per expert (FC2, or FC1 without SwiGLU): 16-row tiles with the operands
+    // swapped (the weights as wgmma's M, the tokens as its N = 16): the tensor cores spend 16 MACs
+    // per weight byte instead of the 64 of an m64 tile, so the math keeps up with the weight stream;
+    // 256 wide: 6 stages of 32 KiB of weights in flight per SM. Measured on H200 (session 11,
+    // `bench-gemm --flush read`, kernel µs, against 64 x 128 / 64 x 256 tiles): qwen3-30b-a3b FC2
+    // 64 x 8 29.6 / 29.8 (16 x 128: 30.1 / 30.2; 64 x 128: 31.3 / 31.4), deepseek-v3 FC2 32 x 8
+    // 115.0 / 115.1 (116.3 / 116.4), FC1 unchanged. At 32 rows (2 m-blocks) they lose: 44.9 vs 32.2.
+    c.block_m = 16;
+    c.block_n = 256;
+  } else if (hint.m_per_expert <= 64) {
     // decode (masked or small pools), <= 64 rows per expert: one math warpgroup, the widest N tile;
     // the kernel streams weights, so bytes in flight per SM (5 stages of 40 KiB) are what count.
     c.block_m = 64;
@@ -36,14 +47,15 @@ GemmTileConfig select_gemm_tiles(const GemmShapeHint& hint, const Knobs* overrid
   // wins: FC1 113.5 vs 103.4, FC2 72.5 vs 66.6; 512 rows 210.6 vs 187.6, 134.6 vs 120.0. (An
   // earlier kernel measured 128-wide ahead at 256 rows too; the SwiGLU, scheduling and stmatrix
   // changes since moved it.)
-  if (!swiglu && hint.n <= 2048 && hint.m_per_expert <= 128) c.block_n = 128;
+  if (!swiglu && hint.n <= 2048 && hint.m_per_expert <= 128 && c.block_m != 16) c.block_n = 128;
   // few tiles for the SMs (e.g. FC2 of a small model at small batch): narrower N tiles give the
   // persistent grid more work items.
   if (!swiglu && c.block_n == 256) {
     if (expected_tiles(c.block_m, 256) < sms) c.block_n = 128;
   }
   if (overrides != nullptr) {
-    if (overrides->block_m == 64 || overrides->block_m == 128) c.block_m = overrides->block_m;
+    if ((overrides->block_m == 16 && swap_ok) || overrides->block_m == 64 || overrides->block_m == 128)
+      c.block_m = overrides->block_m;
     if ((overrides->block_n == 128 && !swiglu && hint.n % 128 == 0) ||
         (overrides->block_n == 256 && hint.n % 256 == 0))
       c.block_n = overrides->block_n;

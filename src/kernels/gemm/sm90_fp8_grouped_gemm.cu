@@ -161,11 +161,19 @@ Status validate_grouped_gemm(const GroupedGemmArgs& a) {
     if (ld < a.m_rows) return bad("ld_d_scales", std::to_string(ld), "must be >= m_rows");
   }
   const GemmTileConfig& t = a.tiles;
-  if (t.block_m != 0 && t.block_m != 64 && t.block_m != 128) return bad("tiles.block_m", std::to_string(t.block_m), "must be 0, 64 or 128");
+  if (t.block_m != 0 && t.block_m != 16 && t.block_m != 64 && t.block_m != 128)
+    return bad("tiles.block_m", std::to_string(t.block_m), "must be 0, 16, 64 or 128");
   if (t.block_n != 0 && t.block_n != 128 && t.block_n != 256) return bad("tiles.block_n", std::to_string(t.block_n), "must be 0, 128 or 256");
   if (t.block_n != 0 && a.n % t.block_n != 0) return bad("tiles.block_n", std::to_string(t.block_n), "must divide n");
   if (swiglu && t.block_n == 128) return bad("tiles.block_n", "128", "the SwiGLU epilogues need 256 (128 gate + 128 up)");
   if (t.num_sms < 0) return bad("tiles.num_sms", std::to_string(t.num_sms), "must be >= 0");
+  if (a.trace_max_tiles < 0) return bad("trace_max_tiles", std::to_string(a.trace_max_tiles), "must be >= 0");
+  if (a.trace_max_tiles > 0 && a.trace == nullptr) return bad("trace", "null", "required with trace_max_tiles > 0");
+  if (a.trace_max_tiles > 0 && !fp8) return bad("trace_max_tiles", std::to_string(a.trace_max_tiles), "the timeline is kept for dtype fp8-block only");
+  if (a.probe != GemmProbe::kNone && a.trace_max_tiles <= 0)
+    return bad("probe", std::to_string(int(a.probe)), "needs the timeline (trace, trace_max_tiles > 0)");
+  if (t.block_m == 16 && (!fp8 || swiglu))
+    return bad("tiles.block_m", "16", "16-row tiles need dtype fp8-block and the store-bf16 epilogue");
   return Status::ok();
 }
 
@@ -185,6 +193,7 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream, Gem
   hint.n = args.n;
   hint.k = args.k;
   hint.epilogue = args.epilogue;
+  hint.fp8 = fp8;
   hint.num_sms = dev.sms;
   Knobs overrides;
   overrides.block_m = args.tiles.block_m;
@@ -241,6 +250,10 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream, Gem
   p.pow2_scales = args.pow2_scales ? 1 : 0;
   p.tile_counter = cfg.round_robin ? nullptr : args.tile_counter;
   p.tma_store = tma_store ? 1 : 0;
+  p.b_evict_first = args.weights_evict_first ? 1 : 0;
+  p.trace = args.trace_max_tiles > 0 ? args.trace : nullptr;
+  p.trace_max_tiles = args.trace_max_tiles;
+  p.probe = p.trace != nullptr ? int32_t(args.probe) : 0;
 
   // Persistent grid: all SMs, fewer when the contiguous pool cannot have that many tiles.
   int64_t grid = cfg.num_sms > 0 ? std::min(cfg.num_sms, dev.sms) : dev.sms;

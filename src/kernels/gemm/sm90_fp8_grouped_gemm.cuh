@@ -9,6 +9,7 @@
 //
 // Kernel (one CTA per SM, persistent; tiles from a global counter in order, or CTA i runs tiles i,
 // i + grid, ... without one; see grouped_scheduler.h and next_tile()):
+//   (BLOCK_M 16, fp8 decode: the operands swapped, see "swapped operands" below)
 //   warpgroups 0 .. kNumMathWG-1  math: each owns 64 rows of the BLOCK_M tile and all BLOCK_N
 //                                 columns, issued as BLOCK_N/128 chunks of wgmma m64n128 (one temp
 //                                 accumulator, promoted into a final accumulator per chunk), then
@@ -37,9 +38,11 @@
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/common/sm90_quant.cuh"
 #include "kernels/gemm/grouped_scheduler.h"
+#include "kernels/gemm/sm90_fp8_grouped_gemm.h"
 #include "kernels/gemm/sm90_gemm_ptx.cuh"
 #include "megamoe/formats.h"
 
@@ -80,6 +83,20 @@ struct GroupedGemmParams {
   // kEpiStoreBf16 with identity rows (no row_map, no peer buffers): the kernel's tmap_d describes D
   // and full 16-row slabs go out as TMA tensor stores (epilogue_store_bf16).
   int32_t tma_store;
+  // 1: the weight tiles of experts with at most BLOCK_M rows load with L2 evict-first (each is read by
+  // one tile only, so streaming it should not evict what L2 keeps for later); 0: default policy.
+  int32_t b_evict_first;
+  // Timeline for bench tools (null: off), %globaltimer ns: [grid][kTraceWordsHeader] per CTA (start,
+  // scheduler tables built, producer done, math done), then [trace_max_tiles][kTraceWordsPerTile] per
+  // tile id (CTA + 1, producer claimed it, issued its last K block, math saw its first K block,
+  // finished its K loop, finished its epilogue); tiles from trace_max_tiles on are not stamped.
+  // Only the kernel's kTrace instantiation (fp8) reads it.
+  uint64_t* trace;
+  int32_t trace_max_tiles;
+  // Probe (kTrace kernel only, bench tools; the output is not computed): 1 = the math warpgroups only
+  // wait for each K block and release it (no MMA, no epilogue: the weight stream alone), 2 = no
+  // epilogue. 0 = off.
+  int32_t probe;
 };
 
 template <int kBlockM_, int kBlockN_, bool kFp8_, int kEpilogue_>
@@ -90,7 +107,11 @@ struct GroupedGemmConfig {
   static constexpr int kEpilogue = kEpilogue_;
   static constexpr int kBlockKBytes = 128;            // one 128-byte swizzle row per tile row
   static constexpr int kBlockK = kFp8 ? 128 : 64;     // elements per K block
-  static constexpr int kNumMathWG = kBlockM / 64;
+  // BLOCK_M 16 (decode, fp8, bf16 rows out): operands swapped. The weights are wgmma's A (M = the
+  // tile's BLOCK_N weight rows in m64 halves), the 16 tokens its B (N = 16): 16 MACs per weight byte
+  // instead of the 64 an m64 tile of 1-16 real rows costs. One math warpgroup; 2 KiB A slots.
+  static constexpr bool kSwapAB = kBlockM == 16;
+  static constexpr int kNumMathWG = kBlockM <= 64 ? 1 : kBlockM / 64;
   static constexpr int kNumChunks = kBlockN / 128;
   static constexpr int kNumThreads = 128 * (kNumMathWG + 1);
   static constexpr int kMathThreads = 128 * kNumMathWG;
@@ -108,14 +129,15 @@ struct GroupedGemmConfig {
   static constexpr int kStageOut = kEpilogue == 0 /* kEpiStoreBf16 */ ? kNumMathWG * 4 * 2048 : 0;
   static constexpr int kSmemBudget = 227 * 1024 - 1024 /* alignment slack */ - 8 * 1024 /* tables */ - kStageOut;
   static constexpr int kStagesFit = kSmemBudget / kStageBytes;
-  static constexpr int kStages = kStagesFit > 8 ? 8 : kStagesFit;
+  static constexpr int kStages = kStagesFit > 12 ? 12 : kStagesFit;
   static constexpr uint32_t kTxBytes = kStageA + kStageB + (kFp8 ? kSfaBox * 4 : 0);
   static constexpr int kMaxExperts = 512;
   // setmaxnreg budgets (64K registers per SM): the producer shrinks to 56 (the tile counter's loop
   // spilled at 48), the math warpgroups grow to 224.
   static constexpr uint32_t kProducerRegs = kNumMathWG == 1 ? 96 : 56;
   static constexpr uint32_t kMathRegs = kNumMathWG == 1 ? 256 : 224;  // scheduler tables: 3 * (E + 1) int32 <= 8 KiB
-  static_assert(kBlockM == 64 || kBlockM == 128, "BLOCK_M is 64 or 128");
+  static_assert(kBlockM == 16 || kBlockM == 64 || kBlockM == 128, "BLOCK_M is 16, 64 or 128");
+  static_assert(!kSwapAB || (kFp8 && kEpilogue == 0 /* kEpiStoreBf16 */), "16-row tiles: fp8 with bf16 rows out");
   static_assert(kBlockN == 128 || kBlockN == 256, "BLOCK_N is 128 or 256");
   static_assert(kEpilogue == kEpiStoreBf16 || kBlockN == 256, "SwiGLU tiles hold 128 gate + 128 up columns");
   static_assert(kStages >= 3, "pipeline too shallow");
@@ -245,11 +267,12 @@ __device__ __forceinline__ int32_t sfa_box_start(const GroupedGemmParams& p, con
 
 // Loads every K block of tile `tile_id` (= t) into the ring; the slot of its first K block also
 // carries the tile id, which is how the math warpgroups learn their next tile. Called by one thread.
-template <class Cfg>
+// kEvictFirst: B with the L2 evict-first policy `b_policy` (a separate loop, so each stays unrolled).
+template <class Cfg, bool kEvictFirst>
 __device__ __forceinline__ void produce_tile(const GroupedGemmSmem<Cfg>& sm, PipeState& pipe, int32_t tile_id,
                                              const GroupedTile& t, const GroupedGemmParams& p,
                                              const CUtensorMap* tmap_a, const CUtensorMap* tmap_b,
-                                             const CUtensorMap* tmap_sfa) {
+                                             const CUtensorMap* tmap_sfa, uint64_t b_policy) {
   const int num_kb = p.k / Cfg::kBlockK;
   const int32_t b_row = t.expert * p.n + t.n_block * Cfg::kBlockN;
   const float* sfb_tile = nullptr;
@@ -260,7 +283,10 @@ __device__ __forceinline__ void produce_tile(const GroupedGemmSmem<Cfg>& sm, Pip
     if (kb == 0) sm.tile_of_stage[pipe.stage] = tile_id;  // published by the arrive below (release)
     ptx::mbar_arrive_expect_tx(full, Cfg::kTxBytes);
     ptx::tma_load_2d(sm.a + pipe.stage * Cfg::kStageA, tmap_a, full, kb * Cfg::kBlockKBytes, t.row0);
-    ptx::tma_load_2d(sm.b + pipe.stage * Cfg::kStageB, tmap_b, full, kb * Cfg::kBlockKBytes, b_row);
+    if constexpr (kEvictFirst)
+      ptx::tma_load_2d_hint(sm.b + pipe.stage * Cfg::kStageB, tmap_b, full, kb * Cfg::kBlockKBytes, b_row, b_policy);
+    else
+      ptx::tma_load_2d(sm.b + pipe.stage * Cfg::kStageB, tmap_b, full, kb * Cfg::kBlockKBytes, b_row);
     if constexpr (Cfg::kFp8) {
       const int32_t sfa_x = sfa_box_start(p, t);
       const int32_t sfa_y = p.layout == kLayoutMasked ? t.expert * num_kb + kb : kb;
@@ -397,6 +423,74 @@ __device__ __forceinline__ void math_tile(const GroupedGemmSmem<Cfg>& sm, PipeSt
   }
 }
 
+// ---- swapped operands (BLOCK_M 16, fp8, bf16 rows out) ------------------------------------------------
+//
+// The weights are wgmma's A: the tile's BLOCK_N weight rows in m64 halves (chunk c, half h: rows
+// 128c + 64h ..), read from the B slot; the tile's 16 token rows are wgmma's B (N = 16), the 2 KiB A
+// slot. Accumulator fragment of (c, h): thread (warp w, lane l) holds weight row 128c + 64h + 16w +
+// l/4 (+8) for tokens 8i + 2(l%4) + j, i, j in {0, 1} (ptx::wgmma_m64n16k32_e4m3).
+
+// One fp8 K block: every (c, h)'s four m64n16k32 wgmmas issued before one wait, then the promotion
+// acc (+)= (sa[token] * sb[c]) * tmp (kFirst: the tile's first K block, as math_k_block_fp8).
+template <class Cfg, bool kFirst>
+__device__ __forceinline__ void math_k_block_swapped(const GroupedGemmSmem<Cfg>& sm, PipeState& pipe, int box0,
+                                                     float (&acc)[Cfg::kNumChunks][2][8]) {
+  const int lane = threadIdx.x % 32, q = lane % 4;
+  ptx::mbar_wait(&sm.full[pipe.stage], pipe.phase);
+  const uint64_t desc_x = ptx::make_sw128_desc(sm.a + pipe.stage * Cfg::kStageA);
+  const uint8_t* w_tile = sm.b + pipe.stage * Cfg::kStageB;
+  const float* sfa = sm.sfa + pipe.stage * Cfg::kSfaStride + box0;
+  float sa[4];  // tokens 2q, 2q + 1, 8 + 2q, 9 + 2q
+#pragma unroll
+  for (int s = 0; s < 4; ++s) sa[s] = sfa[(s / 2) * 8 + 2 * q + (s % 2)];
+  float sb[Cfg::kNumChunks];
+#pragma unroll
+  for (int c = 0; c < Cfg::kNumChunks; ++c) sb[c] = sm.sfb[pipe.stage * 4 + c];
+  float tmp[Cfg::kNumChunks][2][8];
+#pragma unroll
+  for (int c = 0; c < Cfg::kNumChunks; ++c)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) ptx::fence_operands(tmp[c][h]);
+  ptx::wgmma_fence();
+#pragma unroll
+  for (int c = 0; c < Cfg::kNumChunks; ++c)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint64_t desc_w = ptx::make_sw128_desc(w_tile + (c * 128 + h * 64) * Cfg::kBlockKBytes);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) ptx::wgmma_m64n16k32_e4m3(tmp[c][h], desc_w + 2 * k, desc_x + 2 * k, k > 0);
+    }
+  ptx::wgmma_commit();
+  ptx::wgmma_wait<0>();
+#pragma unroll
+  for (int c = 0; c < Cfg::kNumChunks; ++c)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) ptx::fence_operands(tmp[c][h]);
+  // All reads of this slot (wgmma and scales) are done: hand it back to the producer.
+  __syncwarp();
+  if (lane == 0) ptx::mbar_arrive(&sm.empty[pipe.stage]);
+#pragma unroll
+  for (int c = 0; c < Cfg::kNumChunks; ++c)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float sc = sa[(i / 4) * 2 + (i % 2)] * sb[c];
+        acc[c][h][i] = fmaf(sc, tmp[c][h][i], kFirst ? 0.f : acc[c][h][i]);
+      }
+  pipe.advance(Cfg::kStages);
+}
+
+template <class Cfg>
+__device__ __forceinline__ void math_tile_swapped(const GroupedGemmSmem<Cfg>& sm, PipeState& pipe,
+                                                  const GroupedGemmParams& p, const GroupedTile& t,
+                                                  float (&acc)[Cfg::kNumChunks][2][8]) {
+  const int box0 = sfa_first_row(p, t) - sfa_box_start(p, t);  // the tile's first token in the scale slot
+  // invariant: num_kb >= 1 (validate_grouped_gemm: K a positive multiple of 128)
+  math_k_block_swapped<Cfg, true>(sm, pipe, box0, acc);
+  for (int kb = 1; kb < p.k / Cfg::kBlockK; ++kb) math_k_block_swapped<Cfg, false>(sm, pipe, box0, acc);
+}
+
 // ---- epilogues -------------------------------------------------------------------------------------
 
 // Where an output row goes. The default sink writes D[row_map ? row_map[a_row] : a_row], or, with
@@ -526,6 +620,56 @@ __device__ __forceinline__ void epilogue_store_bf16(const GroupedGemmSmem<Cfg>& 
     }
 }
 
+// bf16 rows of a swapped tile: token row r gets the tile's BLOCK_N columns (times row_weight[r]).
+// The fragment's 8 x 8 blocks (8 weight rows x 8 tokens) go through stmatrix.trans into staging rows
+// of one token each ([16 tokens][BLOCK_N] bf16, 16-byte pieces XOR-swizzled by token & 7: conflict-
+// free), then the warpgroup copies the 16-byte pieces of the tile's real token rows to where the sink
+// puts them. Two named barriers over the warpgroup: the staging is read before it is rewritten.
+template <class Cfg, class Sink>
+__device__ __forceinline__ void epilogue_store_swapped(const GroupedGemmSmem<Cfg>& sm,
+                                                       const float (&acc)[Cfg::kNumChunks][2][8], const GroupedTile& t,
+                                                       const Sink& sink, const float* row_weight) {
+  constexpr int kPitch = Cfg::kBlockN * 2;   // bytes per staged token row
+  constexpr int kPieces = Cfg::kBlockN / 8;  // 16-byte pieces per token row
+  static_assert(16 * kPitch <= Cfg::kStageOut, "staging holds the tile's 16 token rows");
+  const int tid = threadIdx.x % 128, lane = tid % 32, warp = tid / 32, q = lane % 4;
+  const uint32_t stage = ptx::smem_addr(sm.out);
+  float w[4] = {1.f, 1.f, 1.f, 1.f};  // weights of this thread's tokens 2q, 2q + 1, 8 + 2q, 9 + 2q
+  if (row_weight != nullptr) {
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const int tok = (s / 2) * 8 + 2 * q + (s % 2);
+      if (tok < t.rows) w[s] = row_weight[t.row0 + tok];
+    }
+  }
+  // stmatrix.trans: lane L gives row L % 8 of matrix L / 8 = 2j + hh (tokens 8j .., weight rows + 8hh)
+  const int tok_l = (lane / 16) * 8 + lane % 8, hh_l = (lane / 8) % 2;
+  ptx::named_barrier_sync(1, 128);  // the previous tile's copy-out has read the staging
+#pragma unroll
+  for (int c = 0; c < Cfg::kNumChunks; ++c)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int n0 = c * 128 + h * 64 + warp * 16 + 8 * hh_l;  // first weight row of this lane's matrix
+      const uint32_t addr = stage + tok_l * kPitch + (((n0 / 8) ^ (tok_l & 7)) << 4);
+      uint32_t r[4];  // matrix 2j + hh: (acc[4j + 2hh], acc[4j + 2hh + 1]) for tokens 8j + 2q, + 1
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        const int j = m / 2, hh = m % 2;
+        r[m] = pack_bf16x2(acc[c][h][4 * j + 2 * hh] * w[2 * j], acc[c][h][4 * j + 2 * hh + 1] * w[2 * j + 1]);
+      }
+      ptx::stmatrix_x4_trans(addr, r[0], r[1], r[2], r[3]);
+    }
+  ptx::named_barrier_sync(1, 128);
+#pragma unroll
+  for (int idx = tid; idx < 16 * kPieces; idx += 128) {
+    const int tok = idx / kPieces, piece = idx % kPieces;
+    __nv_bfloat16* out = tok < t.rows ? sink.row_ptr(t.row0 + tok) : nullptr;
+    if (out != nullptr)
+      *reinterpret_cast<uint4*>(out + t.n_block * Cfg::kBlockN + piece * 8) =
+          ptx::lds_v4(stage + tok * kPitch + ((piece ^ (tok & 7)) << 4));
+  }
+}
+
 // silu(g) * u in fp32 from the fast exponential and division (g / (1 + e), 0 when 1 + e overflows;
 // a few ulp from the host's silu, far below the bf16 / e4m3 step of the output) and an IEEE multiply.
 // e = 2^(-g * log2 e) by ex2.approx.ftz: __expf's bits wherever e is normal, and 0 where __expf gives a
@@ -600,7 +744,9 @@ __device__ __forceinline__ void epilogue_swiglu(const float (&acc)[Cfg::kNumChun
 
 // ---- the persistent kernel ---------------------------------------------------------------------------
 
-template <class Cfg>
+// kTrace: the instantiation that stamps GroupedGemmParams::trace (bench tools); the other one has no
+// trace code at all (its stamps cost the math loop registers and K-loop instructions).
+template <class Cfg, bool kTrace>
 __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
     sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
                              const __grid_constant__ CUtensorMap tmap_sfa, const __grid_constant__ CUtensorMap tmap_d,
@@ -609,6 +755,14 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
   extern __shared__ uint8_t smem_raw[];
   const GroupedGemmSmem<Cfg> sm = GroupedGemmSmem<Cfg>::carve(smem_raw, p.num_experts);
   const int wg = threadIdx.x / 128;
+  uint64_t* const trace = kTrace ? p.trace + int64_t(blockIdx.x) * kTraceWordsHeader : nullptr;
+  // tile t's record, or null
+  const auto tile_rec = [&p](int32_t t) -> uint64_t* {
+    return kTrace && t < p.trace_max_tiles
+               ? p.trace + int64_t(gridDim.x) * kTraceWordsHeader + int64_t(t) * kTraceWordsPerTile
+               : nullptr;
+  };
+  if (trace != nullptr && threadIdx.x == 0) trace[0] = ptx::globaltimer();
   if (threadIdx.x == 0) {
     init_barriers<Cfg>(sm);
     ptx::tma_prefetch_desc(&tmap_a);
@@ -620,19 +774,35 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
   const GroupedSchedule sched = build_schedule<Cfg>(sm, p, num_n_blocks);  // ends in __syncthreads
   const int num_tiles = sched.num_tiles();
   PipeState pipe;
+  if (trace != nullptr && threadIdx.x == 0) trace[1] = ptx::globaltimer();
 
   if (wg == Cfg::kNumMathWG) {
     // Producer warpgroup: few registers; one thread issues every copy.
     ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
     if (threadIdx.x % 128 == 0) {
-      for (int32_t t = next_tile(p, -1); t < num_tiles; t = next_tile(p, t))
-        produce_tile<Cfg>(sm, pipe, t, sched.tile(t), p, &tmap_a, &tmap_b, &tmap_sfa);
+      const uint64_t evict_first = ptx::createpolicy_evict_first();
+      for (int32_t t = next_tile(p, -1); t < num_tiles; t = next_tile(p, t)) {
+        uint64_t* const rec = tile_rec(t);
+        if (rec != nullptr) {
+          rec[0] = blockIdx.x + 1;
+          rec[1] = ptx::globaltimer();
+        }
+        const GroupedTile tile = sched.tile(t);
+        if (p.b_evict_first != 0 && sched.num_rows[tile.expert] <= Cfg::kBlockM)
+          produce_tile<Cfg, true>(sm, pipe, t, tile, p, &tmap_a, &tmap_b, &tmap_sfa, evict_first);
+        else
+          produce_tile<Cfg, false>(sm, pipe, t, tile, p, &tmap_a, &tmap_b, &tmap_sfa, 0);
+        if (rec != nullptr) rec[2] = ptx::globaltimer();
+      }
       release_tile_counter(p);
       produce_end<Cfg>(sm, pipe);
+      if (trace != nullptr) trace[2] = ptx::globaltimer();
     }
   } else {
     ptx::setmaxnreg_inc<Cfg::kMathRegs>();
-    float acc[Cfg::kNumChunks][64];
+    // swapped tiles (BLOCK_M 16) hold [chunk][half][8] accumulators, the others [chunk][64]
+    using Acc = std::conditional_t<Cfg::kSwapAB, float[Cfg::kNumChunks][2][8], float[Cfg::kNumChunks][64]>;
+    Acc acc;
     for (;;) {
       ptx::mbar_wait(&sm.full[pipe.stage], pipe.phase);  // the next tile's first K block (or the end)
       // Read as warp-uniform (a shuffle from lane 0). ptxas keeps the mainloop's ring position in
@@ -642,17 +812,38 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
       const int32_t t = __shfl_sync(0xffffffffu, sm.tile_of_stage[pipe.stage], 0);
       if (t < 0) break;
       const GroupedTile tile = sched.tile(t);
-      math_tile<Cfg>(sm, pipe, p, tile, wg, acc);
-      if constexpr (Cfg::kEpilogue == kEpiStoreBf16) {
-        const DefaultRowSink sink{p};
-        epilogue_store_bf16<Cfg>(sm, acc, tile, wg, sink, p.row_weight, p.tma_store ? &tmap_d : nullptr);
-      } else {
-        epilogue_swiglu<Cfg>(acc, tile, wg, p);
+      // Timeline stamps (kTrace): every math thread writes the same word.
+      if (uint64_t* rec = tile_rec(t)) rec[3] = ptx::globaltimer();
+      if (kTrace && p.probe == 1) {  // the weight stream alone
+        for (int kb = 0; kb < p.k / Cfg::kBlockK; ++kb) {
+          ptx::mbar_wait(&sm.full[pipe.stage], pipe.phase);
+          __syncwarp();
+          if (threadIdx.x % 32 == 0) ptx::mbar_arrive(&sm.empty[pipe.stage]);
+          pipe.advance(Cfg::kStages);
+        }
+        if (uint64_t* rec = tile_rec(t)) rec[4] = rec[5] = ptx::globaltimer();
+        continue;
       }
+      if constexpr (Cfg::kSwapAB)
+        math_tile_swapped<Cfg>(sm, pipe, p, tile, acc);
+      else
+        math_tile<Cfg>(sm, pipe, p, tile, wg, acc);
+      if (uint64_t* rec = tile_rec(t)) rec[4] = ptx::globaltimer();
+      if (!(kTrace && p.probe == 2)) {
+        const DefaultRowSink sink{p};
+        if constexpr (Cfg::kSwapAB)
+          epilogue_store_swapped<Cfg>(sm, acc, tile, sink, p.row_weight);
+        else if constexpr (Cfg::kEpilogue == kEpiStoreBf16)
+          epilogue_store_bf16<Cfg>(sm, acc, tile, wg, sink, p.row_weight, p.tma_store ? &tmap_d : nullptr);
+        else
+          epilogue_swiglu<Cfg>(acc, tile, wg, p);
+      }
+      if (uint64_t* rec = tile_rec(t)) rec[5] = ptx::globaltimer();
     }
     // The TMA stores have read their staging before the CTA's shared memory goes away (every lane:
     // a no-op where nothing was issued).
     if constexpr (Cfg::kEpilogue == kEpiStoreBf16) ptx::bulk_wait_all();
+    if (trace != nullptr && threadIdx.x == 0) trace[3] = ptx::globaltimer();
   }
 #endif
 }
@@ -682,17 +873,28 @@ cudaError_t launch_grouped_gemm_config(const CUtensorMap& tmap_a, const CUtensor
   {
     std::lock_guard<std::mutex> lock(mutex);
     if (!(raised_on >> device & 1u)) {
-      err = cudaFuncSetAttribute(sm90_grouped_gemm_kernel<Cfg>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      err = cudaFuncSetAttribute(sm90_grouped_gemm_kernel<Cfg, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  Cfg::smem_bytes(Cfg::kMaxExperts));
+      if (err == cudaSuccess && Cfg::kFp8)
+        err = cudaFuncSetAttribute(sm90_grouped_gemm_kernel<Cfg, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   Cfg::smem_bytes(Cfg::kMaxExperts));
       if (err != cudaSuccess) return err;
       raised_on |= uint64_t(1) << device;
     }
   }
-  sm90_grouped_gemm_kernel<Cfg><<<grid, Cfg::kNumThreads, smem, stream>>>(tmap_a, tmap_b, tmap_sfa, tmap_d, p);
+  if constexpr (Cfg::kFp8) {
+    if (p.trace != nullptr) {
+      sm90_grouped_gemm_kernel<Cfg, true><<<grid, Cfg::kNumThreads, smem, stream>>>(tmap_a, tmap_b, tmap_sfa, tmap_d, p);
+      return cudaGetLastError();
+    }
+  }
+  sm90_grouped_gemm_kernel<Cfg, false><<<grid, Cfg::kNumThreads, smem, stream>>>(tmap_a, tmap_b, tmap_sfa, tmap_d, p);
   return cudaGetLastError();
 }
 
 #define MEGAMOE_GROUPED_GEMM_CONFIGS_FP8(X)   \
+  X(16, 128, true, kEpiStoreBf16)             \
+  X(16, 256, true, kEpiStoreBf16)             \
   X(64, 128, true, kEpiStoreBf16)             \
   X(64, 256, true, kEpiStoreBf16)             \
   X(128, 128, true, kEpiStoreBf16)            \

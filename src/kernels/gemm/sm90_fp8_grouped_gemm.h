@@ -52,12 +52,20 @@ const char* to_string(GemmEpilogue e);
 
 // Tile configuration. 0 = chosen by select_gemm_tiles() (gemm_heuristic.h).
 struct GemmTileConfig {
-  int32_t block_m = 0;  // 64 or 128 (rows per tile: one or two math warpgroups)
+  int32_t block_m = 0;  // 16, 64 or 128 rows per tile (16 and 64: one math warpgroup, 128: two)
   int32_t block_n = 0;  // 128 or 256 (SwiGLU: 256 = 128 gate + 128 up)
   int32_t num_sms = 0;  // persistent CTAs; 0 = all SMs
   bool round_robin = false;  // tiles i, i + grid, ... per CTA instead of from the tile counter
   std::string to_string() const;
 };
+
+// Timeline words (GroupedGemmArgs::trace): a header per CTA, then one record per tile id.
+constexpr int kTraceWordsHeader = 4;
+constexpr int kTraceWordsPerTile = 6;
+
+// Bench probes (GroupedGemmArgs::probe): the math warpgroups skip their MMAs and epilogue (kStream: the
+// weight stream alone) or the epilogue (kNoEpilogue). Results are not computed.
+enum class GemmProbe : int32_t { kNone = 0, kStream = 1, kNoEpilogue = 2 };
 
 // Order in which the persistent CTAs take tiles: the heuristic's choice (GemmTileConfig::round_robin),
 // from the tile counter (needs GroupedGemmArgs::tile_counter), or round-robin.
@@ -100,6 +108,19 @@ struct GroupedGemmArgs {
   // (one stream). null: static round-robin.
   int32_t* tile_counter = nullptr;
   GemmTileOrder tile_order = GemmTileOrder::kAuto;  // round-robin whatever it says when tile_counter is null
+  // true: weight tiles of experts with at most BLOCK_M rows (each read by one tile only: decode) load
+  // with L2 evict-first, so streaming them does not evict what L2 holds. Off by default: measured
+  // (docs/PERF.md, session 11) 5-7% faster on qwen3-30b-a3b decode after a dirty L2, 3-8% slower on
+  // deepseek-v3's.
+  bool weights_evict_first = false;
+  // Timeline for bench tools (null: off): device uint64 [grid * kTraceWordsHeader + trace_max_tiles *
+  // kTraceWordsPerTile], %globaltimer ns, zeroed by the caller; layout at GroupedGemmParams::trace
+  // (sm90_fp8_grouped_gemm.cuh).
+  uint64_t* trace = nullptr;
+  int32_t trace_max_tiles = 0;
+  // With the timeline only: what the math warpgroups skip, to show where the time goes (the output is
+  // then NOT computed).
+  GemmProbe probe = GemmProbe::kNone;
   // Tiles: 0 fields from the heuristic, with expected_m_per_expert as its bucket hint (0: derived
   // from m_rows / num_experts).
   GemmTileConfig tiles;

@@ -23,6 +23,7 @@
 
 #include <cstdint>
 
+#include "kernels/common/sm90_clock.cuh"
 #include "kernels/transport/sm90_launch.h"
 #include "megamoe/workspace.h"
 
@@ -30,12 +31,6 @@ namespace megamoe {
 namespace kernels {
 
 // Signal slots (SignalSlot) are in sm90_launch.h, so host code can read the cells too.
-
-__device__ __forceinline__ uint64_t globaltimer_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 
 __device__ __forceinline__ int sm_id() {
   int s;

@@ -40,6 +40,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/common/sm90_clock.cuh"
 #include "kernels/common/sm90_quant.cuh"
 #include "kernels/gemm/grouped_scheduler.h"
 #include "kernels/gemm/sm90_fp8_grouped_gemm.h"
@@ -762,7 +763,7 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
                ? p.trace + int64_t(gridDim.x) * kTraceWordsHeader + int64_t(t) * kTraceWordsPerTile
                : nullptr;
   };
-  if (trace != nullptr && threadIdx.x == 0) trace[0] = ptx::globaltimer();
+  if (trace != nullptr && threadIdx.x == 0) trace[0] = kernels::globaltimer_ns();
   if (threadIdx.x == 0) {
     init_barriers<Cfg>(sm);
     ptx::tma_prefetch_desc(&tmap_a);
@@ -774,7 +775,7 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
   const GroupedSchedule sched = build_schedule<Cfg>(sm, p, num_n_blocks);  // ends in __syncthreads
   const int num_tiles = sched.num_tiles();
   PipeState pipe;
-  if (trace != nullptr && threadIdx.x == 0) trace[1] = ptx::globaltimer();
+  if (trace != nullptr && threadIdx.x == 0) trace[1] = kernels::globaltimer_ns();
 
   if (wg == Cfg::kNumMathWG) {
     // Producer warpgroup: few registers; one thread issues every copy.
@@ -785,18 +786,18 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
         uint64_t* const rec = tile_rec(t);
         if (rec != nullptr) {
           rec[0] = blockIdx.x + 1;
-          rec[1] = ptx::globaltimer();
+          rec[1] = kernels::globaltimer_ns();
         }
         const GroupedTile tile = sched.tile(t);
         if (p.b_evict_first != 0 && sched.num_rows[tile.expert] <= Cfg::kBlockM)
           produce_tile<Cfg, true>(sm, pipe, t, tile, p, &tmap_a, &tmap_b, &tmap_sfa, evict_first);
         else
           produce_tile<Cfg, false>(sm, pipe, t, tile, p, &tmap_a, &tmap_b, &tmap_sfa, 0);
-        if (rec != nullptr) rec[2] = ptx::globaltimer();
+        if (rec != nullptr) rec[2] = kernels::globaltimer_ns();
       }
       release_tile_counter(p);
       produce_end<Cfg>(sm, pipe);
-      if (trace != nullptr) trace[2] = ptx::globaltimer();
+      if (trace != nullptr) trace[2] = kernels::globaltimer_ns();
     }
   } else {
     ptx::setmaxnreg_inc<Cfg::kMathRegs>();
@@ -813,7 +814,7 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
       if (t < 0) break;
       const GroupedTile tile = sched.tile(t);
       // Timeline stamps (kTrace): every math thread writes the same word.
-      if (uint64_t* rec = tile_rec(t)) rec[3] = ptx::globaltimer();
+      if (uint64_t* rec = tile_rec(t)) rec[3] = kernels::globaltimer_ns();
       if (kTrace && p.probe == 1) {  // the weight stream alone
         for (int kb = 0; kb < p.k / Cfg::kBlockK; ++kb) {
           ptx::mbar_wait(&sm.full[pipe.stage], pipe.phase);
@@ -821,14 +822,14 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
           if (threadIdx.x % 32 == 0) ptx::mbar_arrive(&sm.empty[pipe.stage]);
           pipe.advance(Cfg::kStages);
         }
-        if (uint64_t* rec = tile_rec(t)) rec[4] = rec[5] = ptx::globaltimer();
+        if (uint64_t* rec = tile_rec(t)) rec[4] = rec[5] = kernels::globaltimer_ns();
         continue;
       }
       if constexpr (Cfg::kSwapAB)
         math_tile_swapped<Cfg>(sm, pipe, p, tile, acc);
       else
         math_tile<Cfg>(sm, pipe, p, tile, wg, acc);
-      if (uint64_t* rec = tile_rec(t)) rec[4] = ptx::globaltimer();
+      if (uint64_t* rec = tile_rec(t)) rec[4] = kernels::globaltimer_ns();
       if (!(kTrace && p.probe == 2)) {
         const DefaultRowSink sink{p};
         if constexpr (Cfg::kSwapAB)
@@ -838,12 +839,12 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
         else
           epilogue_swiglu<Cfg>(acc, tile, wg, p);
       }
-      if (uint64_t* rec = tile_rec(t)) rec[5] = ptx::globaltimer();
+      if (uint64_t* rec = tile_rec(t)) rec[5] = kernels::globaltimer_ns();
     }
     // The TMA stores have read their staging before the CTA's shared memory goes away (every lane:
     // a no-op where nothing was issued).
     if constexpr (Cfg::kEpilogue == kEpiStoreBf16) ptx::bulk_wait_all();
-    if (trace != nullptr && threadIdx.x == 0) trace[3] = ptx::globaltimer();
+    if (trace != nullptr && threadIdx.x == 0) trace[3] = kernels::globaltimer_ns();
   }
 #endif
 }

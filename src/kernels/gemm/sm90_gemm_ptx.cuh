@@ -79,13 +79,6 @@ __device__ __forceinline__ uint64_t createpolicy_evict_first() {
   return p;
 }
 
-// %globaltimer in ns (the bench's per-CTA timeline; not for control flow).
-__device__ __forceinline__ uint64_t globaltimer() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
 // 2-D TMA tile store from shared memory where `pred` holds, in this thread's current bulk group
 // (bulk_commit closes it; bulk_wait_read before the source is rewritten). The shared source must be
 // visible to the async proxy first (fence_proxy_async_smem by every writing thread, then a barrier).

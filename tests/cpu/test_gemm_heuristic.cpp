@@ -137,14 +137,14 @@ TEST(GemmHeuristic, BucketsByTokensPerExpert) {
   EXPECT_EQ(select_gemm_tiles(hint(1024, 64, 1536, 2048)).block_n, 256);
   EXPECT_EQ(select_gemm_tiles(hint(256, 64, 1536, 2048, GemmEpilogue::kSwigluFp8)).block_n, 256);
   EXPECT_EQ(select_gemm_tiles(hint(512, 32, 4096, 7168)).num_sms, 132);
-  // 16-row (swapped) tiles only for fp8 with bf16 rows out: SwiGLU and bf16 keep 64 at decode
-  EXPECT_EQ(select_gemm_tiles(hint(8, 32, 4096, 7168, GemmEpilogue::kSwigluFp8)).block_m, 64);
+  // 16-row (swapped) tiles for fp8 (bf16 rows or SwiGLU + fp8 out): bf16 keeps 64 at decode
+  EXPECT_EQ(select_gemm_tiles(hint(8, 32, 4096, 7168, GemmEpilogue::kSwigluFp8)).block_m, 16);
   GemmShapeHint bf16 = hint(8, 32, 4096, 7168);
   bf16.fp8 = false;
   EXPECT_EQ(select_gemm_tiles(bf16).block_m, 64);
   megamoe::Knobs k16;
   k16.block_m = 16;
-  EXPECT_EQ(select_gemm_tiles(hint(8, 32, 4096, 7168, GemmEpilogue::kSwigluFp8), &k16).block_m, 64);
+  EXPECT_EQ(select_gemm_tiles(bf16, &k16).block_m, 64);
   EXPECT_EQ(select_gemm_tiles(hint(512, 32, 4096, 7168), &k16).block_m, 16);
 }
 
@@ -235,11 +235,14 @@ TEST(GemmValidate, MessagesNameTheField) {
   st = validate_grouped_gemm(a);
   EXPECT_NE(st.message().find("tiles.block_n"), std::string::npos) << st.message();
   a.tiles.block_n = 256;
-  a.tiles.block_m = 16;  // 16-row tiles: fp8 with the store-bf16 epilogue only
-  st = validate_grouped_gemm(a);
-  EXPECT_NE(st.message().find("tiles.block_m=16"), std::string::npos) << st.message();
+  a.tiles.block_m = 16;  // 16-row tiles: fp8 only
+  EXPECT_TRUE(validate_grouped_gemm(a).is_ok()) << validate_grouped_gemm(a).message();
   a.epilogue = GemmEpilogue::kStoreBf16;
   EXPECT_TRUE(validate_grouped_gemm(a).is_ok()) << validate_grouped_gemm(a).message();
+  a.dtype = GemmDtype::kBf16;
+  st = validate_grouped_gemm(a);
+  EXPECT_NE(st.message().find("tiles.block_m=16"), std::string::npos) << st.message();
+  a.dtype = GemmDtype::kFp8Block;
   a.probe = megamoe::gemm::GemmProbe::kStream;  // a probe needs the timeline
   st = validate_grouped_gemm(a);
   EXPECT_NE(st.message().find("probe"), std::string::npos) << st.message();

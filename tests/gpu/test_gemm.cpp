@@ -550,6 +550,9 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(SwigluCase{"Contig_I256_K512_BM128", GroupedLayout::kContiguous, 256, 512, {1, 7, 129, 0, 64}, 128, false},
                       SwigluCase{"Contig_I384_K256_BM64_Pow2", GroupedLayout::kContiguous, 384, 256, {65, 3}, 64, true},
                       SwigluCase{"Masked_I256_K384_BM64", GroupedLayout::kMasked, 256, 384, {8, 0, 33, 1}, 64, false},
+                      // 16-row tiles, operands swapped: 1-3 m-blocks per expert, pow2 scales
+                      SwigluCase{"Masked_I256_K384_BM16", GroupedLayout::kMasked, 256, 384, {8, 0, 17, 1, 16}, 16, false},
+                      SwigluCase{"Contig_I384_K256_BM16_Pow2", GroupedLayout::kContiguous, 384, 256, {5, 16, 30, 0}, 16, true},
                       SwigluCase{"Qwen3_I768_K2048", GroupedLayout::kContiguous, 768, 2048, {130, 5}, 0, false}),
     [](const ::testing::TestParamInfo<SwigluCase>& i) { return i.param.name; });
 

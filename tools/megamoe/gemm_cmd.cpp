@@ -403,7 +403,7 @@ int run_bench_gemm(const BenchOptions& o) {
           g.d = d;
           g.d_scales = swiglu ? sd : nullptr;
           g.expected_m_per_expert = T;
-          g.tiles.block_m = swiglu && o.block_m == 16 ? 0 : o.block_m;  // 16-row tiles: store-bf16 only
+          g.tiles.block_m = o.block_m;
           g.tiles.block_n = swiglu && o.block_n == 128 ? 0 : o.block_n;
           g.tiles.num_sms = o.num_sms;
           g.tile_counter = tile_counter;

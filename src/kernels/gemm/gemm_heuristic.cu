@@ -17,15 +17,15 @@ GemmTileConfig select_gemm_tiles(const GemmShapeHint& hint, const Knobs* overrid
   };
   GemmTileConfig c;
   c.num_sms = sms;
-  const bool swap_ok = hint.fp8 && !swiglu;  // 16-row tiles: operands swapped, bf16 rows out
+  const bool swap_ok = hint.fp8;  // 16-row tiles: operands swapped (fp8, bf16 rows or SwiGLU + fp8)
   if (hint.m_per_expert <= 16 && swap_ok) {
-    // decode, <= 16 rows per expert (FC2, or FC1 without SwiGLU): 16-row tiles with the operands
-    // swapped (the weights as wgmma's M, the tokens as its N = 16): the tensor cores spend 16 MACs
-    // per weight byte instead of the 64 of an m64 tile, so the math keeps up with the weight stream;
-    // 256 wide: 6 stages of 32 KiB of weights in flight per SM. Measured on H200 (session 11,
-    // `bench-gemm --flush read`, kernel µs, against 64 x 128 / 64 x 256 tiles): qwen3-30b-a3b FC2
-    // 64 x 8 29.6 / 29.8 (16 x 128: 30.1 / 30.2; 64 x 128: 31.3 / 31.4), deepseek-v3 FC2 32 x 8
-    // 115.0 / 115.1 (116.3 / 116.4), FC1 unchanged. At 32 rows (2 m-blocks) they lose: 44.9 vs 32.2.
+    // decode, <= 16 rows per expert: 16-row tiles with the operands swapped (the weights as wgmma's
+    // M, the tokens as its N = 16): the tensor cores spend 16 MACs per weight byte instead of the 64
+    // of an m64 tile, so the math keeps up with the weight stream; 256 wide: 6 stages of 32 KiB of
+    // weights in flight per SM. Measured on H200 (session 11, `bench-gemm --flush read`, kernel µs,
+    // against 64 x 128 / 64 x 256 tiles): qwen3-30b-a3b FC2 64 x 8 29.6 / 29.8 (16 x 128: 30.1 /
+    // 30.2; 64 x 128: 31.3 / 31.4), deepseek-v3 FC2 32 x 8 115.0 / 115.1 (116.3 / 116.4), plain FC1
+    // unchanged; FC1 + SwiGLU: docs/PERF.md. At 32 rows (2 m-blocks) they lose: 44.9 vs 32.2.
     c.block_m = 16;
     c.block_n = 256;
   } else if (hint.m_per_expert <= 64) {

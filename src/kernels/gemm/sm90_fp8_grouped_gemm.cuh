@@ -108,7 +108,7 @@ struct GroupedGemmConfig {
   static constexpr int kEpilogue = kEpilogue_;
   static constexpr int kBlockKBytes = 128;            // one 128-byte swizzle row per tile row
   static constexpr int kBlockK = kFp8 ? 128 : 64;     // elements per K block
-  // BLOCK_M 16 (decode, fp8, bf16 rows out): operands swapped. The weights are wgmma's A (M = the
+  // BLOCK_M 16 (decode, fp8; bf16 rows or the SwiGLU + fp8 requant out): operands swapped. The weights are wgmma's A (M = the
   // tile's BLOCK_N weight rows in m64 halves), the 16 tokens its B (N = 16): 16 MACs per weight byte
   // instead of the 64 an m64 tile of 1-16 real rows costs. One math warpgroup; 2 KiB A slots.
   static constexpr bool kSwapAB = kBlockM == 16;
@@ -127,7 +127,10 @@ struct GroupedGemmConfig {
   static constexpr int kStageBytes = kStageA + kStageB + kStageSFA + kStageSFB + 16 + 4;  // + 2 barriers + tile id
   // bf16-store epilogue staging: per math warp 16 rows x 64 columns of bf16 (2 KiB), see
   // epilogue_store_bf16.
-  static constexpr int kStageOut = kEpilogue == 0 /* kEpiStoreBf16 */ ? kNumMathWG * 4 * 2048 : 0;
+  // Swapped SwiGLU (BLOCK_M 16): 16 token rows of 128 e4m3 codes + the 4 warps' per-token amax.
+  static constexpr int kStageOut = kEpilogue == 0 /* kEpiStoreBf16 */ ? kNumMathWG * 4 * 2048
+                                   : kBlockM == 16                     ? 16 * 128 + 4 * 16 * 4
+                                                                       : 0;
   static constexpr int kSmemBudget = 227 * 1024 - 1024 /* alignment slack */ - 8 * 1024 /* tables */ - kStageOut;
   static constexpr int kStagesFit = kSmemBudget / kStageBytes;
   static constexpr int kStages = kStagesFit > 12 ? 12 : kStagesFit;
@@ -138,7 +141,8 @@ struct GroupedGemmConfig {
   static constexpr uint32_t kProducerRegs = kNumMathWG == 1 ? 96 : 56;
   static constexpr uint32_t kMathRegs = kNumMathWG == 1 ? 256 : 224;  // scheduler tables: 3 * (E + 1) int32 <= 8 KiB
   static_assert(kBlockM == 16 || kBlockM == 64 || kBlockM == 128, "BLOCK_M is 16, 64 or 128");
-  static_assert(!kSwapAB || (kFp8 && kEpilogue == 0 /* kEpiStoreBf16 */), "16-row tiles: fp8 with bf16 rows out");
+  static_assert(!kSwapAB || (kFp8 && (kEpilogue == 0 /* kEpiStoreBf16 */ || kEpilogue == 1 /* kEpiSwigluFp8 */)),
+                "16-row tiles: fp8, bf16 rows or SwiGLU + fp8 out");
   static_assert(kBlockN == 128 || kBlockN == 256, "BLOCK_N is 128 or 256");
   static_assert(kEpilogue == kEpiStoreBf16 || kBlockN == 256, "SwiGLU tiles hold 128 gate + 128 up columns");
   static_assert(kStages >= 3, "pipeline too shallow");
@@ -743,6 +747,76 @@ __device__ __forceinline__ void epilogue_swiglu(const float (&acc)[Cfg::kNumChun
   }
 }
 
+// SwiGLU + fp8 1x128 requant of a swapped tile (chunk 0 = the 128 gate rows, chunk 1 = the matching up
+// rows, gemm_weights.h): h = silu(gate) * up per (intermediate column, token), then per token the
+// amax over the tile's 128 columns (registers, then lanes of the same l % 4, then the 4 warps through
+// shared memory), its scale and the e4m3 codes (as epilogue_swiglu computes them), staged as token
+// rows ([16][128] codes) and stored 16 bytes at a time; one scale per real token.
+template <class Cfg>
+__device__ __forceinline__ void epilogue_swiglu_swapped(const GroupedGemmSmem<Cfg>& sm,
+                                                        const float (&acc)[Cfg::kNumChunks][2][8], const GroupedTile& t,
+                                                        const GroupedGemmParams& p) {
+  static_assert(Cfg::kNumChunks == 2, "gate and up chunks");
+  const int tid = threadIdx.x % 128, lane = tid % 32, warp = tid / 32, q = lane % 4;
+  uint8_t* const codes = sm.out;                                   // [16 tokens][128]
+  float* const red = reinterpret_cast<float*>(sm.out + 16 * 128);  // [4 warps][16 tokens]
+  float v[2][8];
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[h][i] = swiglu(acc[0][h][i], acc[1][h][i]);
+  // token s of this thread (2q, 2q + 1, 8 + 2q, 9 + 2q): registers (s / 2) * 4 + s % 2 (+ 2) of both halves
+  float amax[4];
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const int i = (s / 2) * 4 + s % 2;
+    amax[s] = fmaxf(fmaxf(fmt::finite_abs(v[0][i]), fmt::finite_abs(v[0][i + 2])),
+                    fmaxf(fmt::finite_abs(v[1][i]), fmt::finite_abs(v[1][i + 2])));
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) amax[s] = fmaxf(amax[s], __shfl_xor_sync(0xffffffffu, amax[s], o));
+  }
+  ptx::named_barrier_sync(1, 128);  // the previous tile's copy-out has read the staging
+  if (lane < 4) {
+#pragma unroll
+    for (int s = 0; s < 4; ++s) red[warp * 16 + (s / 2) * 8 + 2 * q + s % 2] = amax[s];
+  }
+  ptx::named_barrier_sync(1, 128);
+  float scale[4];
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const int tok = (s / 2) * 8 + 2 * q + s % 2;
+    const float a = fmaxf(fmaxf(red[tok], red[16 + tok]), fmaxf(red[32 + tok], red[48 + tok]));
+    scale[s] = fmt::fp8_block_scale(a, p.pow2_scales != 0);
+    const float inv = __frcp_rn(scale[s]);
+    const int i = (s / 2) * 4 + s % 2;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      // rows 64h + 16w + l/4 and + 8 of one token: one pair, one scale
+      const uint32_t c2 = kernels::quantize_e4m3_pair(v[h][i], v[h][i + 2], scale[s], inv);
+      const int row = 64 * h + 16 * warp + lane / 4;
+      codes[tok * 128 + row] = uint8_t(c2 & 0xFFu);
+      codes[tok * 128 + row + 8] = uint8_t(c2 >> 8);
+    }
+  }
+  ptx::named_barrier_sync(1, 128);
+  {  // 16 token rows x 8 pieces of 16 bytes: one per thread
+    const int tok = tid / 8, piece = tid % 8;
+    if (tok < t.rows)
+      *reinterpret_cast<uint4*>(static_cast<uint8_t*>(p.d) + int64_t(t.row0 + tok) * p.ld_d + t.n_block * 128 +
+                                piece * 16) = ptx::lds_v4(ptx::smem_addr(codes + tok * 128 + piece * 16));
+  }
+  if (warp == 0 && lane < 4) {
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const int tok = (s / 2) * 8 + 2 * q + s % 2;
+      if (tok < t.rows) {
+        const int64_t m = p.layout == kLayoutMasked ? t.m0 + tok : t.row0 + tok;
+        p.sfd[t.expert * p.sfd_expert_stride + int64_t(t.n_block) * p.ld_sfd + m] = scale[s];
+      }
+    }
+  }
+}
+
 // ---- the persistent kernel ---------------------------------------------------------------------------
 
 // kTrace: the instantiation that stamps GroupedGemmParams::trace (bench tools); the other one has no
@@ -832,8 +906,10 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
       if (uint64_t* rec = tile_rec(t)) rec[4] = kernels::globaltimer_ns();
       if (!(kTrace && p.probe == 2)) {
         const DefaultRowSink sink{p};
-        if constexpr (Cfg::kSwapAB)
+        if constexpr (Cfg::kSwapAB && Cfg::kEpilogue == kEpiStoreBf16)
           epilogue_store_swapped<Cfg>(sm, acc, tile, sink, p.row_weight);
+        else if constexpr (Cfg::kSwapAB)
+          epilogue_swiglu_swapped<Cfg>(sm, acc, tile, p);
         else if constexpr (Cfg::kEpilogue == kEpiStoreBf16)
           epilogue_store_bf16<Cfg>(sm, acc, tile, wg, sink, p.row_weight, p.tma_store ? &tmap_d : nullptr);
         else
@@ -896,6 +972,7 @@ cudaError_t launch_grouped_gemm_config(const CUtensorMap& tmap_a, const CUtensor
 #define MEGAMOE_GROUPED_GEMM_CONFIGS_FP8(X)   \
   X(16, 128, true, kEpiStoreBf16)             \
   X(16, 256, true, kEpiStoreBf16)             \
+  X(16, 256, true, kEpiSwigluFp8)             \
   X(64, 128, true, kEpiStoreBf16)             \
   X(64, 256, true, kEpiStoreBf16)             \
   X(128, 128, true, kEpiStoreBf16)            \

@@ -4,8 +4,9 @@
 # all of it ROUNDS times (default 2) in one lease; the GEMM tests first when FILTER is set.
 #   FILTER='*GroupedGemm*' BENCH=$'--preset qwen3-30b-a3b --fc fc1,fc2\n--preset deepseek-v3 --experts 32' \
 #     bash scripts/device_gemm_ab.sh
-# "@OUT@" and "@ROUND@" in a BENCH line stand for $OUT and the round; "VAR=value ... -- args" sets
-# environment variables for that line. $OUT comes back as out.tgz. (e.g. `--trace @OUT@/trace.json`).
+# "@OUT@", "@ROUND@" and "@BIN@" in a BENCH line stand for $OUT, the round and the binary (each binary
+# writes its own file: `--trace @OUT@/trace_@BIN@.json`); "VAR=value ... -- args" sets environment
+# variables for that line. $OUT comes back as out.tgz.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh" gemm-ab
 export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
@@ -14,6 +15,7 @@ tests_if_filter; rc=$?
 bench() {  # index binary args (and $round)
   local args=${3//@OUT@/$OUT} envs=
   args=${args//@ROUND@/$round}
+  args=${args//@BIN@/$2}
   if [[ $args == *" -- "* ]]; then envs=${args%% -- *}; args=${args#* -- }; fi
   timeout ${BENCH_TIMEOUT:-120} env $envs $BIN/$2 bench-gemm --no-cublas --iters ${ITERS:-20} $args > "$OUT/gemm$1_r${round}_$2.log" 2>&1
   echo "== $2 (round $round) $3: exit $?"

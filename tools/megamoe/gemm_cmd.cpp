@@ -407,6 +407,9 @@ int run_bench_gemm(const BenchOptions& o) {
           g.tiles.block_n = swiglu && o.block_n == 128 ? 0 : o.block_n;
           g.tiles.num_sms = o.num_sms;
           g.tile_counter = tile_counter;
+          g.tile_order = o.schedule == "static"    ? gemm::GemmTileOrder::kRoundRobin
+                         : o.schedule == "dynamic" ? gemm::GemmTileOrder::kCounter
+                                                   : gemm::GemmTileOrder::kAuto;
           g.weights_evict_first = o.weights_l2 == "evict-first";
           uint64_t* probe_trace = nullptr;  // a probe runs in the traced kernel: every launch gets the buffer
           if (o.probe != "none") {

@@ -53,7 +53,7 @@ struct MoeGeometry {
 // Tuning knobs. 0 means "let the heuristic / knob cache decide". Tuned values belong in the knob
 // cache (megamoe/knobs.h), not in code.
 struct Knobs {
-  int32_t block_m = 0;  // GEMM M tile: 0, 16, 64 or 128
+  int32_t block_m = 0;  // GEMM M tile: 0, 16, 32, 64 or 128
   int32_t block_n = 0;  // GEMM N tile: 0, 64, 128, 256 (GPU backends)
   int32_t num_sms = 0;  // SMs a persistent kernel may use: 0 = all (GPU backends)
   // Recv-row groups of the one-kernel combine (routed backend, mxfp8 / nvfp4 wire), 1..8: the

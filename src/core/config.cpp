@@ -70,8 +70,8 @@ MoeGeometry MoeGeometry::padded(int64_t multiple) const {
 }
 
 Status Knobs::validate() const {
-  if (block_m != 0 && block_m != 16 && block_m != 64 && block_m != 128)
-    return invalid_argument("knobs", "block_m", str(block_m), "must be 0 (heuristic), 16, 64 or 128");
+  if (block_m != 0 && block_m != 16 && block_m != 32 && block_m != 64 && block_m != 128)
+    return invalid_argument("knobs", "block_m", str(block_m), "must be 0 (heuristic), 16, 32, 64 or 128");
   if (block_n != 0 && block_n != 64 && block_n != 128 && block_n != 256)
     return invalid_argument("knobs", "block_n", str(block_n), "must be 0 (heuristic), 64, 128 or 256");
   if (num_sms < 0 || num_sms > 1024)

@@ -110,11 +110,16 @@ GemmShapeHint hint(int64_t m, int32_t e, int32_t n, int32_t k, GemmEpilogue epi 
 }
 
 TEST(GemmHeuristic, BucketsByTokensPerExpert) {
-  // decode: <= 16 rows per expert -> 16-row tiles (deeper ring); <= 64 -> one math warpgroup
+  // decode: <= 16 rows per expert -> 16-row tiles (swapped); <= 64 -> 64-row tiles, one math
+  // warpgroup (FC1 + SwiGLU at 17-32: 32-row swapped tiles, below)
   EXPECT_EQ(select_gemm_tiles(hint(1, 32, 4096, 7168)).block_m, 16);
   EXPECT_EQ(select_gemm_tiles(hint(8, 32, 4096, 7168)).block_m, 16);
   EXPECT_EQ(select_gemm_tiles(hint(16, 32, 4096, 7168)).block_m, 16);
   EXPECT_EQ(select_gemm_tiles(hint(17, 32, 4096, 7168)).block_m, 64);
+  EXPECT_EQ(select_gemm_tiles(hint(32, 32, 4096, 7168)).block_m, 64);
+  EXPECT_EQ(select_gemm_tiles(hint(17, 32, 4096, 7168, GemmEpilogue::kSwigluFp8)).block_m, 32);
+  EXPECT_EQ(select_gemm_tiles(hint(32, 32, 4096, 7168, GemmEpilogue::kSwigluFp8)).block_m, 32);
+  EXPECT_EQ(select_gemm_tiles(hint(33, 32, 4096, 7168, GemmEpilogue::kSwigluFp8)).block_m, 64);
   EXPECT_EQ(select_gemm_tiles(hint(64, 32, 4096, 7168)).block_m, 64);
   // prefill: two math warpgroups
   EXPECT_EQ(select_gemm_tiles(hint(65, 32, 4096, 7168)).block_m, 128);
@@ -137,15 +142,21 @@ TEST(GemmHeuristic, BucketsByTokensPerExpert) {
   EXPECT_EQ(select_gemm_tiles(hint(1024, 64, 1536, 2048)).block_n, 256);
   EXPECT_EQ(select_gemm_tiles(hint(256, 64, 1536, 2048, GemmEpilogue::kSwigluFp8)).block_n, 256);
   EXPECT_EQ(select_gemm_tiles(hint(512, 32, 4096, 7168)).num_sms, 132);
-  // 16-row (swapped) tiles for fp8 (bf16 rows or SwiGLU + fp8 out): bf16 keeps 64 at decode
+  // 16- and 32-row (swapped) tiles for fp8 (bf16 rows or SwiGLU + fp8 out): bf16 keeps 64 at decode
   EXPECT_EQ(select_gemm_tiles(hint(8, 32, 4096, 7168, GemmEpilogue::kSwigluFp8)).block_m, 16);
+  EXPECT_EQ(select_gemm_tiles(hint(24, 32, 4096, 7168, GemmEpilogue::kSwigluFp8)).block_m, 32);
   GemmShapeHint bf16 = hint(8, 32, 4096, 7168);
   bf16.fp8 = false;
+  EXPECT_EQ(select_gemm_tiles(bf16).block_m, 64);
+  bf16.m_per_expert = 24;
   EXPECT_EQ(select_gemm_tiles(bf16).block_m, 64);
   megamoe::Knobs k16;
   k16.block_m = 16;
   EXPECT_EQ(select_gemm_tiles(bf16, &k16).block_m, 64);
   EXPECT_EQ(select_gemm_tiles(hint(512, 32, 4096, 7168), &k16).block_m, 16);
+  k16.block_m = 32;
+  EXPECT_EQ(select_gemm_tiles(bf16, &k16).block_m, 64);
+  EXPECT_EQ(select_gemm_tiles(hint(512, 32, 4096, 7168), &k16).block_m, 32);
 }
 
 TEST(GemmHeuristic, KnobOverridesFieldByField) {
@@ -242,7 +253,15 @@ TEST(GemmValidate, MessagesNameTheField) {
   a.dtype = GemmDtype::kBf16;
   st = validate_grouped_gemm(a);
   EXPECT_NE(st.message().find("tiles.block_m=16"), std::string::npos) << st.message();
+  a.tiles.block_m = 32;  // 32-row tiles: fp8 only as well
+  st = validate_grouped_gemm(a);
+  EXPECT_NE(st.message().find("tiles.block_m=32"), std::string::npos) << st.message();
   a.dtype = GemmDtype::kFp8Block;
+  EXPECT_TRUE(validate_grouped_gemm(a).is_ok()) << validate_grouped_gemm(a).message();
+  a.tiles.block_m = 48;
+  st = validate_grouped_gemm(a);
+  EXPECT_NE(st.message().find("tiles.block_m=48"), std::string::npos) << st.message();
+  a.tiles.block_m = 16;
   a.probe = megamoe::gemm::GemmProbe::kStream;  // a probe needs the timeline
   st = validate_grouped_gemm(a);
   EXPECT_NE(st.message().find("probe"), std::string::npos) << st.message();

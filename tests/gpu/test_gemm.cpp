@@ -350,6 +350,11 @@ std::vector<GemmCase> store_cases() {
       {"Fp8_Contig_Unpadded_BM16_BN128", F, C, 256, 384, {1, 7, 15, 16, 17, 0, 40}, 16, 128, false, false},
       {"Fp8_Masked_BM16_BN256", F, M, 512, 512, {8, 0, 1, 16, 33}, 16, 256, false, false},
       {"Fp8_Qwen3_FC2_Masked_BM16_N2048_K768", F, M, 2048, 768, {8, 16, 0, 5}, 16, 128, false, false},
+      // 32-row swapped tiles (wgmma N = 32): experts of 33 and 70 rows span 2 and 3 m-blocks, rows
+      // 1..32 of a tile
+      {"Fp8_Contig_Unpadded_BM32_BN128", F, C, 256, 384, {1, 7, 31, 32, 33, 0, 70}, 32, 128, false, false},
+      {"Fp8_Masked_BM32_BN256", F, M, 512, 512, {24, 0, 1, 32, 65}, 32, 256, false, false},
+      {"Fp8_Qwen3_FC2_Masked_BM32_N2048_K768", F, M, 2048, 768, {32, 17, 0, 5}, 32, 256, false, false},
       {"Bf16_Contig_BM128_BN256", H, C, 512, 384, {1, 7, 129, 0, 64}, 128, 256, true, false},
       {"Bf16_Contig_BM64_BN128", H, C, 384, 256, {63, 65}, 64, 128, false, false},
       {"Bf16_Masked_BM64", H, M, 256, 512, {8, 0, 33}, 64, 256, false, false},
@@ -382,8 +387,8 @@ TEST(Sm90GroupedGemm, Fp8_RowMapAndWeights) {
   DevBuf<float> dsa(p.a_scales), dsb(p.b_scales), dw(weight);
   DevBuf<int32_t> doff(p.offsets), dmap(row_map);
   DevBuf<uint16_t> dd(out_rows * p.N);
-  // the heuristic's tiles (128 rows) and the swapped 16-row decode tiles
-  for (const int block_m : {0, 16}) {
+  // the heuristic's tiles (128 rows) and the swapped 16- and 32-row decode tiles
+  for (const int block_m : {0, 16, 32}) {
     CUDA_OK(cudaMemset(dd.p, 0xFF, out_rows * p.N * 2));
     GroupedGemmArgs a;
     a.num_experts = p.E;
@@ -553,6 +558,9 @@ INSTANTIATE_TEST_SUITE_P(
                       // 16-row tiles, operands swapped: 1-3 m-blocks per expert, pow2 scales
                       SwigluCase{"Masked_I256_K384_BM16", GroupedLayout::kMasked, 256, 384, {8, 0, 17, 1, 16}, 16, false},
                       SwigluCase{"Contig_I384_K256_BM16_Pow2", GroupedLayout::kContiguous, 384, 256, {5, 16, 30, 0}, 16, true},
+                      // 32-row tiles, operands swapped
+                      SwigluCase{"Masked_I256_K384_BM32", GroupedLayout::kMasked, 256, 384, {24, 0, 33, 1, 32}, 32, false},
+                      SwigluCase{"Contig_I384_K256_BM32_Pow2", GroupedLayout::kContiguous, 384, 256, {5, 32, 70, 0}, 32, true},
                       SwigluCase{"Qwen3_I768_K2048", GroupedLayout::kContiguous, 768, 2048, {130, 5}, 0, false}),
     [](const ::testing::TestParamInfo<SwigluCase>& i) { return i.param.name; });
 

@@ -531,7 +531,7 @@ CLI::App* add_flags(CLI::App* app, BenchOptions* o) {
   sub->add_option("--layout", o->layout, "auto (masked at <= 32 rows per expert), contiguous or masked")->capture_default_str();
   sub->add_flag("!--no-swiglu", o->swiglu, "skip the FC1 + SwiGLU + fp8 requant rows");
   sub->add_flag("!--no-cublas", o->cublas, "skip the cuBLASLt peer");
-  sub->add_option("--block-m", o->block_m, "tile rows: 16, 64 or 128 (default: heuristic)")->check(CLI::IsMember({16, 64, 128}));
+  sub->add_option("--block-m", o->block_m, "tile rows: 16, 32, 64 or 128 (default: heuristic)")->check(CLI::IsMember({16, 32, 64, 128}));
   sub->add_option("--block-n", o->block_n, "tile columns: 128 or 256 (default: heuristic)")->check(CLI::IsMember({128, 256}));
   sub->add_option("--num-sms", o->num_sms, "persistent CTAs (default: all SMs)")->check(CLI::Range(1, 1 << 20));
   sub->add_option("--schedule", o->schedule,

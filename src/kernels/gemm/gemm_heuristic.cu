@@ -17,7 +17,7 @@ GemmTileConfig select_gemm_tiles(const GemmShapeHint& hint, const Knobs* overrid
   };
   GemmTileConfig c;
   c.num_sms = sms;
-  const bool swap_ok = hint.fp8;  // 16-row tiles: operands swapped (fp8, bf16 rows or SwiGLU + fp8)
+  const bool swap_ok = hint.fp8;  // 16- and 32-row tiles: operands swapped (fp8, bf16 rows or SwiGLU + fp8)
   if (hint.m_per_expert <= 16 && swap_ok) {
     // decode, <= 16 rows per expert: 16-row tiles with the operands swapped (the weights as wgmma's
     // M, the tokens as its N = 16): the tensor cores spend 16 MACs per weight byte instead of the 64
@@ -27,6 +27,15 @@ GemmTileConfig select_gemm_tiles(const GemmShapeHint& hint, const Knobs* overrid
     // 30.2; 64 x 128: 31.3 / 31.4), deepseek-v3 FC2 32 x 8 115.0 / 115.1 (116.3 / 116.4), plain FC1
     // unchanged; FC1 + SwiGLU: docs/PERF.md. At 32 rows (2 m-blocks) they lose: 44.9 vs 32.2.
     c.block_m = 16;
+    c.block_n = 256;
+  } else if (hint.m_per_expert <= 32 && swap_ok && swiglu) {
+    // decode, 17-32 rows per expert, FC1 + SwiGLU: the swapped tiles with 32 tokens (wgmma N = 32, 32
+    // MACs per weight byte; 5 stages of 32 KiB of weights). Measured on H200 (session 12, `bench-gemm
+    // --tokens 32`, memset flush, kernel µs, against 64 x 256): qwen3-30b-a3b 63.8-64.1 vs 68.6-68.7,
+    // deepseek-v3 32 x 32 233.9-234.5 vs 238.9-239.9. bf16 rows (FC1, FC2) gain nothing there (qwen3
+    // FC2 64 x 32 32.1-32.4 vs 31.7-32.0 on 64 x 128 with `--flush read`; FC1 and deepseek-v3 equal):
+    // the weight stream, not the math, sets their time. They keep 64-row tiles.
+    c.block_m = 32;
     c.block_n = 256;
   } else if (hint.m_per_expert <= 64) {
     // decode (masked or small pools), <= 64 rows per expert: one math warpgroup, the widest N tile;
@@ -47,14 +56,15 @@ GemmTileConfig select_gemm_tiles(const GemmShapeHint& hint, const Knobs* overrid
   // wins: FC1 113.5 vs 103.4, FC2 72.5 vs 66.6; 512 rows 210.6 vs 187.6, 134.6 vs 120.0. (An
   // earlier kernel measured 128-wide ahead at 256 rows too; the SwiGLU, scheduling and stmatrix
   // changes since moved it.)
-  if (!swiglu && hint.n <= 2048 && hint.m_per_expert <= 128 && c.block_m != 16) c.block_n = 128;
+  if (!swiglu && hint.n <= 2048 && hint.m_per_expert <= 128 && c.block_m > 32) c.block_n = 128;
   // few tiles for the SMs (e.g. FC2 of a small model at small batch): narrower N tiles give the
   // persistent grid more work items.
   if (!swiglu && c.block_n == 256) {
     if (expected_tiles(c.block_m, 256) < sms) c.block_n = 128;
   }
   if (overrides != nullptr) {
-    if ((overrides->block_m == 16 && swap_ok) || overrides->block_m == 64 || overrides->block_m == 128)
+    if (((overrides->block_m == 16 || overrides->block_m == 32) && swap_ok) || overrides->block_m == 64 ||
+        overrides->block_m == 128)
       c.block_m = overrides->block_m;
     if ((overrides->block_n == 128 && !swiglu && hint.n % 128 == 0) ||
         (overrides->block_n == 256 && hint.n % 256 == 0))

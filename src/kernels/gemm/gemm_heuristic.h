@@ -17,11 +17,11 @@ struct GemmShapeHint {
   int32_t n = 0;
   int32_t k = 0;
   GemmEpilogue epilogue = GemmEpilogue::kStoreBf16;
-  bool fp8 = true;           // dtype fp8-block (16-row tiles need it)
+  bool fp8 = true;           // dtype fp8-block (16- and 32-row tiles need it)
   int32_t num_sms = 132;     // of the device
 };
 
-// Valid for launch_grouped_gemm: block_m in {16 (fp8 only), 64, 128}, block_n in {128, 256}
+// Valid for launch_grouped_gemm: block_m in {16, 32 (fp8 only), 64, 128}, block_n in {128, 256}
 // dividing n, 256 for the SwiGLU epilogues, num_sms in [1, hint.num_sms]. Overrides that break a
 // rule are ignored.
 GemmTileConfig select_gemm_tiles(const GemmShapeHint& hint, const Knobs* overrides = nullptr);

@@ -161,8 +161,8 @@ Status validate_grouped_gemm(const GroupedGemmArgs& a) {
     if (ld < a.m_rows) return bad("ld_d_scales", std::to_string(ld), "must be >= m_rows");
   }
   const GemmTileConfig& t = a.tiles;
-  if (t.block_m != 0 && t.block_m != 16 && t.block_m != 64 && t.block_m != 128)
-    return bad("tiles.block_m", std::to_string(t.block_m), "must be 0, 16, 64 or 128");
+  if (t.block_m != 0 && t.block_m != 16 && t.block_m != 32 && t.block_m != 64 && t.block_m != 128)
+    return bad("tiles.block_m", std::to_string(t.block_m), "must be 0, 16, 32, 64 or 128");
   if (t.block_n != 0 && t.block_n != 128 && t.block_n != 256) return bad("tiles.block_n", std::to_string(t.block_n), "must be 0, 128 or 256");
   if (t.block_n != 0 && a.n % t.block_n != 0) return bad("tiles.block_n", std::to_string(t.block_n), "must divide n");
   if (swiglu && t.block_n == 128) return bad("tiles.block_n", "128", "the SwiGLU epilogues need 256 (128 gate + 128 up)");
@@ -172,7 +172,8 @@ Status validate_grouped_gemm(const GroupedGemmArgs& a) {
   if (a.trace_max_tiles > 0 && !fp8) return bad("trace_max_tiles", std::to_string(a.trace_max_tiles), "the timeline is kept for dtype fp8-block only");
   if (a.probe != GemmProbe::kNone && a.trace_max_tiles <= 0)
     return bad("probe", std::to_string(int(a.probe)), "needs the timeline (trace, trace_max_tiles > 0)");
-  if (t.block_m == 16 && !fp8) return bad("tiles.block_m", "16", "16-row tiles need dtype fp8-block");
+  if ((t.block_m == 16 || t.block_m == 32) && !fp8)
+    return bad("tiles.block_m", std::to_string(t.block_m), "16- and 32-row tiles need dtype fp8-block");
   return Status::ok();
 }
 

@@ -9,7 +9,7 @@
 //
 // Kernel (one CTA per SM, persistent; tiles from a global counter in order, or CTA i runs tiles i,
 // i + grid, ... without one; see grouped_scheduler.h and next_tile()):
-//   (BLOCK_M 16, fp8 decode: the operands swapped, see "swapped operands" below)
+//   (BLOCK_M 16 and 32, fp8 decode: the operands swapped, see "swapped operands" below)
 //   warpgroups 0 .. kNumMathWG-1  math: each owns 64 rows of the BLOCK_M tile and all BLOCK_N
 //                                 columns, issued as BLOCK_N/128 chunks of wgmma m64n128 (one temp
 //                                 accumulator, promoted into a final accumulator per chunk), then
@@ -108,10 +108,11 @@ struct GroupedGemmConfig {
   static constexpr int kEpilogue = kEpilogue_;
   static constexpr int kBlockKBytes = 128;            // one 128-byte swizzle row per tile row
   static constexpr int kBlockK = kFp8 ? 128 : 64;     // elements per K block
-  // BLOCK_M 16 (decode, fp8; bf16 rows or the SwiGLU + fp8 requant out): operands swapped. The weights are wgmma's A (M = the
-  // tile's BLOCK_N weight rows in m64 halves), the 16 tokens its B (N = 16): 16 MACs per weight byte
-  // instead of the 64 an m64 tile of 1-16 real rows costs. One math warpgroup; 2 KiB A slots.
-  static constexpr bool kSwapAB = kBlockM == 16;
+  // BLOCK_M 16 or 32 (decode, fp8; bf16 rows or the SwiGLU + fp8 requant out): operands swapped. The
+  // weights are wgmma's A (M = the tile's BLOCK_N weight rows in m64 halves), the BLOCK_M tokens its B
+  // (N = 16 or 32): 16 / 32 MACs per weight byte instead of the 64 an m64 tile of 1-32 real rows
+  // costs. One math warpgroup; 2 / 4 KiB A slots.
+  static constexpr bool kSwapAB = kBlockM <= 32;
   static constexpr int kNumMathWG = kBlockM <= 64 ? 1 : kBlockM / 64;
   static constexpr int kNumChunks = kBlockN / 128;
   static constexpr int kNumThreads = 128 * (kNumMathWG + 1);
@@ -126,12 +127,14 @@ struct GroupedGemmConfig {
   static constexpr int kStageSFB = 16;
   static constexpr int kStageBytes = kStageA + kStageB + kStageSFA + kStageSFB + 16 + 4;  // + 2 barriers + tile id
   // bf16-store epilogue staging: per math warp 16 rows x 64 columns of bf16 (2 KiB), see
-  // epilogue_store_bf16.
-  // Swapped SwiGLU (BLOCK_M 16): 16 token rows of 128 e4m3 codes + the 4 warps' per-token amax.
-  static constexpr int kStageOut = kEpilogue == 0 /* kEpiStoreBf16 */ ? kNumMathWG * 4 * 2048
-                                   : kBlockM == 16                     ? 16 * 128 + 4 * 16 * 4
-                                                                       : 0;
+  // epilogue_store_bf16; swapped: the tile's BLOCK_M token rows of BLOCK_N bf16.
+  // Swapped SwiGLU: BLOCK_M token rows of 128 e4m3 codes + the 4 warps' per-token amax.
+  static constexpr int kStageOut = kEpilogue == 0 /* kEpiStoreBf16 */
+                                       ? (kSwapAB ? kBlockM * kBlockN * 2 : kNumMathWG * 4 * 2048)
+                                   : kSwapAB ? kBlockM * 128 + 4 * kBlockM * 4
+                                             : 0;
   static constexpr int kSmemBudget = 227 * 1024 - 1024 /* alignment slack */ - 8 * 1024 /* tables */ - kStageOut;
+  static_assert(kStageOut % 128 == 0, "the A-scale slots after the staging are TMA destinations");
   static constexpr int kStagesFit = kSmemBudget / kStageBytes;
   static constexpr int kStages = kStagesFit > 12 ? 12 : kStagesFit;
   static constexpr uint32_t kTxBytes = kStageA + kStageB + (kFp8 ? kSfaBox * 4 : 0);
@@ -140,9 +143,9 @@ struct GroupedGemmConfig {
   // spilled at 48), the math warpgroups grow to 224.
   static constexpr uint32_t kProducerRegs = kNumMathWG == 1 ? 96 : 56;
   static constexpr uint32_t kMathRegs = kNumMathWG == 1 ? 256 : 224;  // scheduler tables: 3 * (E + 1) int32 <= 8 KiB
-  static_assert(kBlockM == 16 || kBlockM == 64 || kBlockM == 128, "BLOCK_M is 16, 64 or 128");
+  static_assert(kBlockM == 16 || kBlockM == 32 || kBlockM == 64 || kBlockM == 128, "BLOCK_M is 16, 32, 64 or 128");
   static_assert(!kSwapAB || (kFp8 && (kEpilogue == 0 /* kEpiStoreBf16 */ || kEpilogue == 1 /* kEpiSwigluFp8 */)),
-                "16-row tiles: fp8, bf16 rows or SwiGLU + fp8 out");
+                "16- and 32-row tiles: fp8, bf16 rows or SwiGLU + fp8 out");
   static_assert(kBlockN == 128 || kBlockN == 256, "BLOCK_N is 128 or 256");
   static_assert(kEpilogue == kEpiStoreBf16 || kBlockN == 256, "SwiGLU tiles hold 128 gate + 128 up columns");
   static_assert(kStages >= 3, "pipeline too shallow");
@@ -428,30 +431,48 @@ __device__ __forceinline__ void math_tile(const GroupedGemmSmem<Cfg>& sm, PipeSt
   }
 }
 
-// ---- swapped operands (BLOCK_M 16, fp8, bf16 rows out) ------------------------------------------------
+// ---- swapped operands (BLOCK_M 16 or 32, fp8) ---------------------------------------------------------
 //
 // The weights are wgmma's A: the tile's BLOCK_N weight rows in m64 halves (chunk c, half h: rows
-// 128c + 64h ..), read from the B slot; the tile's 16 token rows are wgmma's B (N = 16), the 2 KiB A
-// slot. Accumulator fragment of (c, h): thread (warp w, lane l) holds weight row 128c + 64h + 16w +
-// l/4 (+8) for tokens 8i + 2(l%4) + j, i, j in {0, 1} (ptx::wgmma_m64n16k32_e4m3).
+// 128c + 64h ..), read from the B slot; the tile's BLOCK_M token rows are wgmma's B (N = BLOCK_M), the
+// A slot. Accumulator fragment of (c, h): thread (warp w, lane l) holds weight row 128c + 64h + 16w +
+// l/4 (+8) for tokens 8i + 2(l%4) + j, i < BLOCK_M / 8, j in {0, 1}; register 4i + 2hh + j is
+// row + 8hh (ptx::wgmma_m64n16k32_e4m3 / m64n32k32). Token s / 2 * 8 + 2(l%4) + s % 2 is this
+// thread's token s, s < BLOCK_M / 4.
 
-// One fp8 K block: every (c, h)'s four m64n16k32 wgmmas issued before one wait, then the promotion
+// The swapped tile's accumulators: [chunk][half][registers of BLOCK_M tokens]
+template <class Cfg>
+using SwappedAcc = float[Cfg::kNumChunks][2][Cfg::kBlockM / 2];
+
+template <int kTokens>
+__device__ __forceinline__ void wgmma_swapped(float (&d)[kTokens / 2], uint64_t desc_w, uint64_t desc_x, int scale_d) {
+  if constexpr (kTokens == 16)
+    ptx::wgmma_m64n16k32_e4m3(d, desc_w, desc_x, scale_d);
+  else
+    ptx::wgmma_m64n32k32_e4m3(d, desc_w, desc_x, scale_d);
+}
+
+// This thread's token s (fragment column), s < BLOCK_M / 4.
+__device__ __forceinline__ int swapped_token(int s, int q) { return (s / 2) * 8 + 2 * q + s % 2; }
+
+// One fp8 K block: every (c, h)'s four m64nBLOCK_Mk32 wgmmas issued before one wait, then the promotion
 // acc (+)= (sa[token] * sb[c]) * tmp (kFirst: the tile's first K block, as math_k_block_fp8).
 template <class Cfg, bool kFirst>
 __device__ __forceinline__ void math_k_block_swapped(const GroupedGemmSmem<Cfg>& sm, PipeState& pipe, int box0,
-                                                     float (&acc)[Cfg::kNumChunks][2][8]) {
+                                                     SwappedAcc<Cfg>& acc) {
+  constexpr int kRegs = Cfg::kBlockM / 2;
   const int lane = threadIdx.x % 32, q = lane % 4;
   ptx::mbar_wait(&sm.full[pipe.stage], pipe.phase);
   const uint64_t desc_x = ptx::make_sw128_desc(sm.a + pipe.stage * Cfg::kStageA);
   const uint8_t* w_tile = sm.b + pipe.stage * Cfg::kStageB;
   const float* sfa = sm.sfa + pipe.stage * Cfg::kSfaStride + box0;
-  float sa[4];  // tokens 2q, 2q + 1, 8 + 2q, 9 + 2q
+  float sa[Cfg::kBlockM / 4];  // this thread's tokens
 #pragma unroll
-  for (int s = 0; s < 4; ++s) sa[s] = sfa[(s / 2) * 8 + 2 * q + (s % 2)];
+  for (int s = 0; s < Cfg::kBlockM / 4; ++s) sa[s] = sfa[swapped_token(s, q)];
   float sb[Cfg::kNumChunks];
 #pragma unroll
   for (int c = 0; c < Cfg::kNumChunks; ++c) sb[c] = sm.sfb[pipe.stage * 4 + c];
-  float tmp[Cfg::kNumChunks][2][8];
+  SwappedAcc<Cfg> tmp;
 #pragma unroll
   for (int c = 0; c < Cfg::kNumChunks; ++c)
 #pragma unroll
@@ -463,7 +484,7 @@ __device__ __forceinline__ void math_k_block_swapped(const GroupedGemmSmem<Cfg>&
     for (int h = 0; h < 2; ++h) {
       const uint64_t desc_w = ptx::make_sw128_desc(w_tile + (c * 128 + h * 64) * Cfg::kBlockKBytes);
 #pragma unroll
-      for (int k = 0; k < 4; ++k) ptx::wgmma_m64n16k32_e4m3(tmp[c][h], desc_w + 2 * k, desc_x + 2 * k, k > 0);
+      for (int k = 0; k < 4; ++k) wgmma_swapped<Cfg::kBlockM>(tmp[c][h], desc_w + 2 * k, desc_x + 2 * k, k > 0);
     }
   ptx::wgmma_commit();
   ptx::wgmma_wait<0>();
@@ -479,7 +500,7 @@ __device__ __forceinline__ void math_k_block_swapped(const GroupedGemmSmem<Cfg>&
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
+      for (int i = 0; i < kRegs; ++i) {
         const float sc = sa[(i / 4) * 2 + (i % 2)] * sb[c];
         acc[c][h][i] = fmaf(sc, tmp[c][h][i], kFirst ? 0.f : acc[c][h][i]);
       }
@@ -489,7 +510,7 @@ __device__ __forceinline__ void math_k_block_swapped(const GroupedGemmSmem<Cfg>&
 template <class Cfg>
 __device__ __forceinline__ void math_tile_swapped(const GroupedGemmSmem<Cfg>& sm, PipeState& pipe,
                                                   const GroupedGemmParams& p, const GroupedTile& t,
-                                                  float (&acc)[Cfg::kNumChunks][2][8]) {
+                                                  SwappedAcc<Cfg>& acc) {
   const int box0 = sfa_first_row(p, t) - sfa_box_start(p, t);  // the tile's first token in the scale slot
   // invariant: num_kb >= 1 (validate_grouped_gemm: K a positive multiple of 128)
   math_k_block_swapped<Cfg, true>(sm, pipe, box0, acc);
@@ -627,46 +648,51 @@ __device__ __forceinline__ void epilogue_store_bf16(const GroupedGemmSmem<Cfg>& 
 
 // bf16 rows of a swapped tile: token row r gets the tile's BLOCK_N columns (times row_weight[r]).
 // The fragment's 8 x 8 blocks (8 weight rows x 8 tokens) go through stmatrix.trans into staging rows
-// of one token each ([16 tokens][BLOCK_N] bf16, 16-byte pieces XOR-swizzled by token & 7: conflict-
-// free), then the warpgroup copies the 16-byte pieces of the tile's real token rows to where the sink
-// puts them. Two named barriers over the warpgroup: the staging is read before it is rewritten.
+// of one token each ([BLOCK_M tokens][BLOCK_N] bf16, 16-byte pieces XOR-swizzled by token & 7:
+// conflict-free), then the warpgroup copies the 16-byte pieces of the tile's real token rows to where
+// the sink puts them. Two named barriers over the warpgroup: the staging is read before it is
+// rewritten.
 template <class Cfg, class Sink>
-__device__ __forceinline__ void epilogue_store_swapped(const GroupedGemmSmem<Cfg>& sm,
-                                                       const float (&acc)[Cfg::kNumChunks][2][8], const GroupedTile& t,
-                                                       const Sink& sink, const float* row_weight) {
+__device__ __forceinline__ void epilogue_store_swapped(const GroupedGemmSmem<Cfg>& sm, const SwappedAcc<Cfg>& acc,
+                                                       const GroupedTile& t, const Sink& sink,
+                                                       const float* row_weight) {
   constexpr int kPitch = Cfg::kBlockN * 2;   // bytes per staged token row
   constexpr int kPieces = Cfg::kBlockN / 8;  // 16-byte pieces per token row
-  static_assert(16 * kPitch <= Cfg::kStageOut, "staging holds the tile's 16 token rows");
+  constexpr int kTok = Cfg::kBlockM / 4;     // tokens per thread
+  static_assert(Cfg::kBlockM * kPitch <= Cfg::kStageOut, "staging holds the tile's token rows");
   const int tid = threadIdx.x % 128, lane = tid % 32, warp = tid / 32, q = lane % 4;
   const uint32_t stage = ptx::smem_addr(sm.out);
-  float w[4] = {1.f, 1.f, 1.f, 1.f};  // weights of this thread's tokens 2q, 2q + 1, 8 + 2q, 9 + 2q
-  if (row_weight != nullptr) {
+  float w[kTok];  // weights of this thread's tokens (swapped_token)
 #pragma unroll
-    for (int s = 0; s < 4; ++s) {
-      const int tok = (s / 2) * 8 + 2 * q + (s % 2);
-      if (tok < t.rows) w[s] = row_weight[t.row0 + tok];
-    }
+  for (int s = 0; s < kTok; ++s) {
+    const int tok = swapped_token(s, q);
+    w[s] = row_weight != nullptr && tok < t.rows ? row_weight[t.row0 + tok] : 1.f;
   }
-  // stmatrix.trans: lane L gives row L % 8 of matrix L / 8 = 2j + hh (tokens 8j .., weight rows + 8hh)
-  const int tok_l = (lane / 16) * 8 + lane % 8, hh_l = (lane / 8) % 2;
+  // stmatrix.trans, 16 tokens per call: lane L gives row L % 8 of matrix L / 8 = 2j' + hh (tokens
+  // 16g + 8j' .., weight rows + 8hh)
+  const int hh_l = (lane / 8) % 2;
   ptx::named_barrier_sync(1, 128);  // the previous tile's copy-out has read the staging
 #pragma unroll
-  for (int c = 0; c < Cfg::kNumChunks; ++c)
+  for (int g = 0; g < Cfg::kBlockM / 16; ++g) {
+    const int tok_l = 16 * g + (lane / 16) * 8 + lane % 8;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int n0 = c * 128 + h * 64 + warp * 16 + 8 * hh_l;  // first weight row of this lane's matrix
-      const uint32_t addr = stage + tok_l * kPitch + (((n0 / 8) ^ (tok_l & 7)) << 4);
-      uint32_t r[4];  // matrix 2j + hh: (acc[4j + 2hh], acc[4j + 2hh + 1]) for tokens 8j + 2q, + 1
+    for (int c = 0; c < Cfg::kNumChunks; ++c)
 #pragma unroll
-      for (int m = 0; m < 4; ++m) {
-        const int j = m / 2, hh = m % 2;
-        r[m] = pack_bf16x2(acc[c][h][4 * j + 2 * hh] * w[2 * j], acc[c][h][4 * j + 2 * hh + 1] * w[2 * j + 1]);
+      for (int h = 0; h < 2; ++h) {
+        const int n0 = c * 128 + h * 64 + warp * 16 + 8 * hh_l;  // first weight row of this lane's matrix
+        const uint32_t addr = stage + tok_l * kPitch + (((n0 / 8) ^ (tok_l & 7)) << 4);
+        uint32_t r[4];  // matrix 2j' + hh: (acc[4j + 2hh], acc[4j + 2hh + 1]) for tokens 8j + 2q, + 1, j = 2g + j'
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+          const int j = 2 * g + m / 2, hh = m % 2;
+          r[m] = pack_bf16x2(acc[c][h][4 * j + 2 * hh] * w[2 * j], acc[c][h][4 * j + 2 * hh + 1] * w[2 * j + 1]);
+        }
+        ptx::stmatrix_x4_trans(addr, r[0], r[1], r[2], r[3]);
       }
-      ptx::stmatrix_x4_trans(addr, r[0], r[1], r[2], r[3]);
-    }
+  }
   ptx::named_barrier_sync(1, 128);
 #pragma unroll
-  for (int idx = tid; idx < 16 * kPieces; idx += 128) {
+  for (int idx = tid; idx < Cfg::kBlockM * kPieces; idx += 128) {
     const int tok = idx / kPieces, piece = idx % kPieces;
     __nv_bfloat16* out = tok < t.rows ? sink.row_ptr(t.row0 + tok) : nullptr;
     if (out != nullptr)
@@ -751,24 +777,24 @@ __device__ __forceinline__ void epilogue_swiglu(const float (&acc)[Cfg::kNumChun
 // rows, gemm_weights.h): h = silu(gate) * up per (intermediate column, token), then per token the
 // amax over the tile's 128 columns (registers, then lanes of the same l % 4, then the 4 warps through
 // shared memory), its scale and the e4m3 codes (as epilogue_swiglu computes them), staged as token
-// rows ([16][128] codes) and stored 16 bytes at a time; one scale per real token.
+// rows ([BLOCK_M][128] codes) and stored 16 bytes at a time; one scale per real token.
 template <class Cfg>
-__device__ __forceinline__ void epilogue_swiglu_swapped(const GroupedGemmSmem<Cfg>& sm,
-                                                        const float (&acc)[Cfg::kNumChunks][2][8], const GroupedTile& t,
-                                                        const GroupedGemmParams& p) {
+__device__ __forceinline__ void epilogue_swiglu_swapped(const GroupedGemmSmem<Cfg>& sm, const SwappedAcc<Cfg>& acc,
+                                                        const GroupedTile& t, const GroupedGemmParams& p) {
   static_assert(Cfg::kNumChunks == 2, "gate and up chunks");
+  constexpr int kM = Cfg::kBlockM, kTok = kM / 4;
   const int tid = threadIdx.x % 128, lane = tid % 32, warp = tid / 32, q = lane % 4;
-  uint8_t* const codes = sm.out;                                   // [16 tokens][128]
-  float* const red = reinterpret_cast<float*>(sm.out + 16 * 128);  // [4 warps][16 tokens]
-  float v[2][8];
+  uint8_t* const codes = sm.out;                                   // [kM tokens][128]
+  float* const red = reinterpret_cast<float*>(sm.out + kM * 128);  // [4 warps][kM tokens]
+  float v[2][kM / 2];
 #pragma unroll
   for (int h = 0; h < 2; ++h)
 #pragma unroll
-    for (int i = 0; i < 8; ++i) v[h][i] = swiglu(acc[0][h][i], acc[1][h][i]);
-  // token s of this thread (2q, 2q + 1, 8 + 2q, 9 + 2q): registers (s / 2) * 4 + s % 2 (+ 2) of both halves
-  float amax[4];
+    for (int i = 0; i < kM / 2; ++i) v[h][i] = swiglu(acc[0][h][i], acc[1][h][i]);
+  // token s of this thread (swapped_token): registers (s / 2) * 4 + s % 2 (+ 2) of both halves
+  float amax[kTok];
 #pragma unroll
-  for (int s = 0; s < 4; ++s) {
+  for (int s = 0; s < kTok; ++s) {
     const int i = (s / 2) * 4 + s % 2;
     amax[s] = fmaxf(fmaxf(fmt::finite_abs(v[0][i]), fmt::finite_abs(v[0][i + 2])),
                     fmaxf(fmt::finite_abs(v[1][i]), fmt::finite_abs(v[1][i + 2])));
@@ -778,14 +804,14 @@ __device__ __forceinline__ void epilogue_swiglu_swapped(const GroupedGemmSmem<Cf
   ptx::named_barrier_sync(1, 128);  // the previous tile's copy-out has read the staging
   if (lane < 4) {
 #pragma unroll
-    for (int s = 0; s < 4; ++s) red[warp * 16 + (s / 2) * 8 + 2 * q + s % 2] = amax[s];
+    for (int s = 0; s < kTok; ++s) red[warp * kM + swapped_token(s, q)] = amax[s];
   }
   ptx::named_barrier_sync(1, 128);
-  float scale[4];
+  float scale[kTok];
 #pragma unroll
-  for (int s = 0; s < 4; ++s) {
-    const int tok = (s / 2) * 8 + 2 * q + s % 2;
-    const float a = fmaxf(fmaxf(red[tok], red[16 + tok]), fmaxf(red[32 + tok], red[48 + tok]));
+  for (int s = 0; s < kTok; ++s) {
+    const int tok = swapped_token(s, q);
+    const float a = fmaxf(fmaxf(red[tok], red[kM + tok]), fmaxf(red[2 * kM + tok], red[3 * kM + tok]));
     scale[s] = fmt::fp8_block_scale(a, p.pow2_scales != 0);
     const float inv = __frcp_rn(scale[s]);
     const int i = (s / 2) * 4 + s % 2;
@@ -799,16 +825,17 @@ __device__ __forceinline__ void epilogue_swiglu_swapped(const GroupedGemmSmem<Cf
     }
   }
   ptx::named_barrier_sync(1, 128);
-  {  // 16 token rows x 8 pieces of 16 bytes: one per thread
-    const int tok = tid / 8, piece = tid % 8;
+#pragma unroll
+  for (int idx = tid; idx < kM * 8; idx += 128) {  // kM token rows x 8 pieces of 16 bytes
+    const int tok = idx / 8, piece = idx % 8;
     if (tok < t.rows)
       *reinterpret_cast<uint4*>(static_cast<uint8_t*>(p.d) + int64_t(t.row0 + tok) * p.ld_d + t.n_block * 128 +
                                 piece * 16) = ptx::lds_v4(ptx::smem_addr(codes + tok * 128 + piece * 16));
   }
   if (warp == 0 && lane < 4) {
 #pragma unroll
-    for (int s = 0; s < 4; ++s) {
-      const int tok = (s / 2) * 8 + 2 * q + s % 2;
+    for (int s = 0; s < kTok; ++s) {
+      const int tok = swapped_token(s, q);
       if (tok < t.rows) {
         const int64_t m = p.layout == kLayoutMasked ? t.m0 + tok : t.row0 + tok;
         p.sfd[t.expert * p.sfd_expert_stride + int64_t(t.n_block) * p.ld_sfd + m] = scale[s];
@@ -875,8 +902,8 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
     }
   } else {
     ptx::setmaxnreg_inc<Cfg::kMathRegs>();
-    // swapped tiles (BLOCK_M 16) hold [chunk][half][8] accumulators, the others [chunk][64]
-    using Acc = std::conditional_t<Cfg::kSwapAB, float[Cfg::kNumChunks][2][8], float[Cfg::kNumChunks][64]>;
+    // swapped tiles (BLOCK_M 16 / 32) hold [chunk][half][BLOCK_M / 2] accumulators, the others [chunk][64]
+    using Acc = std::conditional_t<Cfg::kSwapAB, SwappedAcc<Cfg>, float[Cfg::kNumChunks][64]>;
     Acc acc;
     for (;;) {
       ptx::mbar_wait(&sm.full[pipe.stage], pipe.phase);  // the next tile's first K block (or the end)
@@ -973,6 +1000,9 @@ cudaError_t launch_grouped_gemm_config(const CUtensorMap& tmap_a, const CUtensor
   X(16, 128, true, kEpiStoreBf16)             \
   X(16, 256, true, kEpiStoreBf16)             \
   X(16, 256, true, kEpiSwigluFp8)             \
+  X(32, 128, true, kEpiStoreBf16)             \
+  X(32, 256, true, kEpiStoreBf16)             \
+  X(32, 256, true, kEpiSwigluFp8)             \
   X(64, 128, true, kEpiStoreBf16)             \
   X(64, 256, true, kEpiStoreBf16)             \
   X(128, 128, true, kEpiStoreBf16)            \

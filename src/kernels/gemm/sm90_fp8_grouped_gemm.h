@@ -52,7 +52,8 @@ const char* to_string(GemmEpilogue e);
 
 // Tile configuration. 0 = chosen by select_gemm_tiles() (gemm_heuristic.h).
 struct GemmTileConfig {
-  int32_t block_m = 0;  // 16, 64 or 128 rows per tile (16 and 64: one math warpgroup, 128: two)
+  int32_t block_m = 0;  // 16, 32, 64 or 128 rows per tile (16-64: one math warpgroup, 128: two; 16
+                        // and 32: fp8 only, the operands swapped)
   int32_t block_n = 0;  // 128 or 256 (SwiGLU: 256 = 128 gate + 128 up)
   int32_t num_sms = 0;  // persistent CTAs; 0 = all SMs
   bool round_robin = false;  // tiles i, i + grid, ... per CTA instead of from the tile counter

@@ -399,35 +399,35 @@ __device__ __forceinline__ void math_tile(const GroupedGemmSmem<Cfg>& sm, PipeSt
     // invariant: num_kb >= 1 (validate_grouped_gemm: K a positive multiple of 128)
     math_k_block_fp8<Cfg, true>(sm, pipe, wg, sfa0, acc);
     for (int kb = 1; kb < num_kb; ++kb) math_k_block_fp8<Cfg, false>(sm, pipe, wg, sfa0, acc);
-    return;
-  }
+  } else {
 #pragma unroll
-  for (int c = 0; c < Cfg::kNumChunks; ++c)
+    for (int c = 0; c < Cfg::kNumChunks; ++c)
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc[c][i] = 0.f;
+      for (int i = 0; i < 64; ++i) acc[c][i] = 0.f;
 
-  for (int kb = 0; kb < num_kb; ++kb) {
-    ptx::mbar_wait(&sm.full[pipe.stage], pipe.phase);
-    const uint8_t* a_tile = sm.a + pipe.stage * Cfg::kStageA + wg * 64 * Cfg::kBlockKBytes;
-    const uint8_t* b_tile = sm.b + pipe.stage * Cfg::kStageB;
-    const uint64_t desc_a = ptx::make_sw128_desc(a_tile);
-    // bf16: the wgmmas accumulate in acc itself
+    for (int kb = 0; kb < num_kb; ++kb) {
+      ptx::mbar_wait(&sm.full[pipe.stage], pipe.phase);
+      const uint8_t* a_tile = sm.a + pipe.stage * Cfg::kStageA + wg * 64 * Cfg::kBlockKBytes;
+      const uint8_t* b_tile = sm.b + pipe.stage * Cfg::kStageB;
+      const uint64_t desc_a = ptx::make_sw128_desc(a_tile);
+      // bf16: the wgmmas accumulate in acc itself
 #pragma unroll
-    for (int c = 0; c < Cfg::kNumChunks; ++c) ptx::fence_operands(acc[c]);
-    ptx::wgmma_fence();
+      for (int c = 0; c < Cfg::kNumChunks; ++c) ptx::fence_operands(acc[c]);
+      ptx::wgmma_fence();
 #pragma unroll
-    for (int c = 0; c < Cfg::kNumChunks; ++c) {
-      const uint64_t desc_b = ptx::make_sw128_desc(b_tile + c * 128 * Cfg::kBlockKBytes);
+      for (int c = 0; c < Cfg::kNumChunks; ++c) {
+        const uint64_t desc_b = ptx::make_sw128_desc(b_tile + c * 128 * Cfg::kBlockKBytes);
 #pragma unroll
-      for (int k = 0; k < 4; ++k) ptx::wgmma_m64n128k16_bf16(acc[c], desc_a + 2 * k, desc_b + 2 * k, 1);
+        for (int k = 0; k < 4; ++k) ptx::wgmma_m64n128k16_bf16(acc[c], desc_a + 2 * k, desc_b + 2 * k, 1);
+      }
+      ptx::wgmma_commit();
+      ptx::wgmma_wait<0>();
+#pragma unroll
+      for (int c = 0; c < Cfg::kNumChunks; ++c) ptx::fence_operands(acc[c]);
+      __syncwarp();
+      if (lane == 0) ptx::mbar_arrive(&sm.empty[pipe.stage]);
+      pipe.advance(Cfg::kStages);
     }
-    ptx::wgmma_commit();
-    ptx::wgmma_wait<0>();
-#pragma unroll
-    for (int c = 0; c < Cfg::kNumChunks; ++c) ptx::fence_operands(acc[c]);
-    __syncwarp();
-    if (lane == 0) ptx::mbar_arrive(&sm.empty[pipe.stage]);
-    pipe.advance(Cfg::kStages);
   }
 }
 
@@ -979,9 +979,11 @@ cudaError_t launch_grouped_gemm_config(const CUtensorMap& tmap_a, const CUtensor
     if (!(raised_on >> device & 1u)) {
       err = cudaFuncSetAttribute(sm90_grouped_gemm_kernel<Cfg, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  Cfg::smem_bytes(Cfg::kMaxExperts));
-      if (err == cudaSuccess && Cfg::kFp8)
-        err = cudaFuncSetAttribute(sm90_grouped_gemm_kernel<Cfg, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   Cfg::smem_bytes(Cfg::kMaxExperts));
+      if constexpr (Cfg::kFp8) {  // the traced kernel exists for fp8 only
+        if (err == cudaSuccess)
+          err = cudaFuncSetAttribute(sm90_grouped_gemm_kernel<Cfg, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     Cfg::smem_bytes(Cfg::kMaxExperts));
+      }
       if (err != cudaSuccess) return err;
       raised_on |= uint64_t(1) << device;
     }

@@ -224,6 +224,36 @@ void make_segments(const GemmCase& c, Problem* p) {
   }
 }
 
+// A Problem's operands on the device and the arguments every GEMM test sets from them (epilogue,
+// outputs and tiles are the test's). b_host / b_scales_host: the weights as launched (the SwiGLU test
+// passes the prepared w13).
+struct DeviceProblem {
+  DevBuf<uint8_t> a, b;
+  DevBuf<float> a_scales, b_scales;
+  DevBuf<int32_t> offsets, counts;
+  DeviceProblem(const Problem& p, const std::vector<uint8_t>& b_host, const std::vector<float>& b_scales_host)
+      : a(p.a), b(b_host), a_scales(p.a_scales), b_scales(b_scales_host), offsets(p.offsets), counts(p.counts) {}
+  explicit DeviceProblem(const Problem& p) : DeviceProblem(p, p.b, p.b_scales) {}
+  GroupedGemmArgs args(const Problem& p) const {
+    const bool fp8 = p.dtype == GemmDtype::kFp8Block;
+    GroupedGemmArgs g;
+    g.dtype = p.dtype;
+    g.layout = p.layout;
+    g.num_experts = p.E;
+    g.n = p.N;
+    g.k = p.K;
+    g.a = a.p;
+    g.m_rows = p.m_rows;
+    g.a_scales = fp8 ? a_scales.p : nullptr;
+    g.ld_a_scales = p.ld_sa;
+    g.expert_offsets = p.layout == GroupedLayout::kContiguous ? offsets.p : nullptr;
+    g.masked_counts = p.layout == GroupedLayout::kMasked ? counts.p : nullptr;
+    g.b = b.p;
+    g.b_scales = fp8 ? b_scales.p : nullptr;
+    return g;
+  }
+};
+
 class GroupedGemmStore : public ::testing::TestWithParam<GemmCase> {};
 
 TEST_P(GroupedGemmStore, MatchesFloat64Reference) {
@@ -239,27 +269,12 @@ TEST_P(GroupedGemmStore, MatchesFloat64Reference) {
   build_problem(&p, 1234u + c.N + c.K);
   const std::vector<double> ref = reference(p);
 
-  DevBuf<uint8_t> da(p.a), db(p.b);
-  DevBuf<float> dsa(p.a_scales), dsb(p.b_scales);
-  DevBuf<int32_t> doff(p.offsets), dcnt(p.counts);
+  const DeviceProblem dev(p);
   const int64_t rows = p.a_rows();
   DevBuf<uint16_t> dd(rows * p.N);
 
-  GroupedGemmArgs args;
-  args.dtype = c.dtype;
-  args.layout = c.layout;
+  GroupedGemmArgs args = dev.args(p);
   args.epilogue = GemmEpilogue::kStoreBf16;
-  args.num_experts = p.E;
-  args.n = p.N;
-  args.k = p.K;
-  args.a = da.p;
-  args.m_rows = p.m_rows;
-  args.a_scales = c.dtype == GemmDtype::kFp8Block ? dsa.p : nullptr;
-  args.ld_a_scales = p.ld_sa;
-  args.expert_offsets = c.layout == GroupedLayout::kContiguous ? doff.p : nullptr;
-  args.masked_counts = c.layout == GroupedLayout::kMasked ? dcnt.p : nullptr;
-  args.b = db.p;
-  args.b_scales = c.dtype == GemmDtype::kFp8Block ? dsb.p : nullptr;
   args.d = dd.p;
   args.tiles.block_m = c.block_m;
   args.tiles.block_n = c.block_n;
@@ -383,24 +398,14 @@ TEST(Sm90GroupedGemm, Fp8_RowMapAndWeights) {
     row_map[r] = (r % 5 == 3) ? -1 : int32_t(out_rows - 1 - r);  // reversed, every 5th dropped
     weight[r] = 0.25f + 0.01f * float(r % 17);
   }
-  DevBuf<uint8_t> da(p.a), db(p.b);
-  DevBuf<float> dsa(p.a_scales), dsb(p.b_scales), dw(weight);
-  DevBuf<int32_t> doff(p.offsets), dmap(row_map);
+  const DeviceProblem dev(p);
+  DevBuf<float> dw(weight);
+  DevBuf<int32_t> dmap(row_map);
   DevBuf<uint16_t> dd(out_rows * p.N);
   // the heuristic's tiles (128 rows) and the swapped 16- and 32-row decode tiles
   for (const int block_m : {0, 16, 32}) {
     CUDA_OK(cudaMemset(dd.p, 0xFF, out_rows * p.N * 2));
-    GroupedGemmArgs a;
-    a.num_experts = p.E;
-    a.n = p.N;
-    a.k = p.K;
-    a.a = da.p;
-    a.m_rows = p.m_rows;
-    a.a_scales = dsa.p;
-    a.ld_a_scales = p.ld_sa;
-    a.expert_offsets = doff.p;
-    a.b = db.p;
-    a.b_scales = dsb.p;
+    GroupedGemmArgs a = dev.args(p);
     a.d = dd.p;
     a.row_map = dmap.p;
     a.row_weight = dw.p;
@@ -464,27 +469,13 @@ TEST_P(GroupedGemmSwiglu, RequantWithinOneE4m3Step) {
   megamoe::gemm::prepare_w13_scales_for_swiglu(p.b_scales.data(), p.E, I, p.K, sprep.data());
   (void)KB;
 
-  DevBuf<uint8_t> da(p.a), db(bprep);
-  DevBuf<float> dsa(p.a_scales), dsb(sprep);
-  DevBuf<int32_t> doff(p.offsets), dcnt(p.counts);
+  const DeviceProblem dev(p, bprep, sprep);
   DevBuf<uint8_t> dh(rows * I);
   const int64_t ld_sd = (p.m_rows + 3) / 4 * 4;
   const int64_t nexp = c.layout == GroupedLayout::kMasked ? p.E : 1;
   DevBuf<float> dsd(nexp * IB * ld_sd);
-  GroupedGemmArgs a;
-  a.layout = c.layout;
+  GroupedGemmArgs a = dev.args(p);
   a.epilogue = GemmEpilogue::kSwigluFp8;
-  a.num_experts = p.E;
-  a.n = p.N;
-  a.k = p.K;
-  a.a = da.p;
-  a.m_rows = p.m_rows;
-  a.a_scales = dsa.p;
-  a.ld_a_scales = p.ld_sa;
-  a.expert_offsets = c.layout == GroupedLayout::kContiguous ? doff.p : nullptr;
-  a.masked_counts = c.layout == GroupedLayout::kMasked ? dcnt.p : nullptr;
-  a.b = db.p;
-  a.b_scales = dsb.p;
   a.d = dh.p;
   a.d_scales = dsd.p;
   a.ld_d_scales = ld_sd;

@@ -228,13 +228,14 @@ void make_segments(const GemmCase& c, Problem* p) {
 // outputs and tiles are the test's). b_host / b_scales_host: the weights as launched (the SwiGLU test
 // passes the prepared w13).
 struct DeviceProblem {
+  const Problem& p;
   DevBuf<uint8_t> a, b;
   DevBuf<float> a_scales, b_scales;
   DevBuf<int32_t> offsets, counts;
   DeviceProblem(const Problem& p, const std::vector<uint8_t>& b_host, const std::vector<float>& b_scales_host)
-      : a(p.a), b(b_host), a_scales(p.a_scales), b_scales(b_scales_host), offsets(p.offsets), counts(p.counts) {}
+      : p(p), a(p.a), b(b_host), a_scales(p.a_scales), b_scales(b_scales_host), offsets(p.offsets), counts(p.counts) {}
   explicit DeviceProblem(const Problem& p) : DeviceProblem(p, p.b, p.b_scales) {}
-  GroupedGemmArgs args(const Problem& p) const {
+  GroupedGemmArgs args() const {
     const bool fp8 = p.dtype == GemmDtype::kFp8Block;
     GroupedGemmArgs g;
     g.dtype = p.dtype;
@@ -273,7 +274,7 @@ TEST_P(GroupedGemmStore, MatchesFloat64Reference) {
   const int64_t rows = p.a_rows();
   DevBuf<uint16_t> dd(rows * p.N);
 
-  GroupedGemmArgs args = dev.args(p);
+  GroupedGemmArgs args = dev.args();
   args.epilogue = GemmEpilogue::kStoreBf16;
   args.d = dd.p;
   args.tiles.block_m = c.block_m;
@@ -405,7 +406,7 @@ TEST(Sm90GroupedGemm, Fp8_RowMapAndWeights) {
   // the heuristic's tiles (128 rows) and the swapped 16- and 32-row decode tiles
   for (const int block_m : {0, 16, 32}) {
     CUDA_OK(cudaMemset(dd.p, 0xFF, out_rows * p.N * 2));
-    GroupedGemmArgs a = dev.args(p);
+    GroupedGemmArgs a = dev.args();
     a.d = dd.p;
     a.row_map = dmap.p;
     a.row_weight = dw.p;
@@ -474,7 +475,7 @@ TEST_P(GroupedGemmSwiglu, RequantWithinOneE4m3Step) {
   const int64_t ld_sd = (p.m_rows + 3) / 4 * 4;
   const int64_t nexp = c.layout == GroupedLayout::kMasked ? p.E : 1;
   DevBuf<float> dsd(nexp * IB * ld_sd);
-  GroupedGemmArgs a = dev.args(p);
+  GroupedGemmArgs a = dev.args();
   a.epilogue = GemmEpilogue::kSwigluFp8;
   a.d = dh.p;
   a.d_scales = dsd.p;

@@ -59,11 +59,15 @@ struct Knobs {
   // Recv-row groups of the one-kernel combine (routed backend, mxfp8 / nvfp4 wire), 1..8: the
   // reduce of a group's tokens overlaps the later groups' sends. 0 = by the token count.
   int32_t combine_groups = 0;
+  // CTAs per cluster of the fp8 GEMM's 128 x 256 tiles: 2 = pairs of CTAs sharing each weight tile by
+  // TMA multicast, 1 = none, 0 = the heuristic's choice (2 for long K). Ignored by other tiles.
+  int32_t gemm_cluster = 0;
 
   Status validate() const;
   std::string to_string() const;
   bool operator==(const Knobs& o) const {
-    return block_m == o.block_m && block_n == o.block_n && num_sms == o.num_sms && combine_groups == o.combine_groups;
+    return block_m == o.block_m && block_n == o.block_n && num_sms == o.num_sms && combine_groups == o.combine_groups &&
+           gemm_cluster == o.gemm_cluster;
   }
 };
 

@@ -35,7 +35,8 @@
 //         "num_experts": 256,                  // integer >= 1
 //         "top_k": 8,                          // integer >= 1
 //         "max_tokens": 128,                   // integer >= 0 (bucket: max_tokens_per_rank)
-//         "knobs": {"block_m": 64, "block_n": 128, "num_sms": 0, "combine_groups": 0},  // Knobs::validate()
+//         "knobs": {"block_m": 64, "block_n": 128, "num_sms": 0, "combine_groups": 0,
+//                   "gemm_cluster": 0},        // Knobs::validate(); every knob optional, 0 = heuristic
 //         "mega_max_tokens_per_rank": 256,     // integer >= 0; measured crossover, 0 = none
 //         "measured_us": 41.5,                 // number >= 0
 //         "note": "autotune 2025-01-01"        // string

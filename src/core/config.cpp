@@ -78,13 +78,15 @@ Status Knobs::validate() const {
     return invalid_argument("knobs", "num_sms", str(num_sms), "must be in [0, 1024] (0 = all SMs)");
   if (combine_groups < 0 || combine_groups > 8)
     return invalid_argument("knobs", "combine_groups", str(combine_groups), "must be in [0, 8] (0 = by the token count)");
+  if (gemm_cluster < 0 || gemm_cluster > 2)
+    return invalid_argument("knobs", "gemm_cluster", str(gemm_cluster), "must be 0 (heuristic), 1 or 2");
   return Status::ok();
 }
 
 std::string Knobs::to_string() const {
   std::ostringstream os;
   os << "Knobs(block_m=" << block_m << ", block_n=" << block_n << ", num_sms=" << num_sms
-     << ", combine_groups=" << combine_groups << ")";
+     << ", combine_groups=" << combine_groups << ", gemm_cluster=" << gemm_cluster << ")";
   return os.str();
 }
 

@@ -140,12 +140,13 @@ bool parse_entry(const json& e, KnobKey* key, KnobEntry* entry, std::string* err
     return false;
   }
   constexpr int64_t kMaxInt32 = std::numeric_limits<int32_t>::max();
-  int64_t block_m = 0, block_n = 0, num_sms = 0, combine_groups = 0;
+  int64_t block_m = 0, block_n = 0, num_sms = 0, combine_groups = 0, gemm_cluster = 0;
   std::string knob_error;
   if (!read_int(*knobs_it, "block_m", 0, kMaxInt32, true, &block_m, &knob_error) ||
       !read_int(*knobs_it, "block_n", 0, kMaxInt32, true, &block_n, &knob_error) ||
       !read_int(*knobs_it, "num_sms", 0, kMaxInt32, true, &num_sms, &knob_error) ||
-      !read_int(*knobs_it, "combine_groups", 0, kMaxInt32, true, &combine_groups, &knob_error)) {
+      !read_int(*knobs_it, "combine_groups", 0, kMaxInt32, true, &combine_groups, &knob_error) ||
+      !read_int(*knobs_it, "gemm_cluster", 0, kMaxInt32, true, &gemm_cluster, &knob_error)) {
     *error = "knobs." + knob_error;
     return false;
   }
@@ -153,6 +154,7 @@ bool parse_entry(const json& e, KnobKey* key, KnobEntry* entry, std::string* err
   entry->knobs.block_n = static_cast<int32_t>(block_n);
   entry->knobs.num_sms = static_cast<int32_t>(num_sms);
   entry->knobs.combine_groups = static_cast<int32_t>(combine_groups);
+  entry->knobs.gemm_cluster = static_cast<int32_t>(gemm_cluster);
   Status knobs_status = entry->knobs.validate();
   if (!knobs_status.is_ok()) {
     *error = knobs_status.message();  // "invalid knobs: block_m=96, must be ..."
@@ -343,7 +345,8 @@ Status KnobCache::save(const std::string& path) const {
       e["knobs"] = {{"block_m", entry.knobs.block_m},
                     {"block_n", entry.knobs.block_n},
                     {"num_sms", entry.knobs.num_sms},
-                    {"combine_groups", entry.knobs.combine_groups}};
+                    {"combine_groups", entry.knobs.combine_groups},
+                    {"gemm_cluster", entry.knobs.gemm_cluster}};
       e["mega_max_tokens_per_rank"] = entry.mega_max_tokens_per_rank;
       e["measured_us"] = entry.measured_us;
       e["note"] = entry.note;
@@ -445,6 +448,7 @@ MoeConfig apply_tuned_knobs(const MoeConfig& config, const MoeGeometry& geometry
   take(&out.knobs.block_n, entry->knobs.block_n, "block_n");
   take(&out.knobs.num_sms, entry->knobs.num_sms, "num_sms");
   take(&out.knobs.combine_groups, entry->knobs.combine_groups, "combine_groups");
+  take(&out.knobs.gemm_cluster, entry->knobs.gemm_cluster, "gemm_cluster");
   if (note) *note = applied.empty() ? "" : "tuned knobs from the knob cache: " + applied;
   return out;
 }

@@ -202,6 +202,32 @@ TEST(GemmHeuristic, TileOrderBySpanAndLength) {
   EXPECT_FALSE(select_gemm_tiles(hint(256, 64, 2048, 768), &k).round_robin);  // 1024 tiles > 8 x 60
 }
 
+// Clusters of 2 (weight tiles multicast to a pair of CTAs): fp8 128 x 256 tiles with long K.
+TEST(GemmHeuristic, ClustersForLongK) {
+  EXPECT_EQ(select_gemm_tiles(hint(512, 32, 4096, 7168)).cluster, 2);  // deepseek-v3 FC1
+  EXPECT_EQ(select_gemm_tiles(hint(512, 32, 4096, 7168, GemmEpilogue::kSwigluFp8)).cluster, 2);
+  EXPECT_EQ(select_gemm_tiles(hint(128, 128, 4096, 7168)).cluster, 2);
+  EXPECT_EQ(select_gemm_tiles(hint(512, 32, 7168, 2048)).cluster, 1);  // FC2: K 2048, even
+  EXPECT_EQ(select_gemm_tiles(hint(1024, 64, 2048, 768)).cluster, 1);  // qwen3-30b-a3b FC2: K 768, slower
+  EXPECT_EQ(select_gemm_tiles(hint(8, 32, 4096, 7168)).cluster, 1);    // decode tiles
+  EXPECT_EQ(select_gemm_tiles(hint(64, 32, 4096, 7168)).cluster, 1);
+  GemmShapeHint bf16 = hint(512, 32, 4096, 7168);
+  bf16.fp8 = false;
+  EXPECT_EQ(select_gemm_tiles(bf16).cluster, 1);
+  megamoe::Knobs k;
+  k.gemm_cluster = 1;
+  EXPECT_EQ(select_gemm_tiles(hint(512, 32, 4096, 7168), &k).cluster, 1);
+  k.gemm_cluster = 2;
+  EXPECT_EQ(select_gemm_tiles(hint(512, 32, 7168, 2048), &k).cluster, 2);
+  EXPECT_EQ(select_gemm_tiles(hint(8, 32, 4096, 7168), &k).cluster, 1);  // 16-row tiles: ignored
+  EXPECT_EQ(select_gemm_tiles(bf16, &k).cluster, 1);
+  k.block_n = 128;
+  EXPECT_EQ(select_gemm_tiles(hint(512, 32, 7168, 2048), &k).cluster, 1);  // 128-wide tiles: ignored
+  k = {};
+  k.num_sms = 1;
+  EXPECT_EQ(select_gemm_tiles(hint(512, 32, 4096, 7168), &k).cluster, 1);  // one SM: no pair
+}
+
 TEST(GemmTiles, CountMatchesScheduler) {
   const std::vector<int32_t> rows = {0, 1, 64, 65, 300};
   GemmTileConfig c;
@@ -265,6 +291,26 @@ TEST(GemmValidate, MessagesNameTheField) {
   a.probe = megamoe::gemm::GemmProbe::kStream;  // a probe needs the timeline
   st = validate_grouped_gemm(a);
   EXPECT_NE(st.message().find("probe"), std::string::npos) << st.message();
+  a.probe = megamoe::gemm::GemmProbe::kNone;
+  // clusters: 1 or 2; 2 only for fp8 128 x 256 tiles (or tiles the heuristic picks)
+  a.tiles.cluster = 3;
+  st = validate_grouped_gemm(a);
+  EXPECT_NE(st.message().find("tiles.cluster=3"), std::string::npos) << st.message();
+  a.tiles.cluster = 2;
+  st = validate_grouped_gemm(a);  // block_m 16
+  EXPECT_NE(st.message().find("tiles.cluster=2"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("128-row"), std::string::npos) << st.message();
+  a.tiles.block_m = 128;
+  EXPECT_TRUE(validate_grouped_gemm(a).is_ok()) << validate_grouped_gemm(a).message();
+  a.tiles.block_m = 0;
+  EXPECT_TRUE(validate_grouped_gemm(a).is_ok()) << validate_grouped_gemm(a).message();
+  a.tiles.block_n = 128;
+  st = validate_grouped_gemm(a);
+  EXPECT_NE(st.message().find("256-wide"), std::string::npos) << st.message();
+  a.tiles.block_n = 0;
+  a.dtype = GemmDtype::kBf16;
+  st = validate_grouped_gemm(a);
+  EXPECT_NE(st.message().find("fp8-block"), std::string::npos) << st.message();
 }
 
 // Rows written into several buffers (each rank's combine region): the rules name their field.

@@ -130,6 +130,7 @@ TEST_F(KnobCacheTest, RoundTrip_SaveLoad_PreservesEveryField) {
   c.combine_dtype = CombineDtype::kNvfp4;
   KnobEntry ea = make_entry(64, 128, 0, 256, 41.123456789012345, "autotune \"decode\" \u00b5s\n");
   KnobEntry eb = make_entry(128, 256, 132, 0, 1234.5, "", /*combine_groups=*/4);
+  eb.knobs.gemm_cluster = 2;
   KnobEntry ec = make_entry(0, 0, 66, 1024, 0.1, "cpu-side note");
   cache.put(a, ea);
   cache.put(b, eb);
@@ -169,6 +170,7 @@ TEST_F(KnobCacheTest, RoundTrip_SaveLoad_PreservesEveryField) {
     EXPECT_EQ(e["knobs"]["block_n"], 128);
     EXPECT_EQ(e["knobs"]["num_sms"], 0);
     EXPECT_EQ(e["knobs"]["combine_groups"], 0);
+    EXPECT_EQ(e["knobs"]["gemm_cluster"], 0);
     EXPECT_EQ(e["mega_max_tokens_per_rank"], 256);
   }
   EXPECT_TRUE(found_a);
@@ -446,6 +448,7 @@ INSTANTIATE_TEST_SUITE_P(
         BadFieldCase{"KnobsNegativeNumSms", "knobs.num_sms", [](json* e) { (*e)["knobs"]["num_sms"] = -1; }},
         BadFieldCase{"KnobsBlockMOverflow", "knobs.block_m", [](json* e) { (*e)["knobs"]["block_m"] = 1LL << 40; }},
         BadFieldCase{"KnobsCombineGroupsTooMany", "combine_groups", [](json* e) { (*e)["knobs"]["combine_groups"] = 9; }},
+        BadFieldCase{"KnobsGemmClusterThree", "gemm_cluster", [](json* e) { (*e)["knobs"]["gemm_cluster"] = 3; }},
         BadFieldCase{"NegativeCrossover", "mega_max_tokens_per_rank",
                      [](json* e) { (*e)["mega_max_tokens_per_rank"] = -5; }},
         BadFieldCase{"NegativeMeasuredUs", "measured_us", [](json* e) { (*e)["measured_us"] = -1.0; }},
@@ -619,6 +622,7 @@ KnobCache cache_with_tuned_entry() {
   e.knobs.block_n = 256;
   e.knobs.num_sms = 120;
   e.knobs.combine_groups = 8;
+  e.knobs.gemm_cluster = 1;
   cache.put(make_knob_key("NVIDIA H200", tuned_geometry(128), MoeConfig{}), e);
   return cache;
 }
@@ -631,7 +635,9 @@ TEST(ApplyTunedKnobs, FillsHeuristicFieldsFromTheBucket) {
   EXPECT_EQ(out.knobs.block_n, 256);
   EXPECT_EQ(out.knobs.num_sms, 120);
   EXPECT_EQ(out.knobs.combine_groups, 8);
+  EXPECT_EQ(out.knobs.gemm_cluster, 1);
   EXPECT_NE(note.find("block_m=64"), std::string::npos) << note;
+  EXPECT_NE(note.find("gemm_cluster=1"), std::string::npos) << note;
   EXPECT_NE(note.find("combine_groups=8"), std::string::npos) << note;
 }
 

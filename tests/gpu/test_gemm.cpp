@@ -205,6 +205,7 @@ struct GemmCase {
   int block_m, block_n;   // 0 = heuristic
   bool pad_to_128;        // contiguous: segments padded to 128 rows (as dispatch writes them)
   bool pow2;
+  int cluster = 0;        // CTAs per cluster (0 = heuristic)
 };
 
 std::ostream& operator<<(std::ostream& os, const GemmCase& c) { return os << c.name; }
@@ -279,6 +280,7 @@ TEST_P(GroupedGemmStore, MatchesFloat64Reference) {
   args.d = dd.p;
   args.tiles.block_m = c.block_m;
   args.tiles.block_n = c.block_n;
+  args.tiles.cluster = c.cluster;
 
   // Runs: static round-robin on every SM, the dynamic tile counter on every SM, then both on 3 CTAs
   // (many tiles per CTA: the tile-id hand-over through the ring and the counter's reset between
@@ -292,6 +294,9 @@ TEST_P(GroupedGemmStore, MatchesFloat64Reference) {
     megamoe::gemm::GemmTileConfig used;
     const megamoe::Status st = megamoe::gemm::launch_grouped_gemm(args, nullptr, &used);
     ASSERT_TRUE(st.is_ok()) << st.to_string();
+    if (c.cluster != 0) {
+      EXPECT_EQ(used.cluster, c.cluster) << used.to_string();
+    }
     CUDA_OK(cudaDeviceSynchronize());
     std::vector<uint16_t> d = dd.get();
     if (run == 0) {
@@ -371,6 +376,13 @@ std::vector<GemmCase> store_cases() {
       {"Fp8_Contig_Unpadded_BM32_BN128", F, C, 256, 384, {1, 7, 31, 32, 33, 0, 70}, 32, 128, false, false},
       {"Fp8_Masked_BM32_BN256", F, M, 512, 512, {24, 0, 1, 32, 65}, 32, 256, false, false},
       {"Fp8_Qwen3_FC2_Masked_BM32_N2048_K768", F, M, 2048, 768, {32, 17, 0, 5}, 32, 256, false, false},
+      // clusters of 2 (pair tiles 2u, 2u + 1; one weight tile multicast when both are the same expert's
+      // n-block): pairs straddling experts and n-blocks, empty experts, an odd tile count (the last
+      // pair's second CTA runs a tile of no rows), unpadded segment starts
+      {"Fp8_Contig_Uneven_BM128_BN256_Cluster2", F, C, 512, 512, {1, 7, 0, 127, 128, 129, 300}, 128, 256, true, false, 2},
+      {"Fp8_Contig_OddTiles_N768_Cluster2", F, C, 768, 384, {129, 300}, 128, 256, true, false, 2},
+      {"Fp8_Contig_Unpadded_BM128_BN256_Cluster2", F, C, 256, 384, {1, 7, 63, 64, 65, 200}, 128, 256, false, false, 2},
+      {"Fp8_DeepseekV3_FC2_N7168_K2048_Cluster2", F, C, 7168, 2048, {256, 384, 1}, 128, 256, true, false, 2},
       {"Bf16_Contig_BM128_BN256", H, C, 512, 384, {1, 7, 129, 0, 64}, 128, 256, true, false},
       {"Bf16_Contig_BM64_BN128", H, C, 384, 256, {63, 65}, 64, 128, false, false},
       {"Bf16_Masked_BM64", H, M, 256, 512, {8, 0, 33}, 64, 256, false, false},
@@ -445,6 +457,7 @@ struct SwigluCase {
   std::vector<int> rows;
   int block_m;
   bool pow2;
+  int cluster = 0;
 };
 std::ostream& operator<<(std::ostream& os, const SwigluCase& c) { return os << c.name; }
 class GroupedGemmSwiglu : public ::testing::TestWithParam<SwigluCase> {};
@@ -482,13 +495,18 @@ TEST_P(GroupedGemmSwiglu, RequantWithinOneE4m3Step) {
   a.ld_d_scales = ld_sd;
   a.pow2_scales = c.pow2;
   a.tiles.block_m = c.block_m;
+  a.tiles.cluster = c.cluster;
   std::vector<uint8_t> first_h;
   std::vector<float> first_s;
   for (int run = 0; run < 2; ++run) {
     CUDA_OK(cudaMemset(dh.p, 0x7F, rows * I));
     CUDA_OK(cudaMemset(dsd.p, 0xFF, dsd.n * 4));
-    const megamoe::Status st = megamoe::gemm::launch_grouped_gemm(a, nullptr);
+    megamoe::gemm::GemmTileConfig used;
+    const megamoe::Status st = megamoe::gemm::launch_grouped_gemm(a, nullptr, &used);
     ASSERT_TRUE(st.is_ok()) << st.to_string();
+    if (c.cluster != 0) {
+      EXPECT_EQ(used.cluster, c.cluster) << used.to_string();
+    }
     CUDA_OK(cudaDeviceSynchronize());
     std::vector<uint8_t> h = dh.get();
     std::vector<float> s = dsd.get();
@@ -553,7 +571,10 @@ INSTANTIATE_TEST_SUITE_P(
                       // 32-row tiles, operands swapped
                       SwigluCase{"Masked_I256_K384_BM32", GroupedLayout::kMasked, 256, 384, {24, 0, 33, 1, 32}, 32, false},
                       SwigluCase{"Contig_I384_K256_BM32_Pow2", GroupedLayout::kContiguous, 384, 256, {5, 32, 70, 0}, 32, true},
-                      SwigluCase{"Qwen3_I768_K2048", GroupedLayout::kContiguous, 768, 2048, {130, 5}, 0, false}),
+                      SwigluCase{"Qwen3_I768_K2048", GroupedLayout::kContiguous, 768, 2048, {130, 5}, 0, false},
+                      // clusters of 2: pairs straddling experts, an odd tile count
+                      SwigluCase{"Contig_I256_K512_BM128_Cluster2", GroupedLayout::kContiguous, 256, 512, {1, 7, 129, 0, 64, 300}, 128, false, 2},
+                      SwigluCase{"Contig_I384_K256_BM128_Cluster2_Pow2", GroupedLayout::kContiguous, 384, 256, {129, 3}, 128, true, 2}),
     [](const ::testing::TestParamInfo<SwigluCase>& i) { return i.param.name; });
 
 }  // namespace

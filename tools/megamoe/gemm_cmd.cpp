@@ -61,11 +61,11 @@ struct BenchOptions {
   std::string layout = "auto";  // auto: masked at <= 32 tokens per expert, else contiguous
   bool swiglu = true;           // also time FC1 with the SwiGLU + fp8 requant epilogue
   bool cublas = true;
-  int block_m = 0, block_n = 0, num_sms = 0;
+  int block_m = 0, block_n = 0, num_sms = 0, cluster = 0;
   std::string schedule = "auto";  // auto (the heuristic), dynamic (a global tile counter) or static (round-robin)
   std::string flush = "memset";      // memset (dirty L2) or read (clean L2) before each timed launch
   std::string weights_l2 = "normal";  // L2 policy of weight tiles read once: normal (the library default) or evict-first
-  std::string probe = "none";        // none, stream (no MMA / epilogue) or no-epilogue: where the time goes
+  std::string probe = "none";  // none, stream, no-epilogue, no-loads, math-only: where the time goes
   std::string trace;                 // per-CTA timeline of one more launch per case, as JSON (empty: none)
   int iters = 20, warmup = 3;
   std::string json;
@@ -406,6 +406,7 @@ int run_bench_gemm(const BenchOptions& o) {
           g.tiles.block_m = o.block_m;
           g.tiles.block_n = swiglu && o.block_n == 128 ? 0 : o.block_n;
           g.tiles.num_sms = o.num_sms;
+          g.tiles.cluster = o.cluster;
           g.tile_counter = tile_counter;
           g.tile_order = o.schedule == "static"    ? gemm::GemmTileOrder::kRoundRobin
                          : o.schedule == "dynamic" ? gemm::GemmTileOrder::kCounter
@@ -417,7 +418,10 @@ int run_bench_gemm(const BenchOptions& o) {
             cuda_check(cudaMalloc(&probe_trace, words * 8), "cudaMalloc(probe trace)");
             g.trace = probe_trace;
             g.trace_max_tiles = kTraceTiles;
-            g.probe = o.probe == "stream" ? gemm::GemmProbe::kStream : gemm::GemmProbe::kNoEpilogue;
+            g.probe = o.probe == "stream"        ? gemm::GemmProbe::kStream
+                      : o.probe == "no-epilogue" ? gemm::GemmProbe::kNoEpilogue
+                      : o.probe == "no-loads"    ? gemm::GemmProbe::kNoLoads
+                                                 : gemm::GemmProbe::kMathOnly;
           }
           gemm::GemmTileConfig used;
           Status st = gemm::launch_grouped_gemm(g, s, &used);
@@ -428,7 +432,8 @@ int run_bench_gemm(const BenchOptions& o) {
           r.fc = fc.first;
           r.layout = masked ? "masked" : "contiguous";
           r.tiles = std::to_string(used.block_m) + "x" + std::to_string(used.block_n) +
-                    (used.round_robin ? " static" : "") + (o.probe != "none" ? " probe:" + o.probe : "");
+                    (used.cluster > 1 ? " x" + std::to_string(used.cluster) + " g" + std::to_string(used.grid) : "") + (used.round_robin ? " static" : "") +
+                    (o.probe != "none" ? " probe:" + o.probe : "");
           r.experts = E;
           r.tokens = T;
           r.n = N;
@@ -534,6 +539,10 @@ CLI::App* add_flags(CLI::App* app, BenchOptions* o) {
   sub->add_option("--block-m", o->block_m, "tile rows: 16, 32, 64 or 128 (default: heuristic)")->check(CLI::IsMember({16, 32, 64, 128}));
   sub->add_option("--block-n", o->block_n, "tile columns: 128 or 256 (default: heuristic)")->check(CLI::IsMember({128, 256}));
   sub->add_option("--num-sms", o->num_sms, "persistent CTAs (default: all SMs)")->check(CLI::Range(1, 1 << 20));
+  sub->add_option("--cluster", o->cluster,
+                  "CTAs per cluster sharing each weight tile by TMA multicast: 1 or 2 (fp8 128 x 256 tiles; default: "
+                  "the heuristic's)")
+      ->check(CLI::Range(1, 2));
   sub->add_option("--schedule", o->schedule,
                   "tile order: auto (the heuristic's), dynamic (tiles in order from a global counter) or static (round-robin)")
       ->capture_default_str()
@@ -550,9 +559,10 @@ CLI::App* add_flags(CLI::App* app, BenchOptions* o) {
       ->check(CLI::IsMember({"evict-first", "normal"}));
   sub->add_option("--probe", o->probe,
                   "where the time goes (the output is not computed): stream (the math only waits for and releases "
-                  "each K block: the weight stream alone) or no-epilogue")
+                  "each K block: the weight stream alone), no-epilogue, no-loads (the producer issues no copies, the "
+                  "math runs on stale shared memory) or math-only (no loads, no epilogue: the K loops alone)")
       ->capture_default_str()
-      ->check(CLI::IsMember({"none", "stream", "no-epilogue"}));
+      ->check(CLI::IsMember({"none", "stream", "no-epilogue", "no-loads", "math-only"}));
   sub->add_option("--trace", o->trace,
                   "after each case, one more launch with the kernel's timeline (per CTA and tile): a summary line, and "
                   "the stamps as JSON in this file");

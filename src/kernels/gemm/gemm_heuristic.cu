@@ -71,6 +71,19 @@ GemmTileConfig select_gemm_tiles(const GemmShapeHint& hint, const Knobs* overrid
       c.block_n = overrides->block_n;
     if (overrides->num_sms > 0) c.num_sms = std::min(overrides->num_sms, sms);
   }
+  // Clusters of 2 (fp8 128 x 256 tiles): the pair of CTAs running two m-blocks of one weight tile load
+  // half of it each and multicast it to both. That halves the L2 reads of the weights (32 instead of
+  // 48 KiB per K block and CTA) but ties the two CTAs' rings together, so each K block waits for the
+  // later of two loads. Measured on one H200 (session 13, `bench-gemm --cluster 1|2`, kernel µs, 2-3
+  // rounds): long K gains, deepseek-v3 FC1 (K 7168) 32 x 512 765-779 -> 738-751, FC1 + SwiGLU 805-833
+  // -> 789-810, 32 x 2048 SwiGLU 3533-3617 -> 3409-3420; K 2048 is even (deepseek-v3 FC2 32 x 512
+  // 409-422 vs 406-418, qwen3-30b-a3b FC1 64 x 1024 349-351 vs 349-350); short K loses (qwen3-30b-a3b
+  // FC2, K 768, 64 x 1024 208-213 -> 224-226, 64 x 256 58.4 -> 64.3-65.0).
+  const bool cluster_ok = hint.fp8 && c.block_m == 128 && c.block_n == 256 && c.num_sms >= 2;
+  c.cluster = cluster_ok && hint.k >= 4096 ? 2 : 1;
+  if (overrides != nullptr && (overrides->gemm_cluster == 1 || overrides->gemm_cluster == 2))
+    c.cluster = overrides->gemm_cluster;
+  if (!cluster_ok) c.cluster = 1;
   // Tile order. A short launch (at most 8 tiles per CTA) whose experts span 2 or more m-blocks takes
   // its tiles round-robin; longer launches and one m-block per expert (decode) take them from the
   // counter. Measured on one H200 (session 10, `bench-gemm --schedule dynamic|static`, kernel µs,

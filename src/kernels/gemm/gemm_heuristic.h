@@ -1,7 +1,7 @@
 // gemm_heuristic.h — tile configuration of the grouped GEMM per tokens-per-expert bucket.
 // Pure host code (no CUDA), tested on the CPU (tests/cpu/test_gemm_heuristic.cpp). Tuned values
 // belong in the knob cache: Knobs{block_m, block_n, num_sms} override the bucket's choice field by
-// field (0 = keep the heuristic's).
+// field (0 = keep the heuristic's); Knobs::gemm_cluster likewise.
 #pragma once
 
 #include <cstdint>

@@ -32,7 +32,7 @@ const char* to_string(GemmEpilogue e) {
 std::string GemmTileConfig::to_string() const {
   std::ostringstream s;
   s << "GemmTileConfig(block_m=" << block_m << ", block_n=" << block_n << ", num_sms=" << num_sms
-    << ", order=" << (round_robin ? "round-robin" : "counter") << ")";
+    << ", order=" << (round_robin ? "round-robin" : "counter") << ", cluster=" << cluster << ", grid=" << grid << ")";
   return s.str();
 }
 
@@ -167,9 +167,16 @@ Status validate_grouped_gemm(const GroupedGemmArgs& a) {
   if (t.block_n != 0 && a.n % t.block_n != 0) return bad("tiles.block_n", std::to_string(t.block_n), "must divide n");
   if (swiglu && t.block_n == 128) return bad("tiles.block_n", "128", "the SwiGLU epilogues need 256 (128 gate + 128 up)");
   if (t.num_sms < 0) return bad("tiles.num_sms", std::to_string(t.num_sms), "must be >= 0");
+  if (t.cluster < 0 || t.cluster > 2) return bad("tiles.cluster", std::to_string(t.cluster), "must be 0, 1 or 2");
+  if (t.cluster == 2 && !fp8) return bad("tiles.cluster", "2", "clusters of 2 need dtype fp8-block");
+  if (t.cluster == 2 && t.block_m != 0 && t.block_m != 128)
+    return bad("tiles.cluster", "2", "clusters of 2 need 128-row tiles (tiles.block_m " + std::to_string(t.block_m) + ")");
+  if (t.cluster == 2 && t.block_n == 128) return bad("tiles.cluster", "2", "clusters of 2 need 256-wide tiles");
   if (a.trace_max_tiles < 0) return bad("trace_max_tiles", std::to_string(a.trace_max_tiles), "must be >= 0");
   if (a.trace_max_tiles > 0 && a.trace == nullptr) return bad("trace", "null", "required with trace_max_tiles > 0");
   if (a.trace_max_tiles > 0 && !fp8) return bad("trace_max_tiles", std::to_string(a.trace_max_tiles), "the timeline is kept for dtype fp8-block only");
+  if (int32_t(a.probe) < 0 || int32_t(a.probe) > int32_t(GemmProbe::kMathOnly))
+    return bad("probe", std::to_string(int(a.probe)), "must be one of GemmProbe's values (0-4)");
   if (a.probe != GemmProbe::kNone && a.trace_max_tiles <= 0)
     return bad("probe", std::to_string(int(a.probe)), "needs the timeline (trace, trace_max_tiles > 0)");
   if ((t.block_m == 16 || t.block_m == 32) && !fp8)
@@ -199,6 +206,7 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream, Gem
   overrides.block_m = args.tiles.block_m;
   overrides.block_n = args.tiles.block_n;
   overrides.num_sms = args.tiles.num_sms;
+  overrides.gemm_cluster = args.tiles.cluster;
   GemmTileConfig cfg = select_gemm_tiles(hint, &overrides);
   if (args.tile_order != GemmTileOrder::kAuto) cfg.round_robin = args.tile_order == GemmTileOrder::kRoundRobin;
   if (args.tile_counter == nullptr) cfg.round_robin = true;
@@ -210,8 +218,10 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream, Gem
   CUtensorMap tmap_a, tmap_b, tmap_sfa;
   MEGAMOE_RETURN_IF_ERROR(make_map(&tmap_a, CU_TENSOR_MAP_DATA_TYPE_UINT8, args.a, uint64_t(args.k) * eb, a_rows,
                                    lda * eb, 128, cfg.block_m, true, "A"));
+  // B boxes: the whole tile's rows, or half of them with clusters (each CTA of a pair loads one half)
   MEGAMOE_RETURN_IF_ERROR(make_map(&tmap_b, CU_TENSOR_MAP_DATA_TYPE_UINT8, args.b, uint64_t(args.k) * eb,
-                                   uint64_t(args.num_experts) * args.n, uint64_t(args.k) * eb, 128, cfg.block_n, true, "B"));
+                                   uint64_t(args.num_experts) * args.n, uint64_t(args.k) * eb, 128,
+                                   cfg.block_n / cfg.cluster, true, "B"));
   const int64_t num_kb = args.k / 128;
   if (fp8) {
     const int64_t ld = args.ld_a_scales ? args.ld_a_scales : round_up4(args.m_rows);
@@ -261,18 +271,21 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream, Gem
     const int64_t max_tiles = (args.m_rows / cfg.block_m + args.num_experts) * (args.n / cfg.block_n);
     grid = std::min(grid, std::max<int64_t>(max_tiles, 1));
   }
+  if (cfg.cluster > 1) grid = std::max<int64_t>(cfg.cluster, grid - grid % cfg.cluster);  // whole clusters
 
   cudaError_t err = cudaErrorInvalidConfiguration;
-#define MEGAMOE_DISPATCH(BM, BN, FP8, EPI)                                                                      \
-  if (cfg.block_m == BM && cfg.block_n == BN && fp8 == FP8 && p_epi == EPI)                                     \
-    err = launch_grouped_gemm_config<GroupedGemmConfig<BM, BN, FP8, EPI>>(tmap_a, tmap_b, tmap_sfa, tmap_d, p, int(grid), \
-                                                                     stream);
+  int launched = 0;
+#define MEGAMOE_DISPATCH(BM, BN, FP8, EPI, CL)                                                                  \
+  if (cfg.block_m == BM && cfg.block_n == BN && fp8 == FP8 && p_epi == EPI && cfg.cluster == CL)                \
+    err = launch_grouped_gemm_config<GroupedGemmConfig<BM, BN, FP8, EPI, CL>>(tmap_a, tmap_b, tmap_sfa, tmap_d, p,   \
+                                                                         int(grid), stream, &launched);
   const int p_epi = args.epilogue == GemmEpilogue::kStoreBf16  ? kEpiStoreBf16
                     : args.epilogue == GemmEpilogue::kSwigluFp8 ? kEpiSwigluFp8
                                                                 : kEpiSwigluBf16;
   MEGAMOE_GROUPED_GEMM_CONFIGS_FP8(MEGAMOE_DISPATCH)
   MEGAMOE_GROUPED_GEMM_CONFIGS_BF16(MEGAMOE_DISPATCH)
 #undef MEGAMOE_DISPATCH
+  if (used != nullptr) used->grid = launched;
   if (err != cudaSuccess)
     return Status(StatusCode::kCudaError, std::string("grouped GEMM launch failed: ") + cudaGetErrorString(err) + " (" +
                                               args.to_string() + ", " + cfg.to_string() + ")");

@@ -96,16 +96,23 @@ struct GroupedGemmParams {
   int32_t trace_max_tiles;
   // Probe (kTrace kernel only, bench tools; the output is not computed): 1 = the math warpgroups only
   // wait for each K block and release it (no MMA, no epilogue: the weight stream alone), 2 = no
-  // epilogue. 0 = off.
+  // epilogue, 3 = no loads (the producer only marks each slot full), 4 = no loads and no epilogue.
+  // 0 = off.
   int32_t probe;
 };
 
-template <int kBlockM_, int kBlockN_, bool kFp8_, int kEpilogue_>
+template <int kBlockM_, int kBlockN_, bool kFp8_, int kEpilogue_, int kCluster_ = 1>
 struct GroupedGemmConfig {
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr bool kFp8 = kFp8_;
   static constexpr int kEpilogue = kEpilogue_;
+  // CTAs per cluster. 2: the pair of CTAs runs tiles 2u and 2u + 1 of the schedule at once (pair
+  // tile u); when both are the same expert's n-block (two m-blocks sharing one weight tile) each CTA
+  // loads half of the weight tile and multicasts it to both, so L2 sends each weight byte once per
+  // pair (see "clusters" below).
+  static constexpr int kCluster = kCluster_;
+  static constexpr int kBHalfRows = kBlockN / kCluster;  // weight rows one CTA loads per K block (shared tile)
   static constexpr int kBlockKBytes = 128;            // one 128-byte swizzle row per tile row
   static constexpr int kBlockK = kFp8 ? 128 : 64;     // elements per K block
   // BLOCK_M 16 or 32 (decode, fp8; bf16 rows or the SwiGLU + fp8 requant out): operands swapped. The
@@ -126,6 +133,7 @@ struct GroupedGemmConfig {
   static constexpr int kStageSFA = kSfaStride * 4;
   static constexpr int kStageSFB = 16;
   static constexpr int kStageBytes = kStageA + kStageB + kStageSFA + kStageSFB + 16 + 4;  // + 2 barriers + tile id
+  static constexpr int kClaimBytes = kCluster > 1 ? 2 * 16 + 2 * 4 : 0;  // 2 x {claim_full, claim_empty} + 2 values
   // bf16-store epilogue staging: per math warp 16 rows x 64 columns of bf16 (2 KiB), see
   // epilogue_store_bf16; swapped: the tile's BLOCK_M token rows of BLOCK_N bf16.
   // Swapped SwiGLU: BLOCK_M token rows of 128 e4m3 codes + the 4 warps' per-token amax.
@@ -133,7 +141,8 @@ struct GroupedGemmConfig {
                                        ? (kSwapAB ? kBlockM * kBlockN * 2 : kNumMathWG * 4 * 2048)
                                    : kSwapAB ? kBlockM * 128 + 4 * kBlockM * 4
                                              : 0;
-  static constexpr int kSmemBudget = 227 * 1024 - 1024 /* alignment slack */ - 8 * 1024 /* tables */ - kStageOut;
+  static constexpr int kSmemBudget =
+      227 * 1024 - 1024 /* alignment slack */ - 8 * 1024 /* tables */ - kStageOut - kClaimBytes;
   static_assert(kStageOut % 128 == 0, "the A-scale slots after the staging are TMA destinations");
   static constexpr int kStagesFit = kSmemBudget / kStageBytes;
   static constexpr int kStages = kStagesFit > 12 ? 12 : kStagesFit;
@@ -149,11 +158,13 @@ struct GroupedGemmConfig {
   static_assert(kBlockN == 128 || kBlockN == 256, "BLOCK_N is 128 or 256");
   static_assert(kEpilogue == kEpiStoreBf16 || kBlockN == 256, "SwiGLU tiles hold 128 gate + 128 up columns");
   static_assert(kStages >= 3, "pipeline too shallow");
+  static_assert(kCluster == 1 || (kCluster == 2 && kFp8 && kBlockM == 128 && !kSwapAB),
+                "clusters of 2: fp8 tiles of 128 rows");
 
   // Dynamic shared memory: 1 KiB alignment slack + ring + barriers + tables.
   static constexpr int smem_bytes(int num_experts) {
     return 1024 + kStages * (kStageA + kStageB + kStageSFA + kStageSFB) + kStageOut + kStages * 16 + kStages * 4 +
-           3 * (num_experts + 1) * 4 + 16;
+           kClaimBytes + 3 * (num_experts + 1) * 4 + 16;
   }
 };
 
@@ -168,6 +179,11 @@ struct GroupedGemmSmem {
   uint64_t* full;   // [kStages]
   uint64_t* empty;  // [kStages]
   int32_t* tile_of_stage;  // [kStages]: the tile whose first K block the slot holds; -1: no more tiles
+  // Clusters (kCluster 2): rank 0's producer claims pair tiles and hands each to rank 1's through
+  // rank 1's claim_val[i] / claim_full[i]; rank 1 frees the entry through rank 0's claim_empty[i].
+  uint64_t* claim_full;   // [2]
+  uint64_t* claim_empty;  // [2]
+  int32_t* claim_val;     // [2]
   int32_t* row_begin;
   int32_t* num_rows;
   int32_t* m_block_prefix;
@@ -192,8 +208,17 @@ struct GroupedGemmSmem {
     s.full = reinterpret_cast<uint64_t*>(p);
     s.empty = s.full + Cfg::kStages;
     p += Cfg::kStages * 16;
+    if constexpr (Cfg::kCluster > 1) {
+      s.claim_full = reinterpret_cast<uint64_t*>(p);
+      s.claim_empty = s.claim_full + 2;
+      p += 2 * 16;
+    }
     s.tile_of_stage = reinterpret_cast<int32_t*>(p);
     p += Cfg::kStages * 4;
+    if constexpr (Cfg::kCluster > 1) {
+      s.claim_val = reinterpret_cast<int32_t*>(p);
+      p += 2 * 4;
+    }
     s.row_begin = reinterpret_cast<int32_t*>(p);
     s.num_rows = s.row_begin + num_experts;
     s.m_block_prefix = s.num_rows + num_experts;
@@ -257,7 +282,14 @@ __device__ __forceinline__ void init_barriers(const GroupedGemmSmem<Cfg>& sm) {
 #pragma unroll
   for (int s = 0; s < Cfg::kStages; ++s) {
     ptx::mbar_init(&sm.full[s], Cfg::kFp8 ? 2 : 1);  // expect_tx arrival (+ cp.async arrival)
-    ptx::mbar_init(&sm.empty[s], Cfg::kNumMathWG * 4);  // one per math warp
+    ptx::mbar_init(&sm.empty[s], Cfg::kNumMathWG * 4 * Cfg::kCluster);  // one per math warp of the cluster
+  }
+  if constexpr (Cfg::kCluster > 1) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      ptx::mbar_init(&sm.claim_full[i], 1);
+      ptx::mbar_init(&sm.claim_empty[i], 1);
+    }
   }
   ptx::mbar_init_fence();
 }
@@ -307,6 +339,21 @@ __device__ __forceinline__ void produce_tile(const GroupedGemmSmem<Cfg>& sm, Pip
   }
 }
 
+// Probes 3 and 4 (bench tools): walks the ring as produce_tile does, publishing the tile id, but
+// issues no copies; each slot's full barrier completes on plain arrivals, so the math warpgroups run
+// their K loops on whatever the slots hold.
+template <class Cfg>
+__device__ __forceinline__ void produce_tile_no_loads(const GroupedGemmSmem<Cfg>& sm, PipeState& pipe, int32_t tile_id,
+                                                      const GroupedGemmParams& p) {
+  for (int kb = 0; kb < p.k / Cfg::kBlockK; ++kb) {
+    ptx::mbar_wait(&sm.empty[pipe.stage], pipe.phase ^ 1u);
+    if (kb == 0) sm.tile_of_stage[pipe.stage] = tile_id;
+    ptx::mbar_arrive(&sm.full[pipe.stage]);
+    if constexpr (Cfg::kFp8) ptx::mbar_arrive(&sm.full[pipe.stage]);  // stands in for the cp.async arrival
+    pipe.advance(Cfg::kStages);
+  }
+}
+
 // Tells the math warpgroups there are no more tiles: the next slot carries tile id -1 and no data
 // (its full barrier completes on plain arrivals). Called by the producing thread after its last tile.
 template <class Cfg>
@@ -330,15 +377,157 @@ __device__ __forceinline__ int32_t next_tile(const GroupedGemmParams& p, int32_t
 
 // After the producer's failing fetch: the last CTA of the grid to get there returns the counter to
 // zero for the next launch (no CTA touches it again in this one).
-__device__ __forceinline__ void release_tile_counter(const GroupedGemmParams& p) {
+// `claimers`: the threads that fetch from the counter (one per CTA, one per cluster with clusters).
+__device__ __forceinline__ void release_tile_counter(const GroupedGemmParams& p, int32_t claimers) {
   if (p.tile_counter == nullptr) return;
-  if (atomicAdd(&p.tile_counter[1], 1) == int32_t(gridDim.x) - 1) {
+  if (atomicAdd(&p.tile_counter[1], 1) == claimers - 1) {
     atomicExch(&p.tile_counter[0], 0);
     atomicExch(&p.tile_counter[1], 0);
   }
 }
 
+// ---- clusters (kCluster 2) ---------------------------------------------------------------------------
+//
+// The two CTAs of a cluster run pair tile u = tiles {2u, 2u + 1} of the schedule (rank r runs 2u + r),
+// from a pair counter (rank 0 claims and hands the id to rank 1) or round-robin over the clusters. With
+// the schedule's order (n-block major, m-block minor within an expert) the two are mostly the same
+// expert's n-block at adjacent m-blocks: then each CTA loads the A rows of its own m-block and one half
+// of the shared weight tile, multicast into both CTAs' slots, so L2 sends each weight byte once per
+// pair (per K block 16 KiB of A + 16 KiB of B from L2 per CTA instead of 16 + 32). A pair that
+// straddles an expert or an n-block (odd m-block counts) loads both halves in each CTA, no multicast.
+// Both rings walk the same K blocks in the same slots (every pair tile has K / 128 of them; a CTA
+// whose tile 2u + 1 does not exist walks its ring without loads), and each math warp releases a slot
+// in both CTAs (release_slot), so a producer's empty wait also covers the partner's slot.
+
+// Loads tile `tile_id` (= t) of the pair as produce_tile does; kShared: the partner runs the same
+// weight tile, and this CTA loads rows [rank * BLOCK_N / 2, + BLOCK_N / 2) of it for both.
+template <class Cfg, bool kShared>
+__device__ __forceinline__ void produce_tile_pair(const GroupedGemmSmem<Cfg>& sm, PipeState& pipe, int32_t tile_id,
+                                                  const GroupedTile& t, uint32_t rank, const GroupedGemmParams& p,
+                                                  const CUtensorMap* tmap_a, const CUtensorMap* tmap_b,
+                                                  const CUtensorMap* tmap_sfa) {
+  constexpr int kHalf = Cfg::kBHalfRows;
+  const int num_kb = p.k / Cfg::kBlockK;
+  const int32_t b_row = t.expert * p.n + t.n_block * Cfg::kBlockN;
+  const float* sfb_tile = p.sfb + (int64_t(t.expert) * (p.n / 128) + t.n_block * Cfg::kNumChunks) * num_kb;
+  const int32_t sfa_x = sfa_box_start(p, t);
+  for (int kb = 0; kb < num_kb; ++kb) {
+    ptx::mbar_wait(&sm.empty[pipe.stage], pipe.phase ^ 1u);  // both CTAs' math warps have read this slot
+    uint64_t* full = &sm.full[pipe.stage];
+    if (kb == 0) sm.tile_of_stage[pipe.stage] = tile_id;
+    // The partner's half may land first: its transaction bytes count down before this expect counts
+    // them up, and the phase cannot complete while this arrival is still pending.
+    ptx::mbar_arrive_expect_tx(full, Cfg::kTxBytes);
+    ptx::tma_load_2d(sm.a + pipe.stage * Cfg::kStageA, tmap_a, full, kb * Cfg::kBlockKBytes, t.row0);
+    uint8_t* const b = sm.b + pipe.stage * Cfg::kStageB;
+    if constexpr (kShared) {
+      ptx::tma_load_2d_multicast(b + rank * kHalf * Cfg::kBlockKBytes, tmap_b, full, kb * Cfg::kBlockKBytes,
+                                 b_row + int32_t(rank) * kHalf, uint16_t((1u << Cfg::kCluster) - 1u));
+    } else {
+#pragma unroll
+      for (int h = 0; h < Cfg::kCluster; ++h)
+        ptx::tma_load_2d(b + h * kHalf * Cfg::kBlockKBytes, tmap_b, full, kb * Cfg::kBlockKBytes, b_row + h * kHalf);
+    }
+    const int32_t sfa_y = p.layout == kLayoutMasked ? t.expert * num_kb + kb : kb;
+    ptx::tma_load_2d(sm.sfa + pipe.stage * Cfg::kSfaStride, tmap_sfa, full, sfa_x, sfa_y);
+#pragma unroll
+    for (int c = 0; c < Cfg::kNumChunks; ++c) ptx::cp_async_4(sm.sfb + pipe.stage * 4 + c, sfb_tile + c * num_kb + kb);
+    ptx::cp_async_mbar_arrive_noinc(full);
+    pipe.advance(Cfg::kStages);
+  }
+}
+
+// The tile id rank 1 publishes for the missing second tile of the last pair (an odd tile count).
+constexpr int32_t kLoneTile = 0x7FFFFFFE;
+
+// The pair counter's mailbox from rank 0 to rank 1 (two entries; `claim` counts the entries used).
+// Rank 0 fetches a pair tile and posts it; rank 1 takes it.
+template <class Cfg>
+__device__ __forceinline__ int32_t post_claim(const GroupedGemmSmem<Cfg>& sm, const GroupedGemmParams& p, int32_t claim,
+                                              int32_t num_clusters) {
+  const int i = claim & 1;
+  ptx::mbar_wait_cluster(&sm.claim_empty[i], (uint32_t(claim >> 1) & 1u) ^ 1u);  // rank 1 has taken what entry i held
+  const int32_t next = num_clusters + atomicAdd(&p.tile_counter[0], 1);
+  ptx::st_cluster_u32(ptx::cluster_map(&sm.claim_val[i], 1), uint32_t(next));
+  ptx::mbar_arrive_cluster(ptx::cluster_map(&sm.claim_full[i], 1));  // release: the value first
+  return next;
+}
+template <class Cfg>
+__device__ __forceinline__ int32_t take_claim(const GroupedGemmSmem<Cfg>& sm, int32_t claim) {
+  const int i = claim & 1;
+  ptx::mbar_wait_cluster(&sm.claim_full[i], uint32_t(claim >> 1) & 1u);
+  const int32_t next = *static_cast<volatile int32_t*>(&sm.claim_val[i]);
+  ptx::mbar_arrive_cluster(ptx::cluster_map(&sm.claim_empty[i], 0));
+  return next;
+}
+
+// The producing thread of a cluster CTA: every pair tile of the cluster, then the end marker.
+// `stamp(t, word)` records tile t's timeline (bench tools).
+template <class Cfg, class Stamp>
+__device__ __forceinline__ void produce_cluster(const GroupedGemmSmem<Cfg>& sm, PipeState& pipe,
+                                                const GroupedSchedule& sched, const GroupedGemmParams& p,
+                                                const CUtensorMap* tmap_a, const CUtensorMap* tmap_b,
+                                                const CUtensorMap* tmap_sfa, bool no_loads, const Stamp& stamp) {
+  const uint32_t rank = ptx::cluster_ctarank();
+  const int32_t num_tiles = sched.num_tiles();
+  const int32_t num_pairs = (num_tiles + 1) / 2;
+  const int32_t num_clusters = int32_t(gridDim.x) / Cfg::kCluster;
+  // Pair tiles: the cluster's index first, then round-robin over the clusters or from the counter. Rank
+  // 0 fetches from the counter one pair tile ahead (when it starts a pair tile it posts the next), so
+  // rank 1, whose loads wait for the id, does not wait for the fetch's round trip at each tile.
+  const bool counter = p.tile_counter != nullptr;
+  int32_t claim = 0, u = int32_t(ptx::cluster_id_x()), u_next = num_pairs;
+  if (counter && rank == 0 && u < num_pairs) u_next = post_claim<Cfg>(sm, p, claim++, num_clusters);
+  while (u < num_pairs) {
+    const int32_t t = 2 * u + int32_t(rank);
+    if (t < num_tiles) {
+      stamp(t, 1);
+      const GroupedTile tile = sched.tile(t);
+      const int32_t other = 2 * u + int32_t(rank ^ 1u);
+      bool shared = false;
+      if (other < num_tiles) {
+        const GroupedTile o = sched.tile(other);
+        shared = o.expert == tile.expert && o.n_block == tile.n_block;
+      }
+      if (no_loads)  // probes 3 and 4
+        produce_tile_no_loads<Cfg>(sm, pipe, t, p);
+      else if (shared)
+        produce_tile_pair<Cfg, true>(sm, pipe, t, tile, rank, p, tmap_a, tmap_b, tmap_sfa);
+      else
+        produce_tile_pair<Cfg, false>(sm, pipe, t, tile, rank, p, tmap_a, tmap_b, tmap_sfa);
+      stamp(t, 2);
+    } else {
+      produce_tile_no_loads<Cfg>(sm, pipe, kLoneTile, p);  // no tile 2u + 1: walk the ring in step
+    }
+    if (!counter) {
+      u += num_clusters;
+    } else if (rank == 0) {
+      u = u_next;
+      if (u < num_pairs) u_next = post_claim<Cfg>(sm, p, claim++, num_clusters);
+    } else {
+      u = take_claim<Cfg>(sm, claim++);
+    }
+  }
+  if (rank == 0) release_tile_counter(p, num_clusters);
+  produce_end<Cfg>(sm, pipe);
+}
+
 // ---- math ------------------------------------------------------------------------------------------
+
+// A math warp is done reading ring slot `stage` (every lane calls; `lane` = threadIdx.x % 32). In a
+// cluster the partner CTA's producer writes half of this slot's weight tile too (multicast), so the
+// release goes to both CTAs' empty barriers, lane 0 to this CTA's and lane 1 to the partner's: a slot is
+// refilled once the math warps of both have read it, and the two rings stay in step. The remote arrive
+// has the default (CTA-scope) release: the wgmma reads it orders have completed (wgmma.wait_group);
+// a cluster-scope release per K block cost the K loop ~30% (measured with `--probe no-loads`).
+template <class Cfg>
+__device__ __forceinline__ void release_slot(const GroupedGemmSmem<Cfg>& sm, int stage, int lane) {
+  if constexpr (Cfg::kCluster > 1) {
+    ptx::mbar_arrive_local_and_remote(lane, &sm.empty[stage], ptx::cluster_map(&sm.empty[stage], ptx::cluster_ctarank() ^ 1u));
+  } else {
+    if (lane == 0) ptx::mbar_arrive(&sm.empty[stage]);
+  }
+}
 
 // One fp8 K block of math warpgroup `wg`: per 128-column chunk, the four m64n128k32 wgmmas into the
 // temporary accumulator, then their promotion acc[c] (+)= (sa * sb[c]) * tmp. kFirst: the tile's first
@@ -371,7 +560,7 @@ __device__ __forceinline__ void math_k_block_fp8(const GroupedGemmSmem<Cfg>& sm,
     if (c == Cfg::kNumChunks - 1) {
       // All reads of this slot (wgmma and scales) are done: hand it back to the producer.
       __syncwarp();
-      if (lane == 0) ptx::mbar_arrive(&sm.empty[pipe.stage]);
+      release_slot<Cfg>(sm, pipe.stage, lane);
     }
     const float s0 = sa0 * sb[c], s1 = sa1 * sb[c];
 #pragma unroll
@@ -425,7 +614,7 @@ __device__ __forceinline__ void math_tile(const GroupedGemmSmem<Cfg>& sm, PipeSt
 #pragma unroll
       for (int c = 0; c < Cfg::kNumChunks; ++c) ptx::fence_operands(acc[c]);
       __syncwarp();
-      if (lane == 0) ptx::mbar_arrive(&sm.empty[pipe.stage]);
+      release_slot<Cfg>(sm, pipe.stage, lane);
       pipe.advance(Cfg::kStages);
     }
   }
@@ -494,7 +683,7 @@ __device__ __forceinline__ void math_k_block_swapped(const GroupedGemmSmem<Cfg>&
     for (int h = 0; h < 2; ++h) ptx::fence_operands(tmp[c][h]);
   // All reads of this slot (wgmma and scales) are done: hand it back to the producer.
   __syncwarp();
-  if (lane == 0) ptx::mbar_arrive(&sm.empty[pipe.stage]);
+  release_slot<Cfg>(sm, pipe.stage, lane);
 #pragma unroll
   for (int c = 0; c < Cfg::kNumChunks; ++c)
 #pragma unroll
@@ -874,6 +1063,7 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
   }
   const int num_n_blocks = p.n / Cfg::kBlockN;
   const GroupedSchedule sched = build_schedule<Cfg>(sm, p, num_n_blocks);  // ends in __syncthreads
+  if constexpr (Cfg::kCluster > 1) ptx::cluster_sync();  // the partner's barriers exist before any remote use
   const int num_tiles = sched.num_tiles();
   PipeState pipe;
   if (trace != nullptr && threadIdx.x == 0) trace[1] = kernels::globaltimer_ns();
@@ -881,7 +1071,18 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
   if (wg == Cfg::kNumMathWG) {
     // Producer warpgroup: few registers; one thread issues every copy.
     ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
-    if (threadIdx.x % 128 == 0) {
+    if constexpr (Cfg::kCluster > 1) {
+      if (threadIdx.x % 128 == 0) {
+        const auto stamp = [&](int32_t t, int word) {
+          if (uint64_t* rec = tile_rec(t)) {
+            if (word == 1) rec[0] = blockIdx.x + 1;
+            rec[word] = kernels::globaltimer_ns();
+          }
+        };
+        produce_cluster<Cfg>(sm, pipe, sched, p, &tmap_a, &tmap_b, &tmap_sfa, kTrace && p.probe >= 3, stamp);
+        if (trace != nullptr) trace[2] = kernels::globaltimer_ns();
+      }
+    } else if (threadIdx.x % 128 == 0) {
       const uint64_t evict_first = ptx::createpolicy_evict_first();
       for (int32_t t = next_tile(p, -1); t < num_tiles; t = next_tile(p, t)) {
         uint64_t* const rec = tile_rec(t);
@@ -890,13 +1091,15 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
           rec[1] = kernels::globaltimer_ns();
         }
         const GroupedTile tile = sched.tile(t);
-        if (p.b_evict_first != 0 && sched.num_rows[tile.expert] <= Cfg::kBlockM)
+        if (kTrace && p.probe >= 3)
+          produce_tile_no_loads<Cfg>(sm, pipe, t, p);
+        else if (p.b_evict_first != 0 && sched.num_rows[tile.expert] <= Cfg::kBlockM)
           produce_tile<Cfg, true>(sm, pipe, t, tile, p, &tmap_a, &tmap_b, &tmap_sfa, evict_first);
         else
           produce_tile<Cfg, false>(sm, pipe, t, tile, p, &tmap_a, &tmap_b, &tmap_sfa, 0);
         if (rec != nullptr) rec[2] = kernels::globaltimer_ns();
       }
-      release_tile_counter(p);
+      release_tile_counter(p, int32_t(gridDim.x));
       produce_end<Cfg>(sm, pipe);
       if (trace != nullptr) trace[2] = kernels::globaltimer_ns();
     }
@@ -913,14 +1116,20 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
       // in the epilogue, cost +30 instructions per K block (measured 1.5-8% slower, session 7).
       const int32_t t = __shfl_sync(0xffffffffu, sm.tile_of_stage[pipe.stage], 0);
       if (t < 0) break;
-      const GroupedTile tile = sched.tile(t);
+      // Clusters: kLoneTile is the missing second tile of the last pair; its slots were marked full
+      // without loads. It runs as a tile of no rows (stale operands, nothing stored), keeping the ring in
+      // step with the partner (selects, not a branch around a loop: that cost the K loop its uniform
+      // registers, +45 instructions per K block).
+      const bool lone = Cfg::kCluster > 1 && t == kLoneTile;
+      GroupedTile tile = sched.tile(lone ? 0 : t);
+      if constexpr (Cfg::kCluster > 1) tile.rows = lone ? 0 : tile.rows;
       // Timeline stamps (kTrace): every math thread writes the same word.
       if (uint64_t* rec = tile_rec(t)) rec[3] = kernels::globaltimer_ns();
       if (kTrace && p.probe == 1) {  // the weight stream alone
         for (int kb = 0; kb < p.k / Cfg::kBlockK; ++kb) {
           ptx::mbar_wait(&sm.full[pipe.stage], pipe.phase);
           __syncwarp();
-          if (threadIdx.x % 32 == 0) ptx::mbar_arrive(&sm.empty[pipe.stage]);
+          release_slot<Cfg>(sm, pipe.stage, threadIdx.x % 32);
           pipe.advance(Cfg::kStages);
         }
         if (uint64_t* rec = tile_rec(t)) rec[4] = rec[5] = kernels::globaltimer_ns();
@@ -931,7 +1140,7 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
       else
         math_tile<Cfg>(sm, pipe, p, tile, wg, acc);
       if (uint64_t* rec = tile_rec(t)) rec[4] = kernels::globaltimer_ns();
-      if (!(kTrace && p.probe == 2)) {
+      if (!(kTrace && (p.probe == 2 || p.probe == 4))) {
         const DefaultRowSink sink{p};
         if constexpr (Cfg::kSwapAB && Cfg::kEpilogue == kEpiStoreBf16)
           epilogue_store_swapped<Cfg>(sm, acc, tile, sink, p.row_weight);
@@ -949,6 +1158,10 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
     if constexpr (Cfg::kEpilogue == kEpiStoreBf16) ptx::bulk_wait_all();
     if (trace != nullptr && threadIdx.x == 0) trace[3] = kernels::globaltimer_ns();
   }
+  if constexpr (Cfg::kCluster > 1) {  // neither CTA exits while the partner may still arrive on its barriers
+    __syncwarp();
+    ptx::cluster_sync();
+  }
 #endif
 }
 
@@ -958,18 +1171,21 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
 #if !defined(__CUDACC_RTC__)
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <mutex>
 namespace megamoe::gemm {
 
 template <class Cfg>
 cudaError_t launch_grouped_gemm_config(const CUtensorMap& tmap_a, const CUtensorMap& tmap_b, const CUtensorMap& tmap_sfa,
-                                       const CUtensorMap& tmap_d, const GroupedGemmParams& p, int grid, cudaStream_t stream) {
+                                       const CUtensorMap& tmap_d, const GroupedGemmParams& p, int grid, cudaStream_t stream,
+                                       int* launched) {
   const int smem = Cfg::smem_bytes(p.num_experts);
   // invariant: the dynamic limit is raised once per configuration and device (a function attribute
   // is per device) to the largest it can need (kMaxExperts), so launches inside CUDA-graph capture
   // do no attribute changes after the first launch on a device.
   static std::mutex mutex;
   static uint64_t raised_on = 0;  // bit d: raised on CUDA device d (d < 64)
+  static int max_clusters[64] = {};  // clusters of this configuration that fit on device d at once
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
@@ -985,9 +1201,46 @@ cudaError_t launch_grouped_gemm_config(const CUtensorMap& tmap_a, const CUtensor
                                      Cfg::smem_bytes(Cfg::kMaxExperts));
       }
       if (err != cudaSuccess) return err;
+      if constexpr (Cfg::kCluster > 1) {
+        // A persistent grid must fit at once: a cluster's CTAs need SMs of one GPC, so fewer than
+        // SMs / kCluster clusters may fit.
+        cudaLaunchConfig_t lc{};
+        lc.gridDim = dim3(unsigned(Cfg::kCluster));
+        lc.blockDim = dim3(unsigned(Cfg::kNumThreads));
+        lc.dynamicSmemBytes = size_t(Cfg::smem_bytes(Cfg::kMaxExperts));
+        cudaLaunchAttribute attr{};
+        attr.id = cudaLaunchAttributeClusterDimension;
+        attr.val.clusterDim.x = Cfg::kCluster;
+        attr.val.clusterDim.y = 1;
+        attr.val.clusterDim.z = 1;
+        lc.attrs = &attr;
+        lc.numAttrs = 1;
+        err = cudaOccupancyMaxActiveClusters(&max_clusters[device], sm90_grouped_gemm_kernel<Cfg, false>, &lc);
+        if (err != cudaSuccess) return err;
+        if (max_clusters[device] < 1) return cudaErrorInvalidConfiguration;
+      }
       raised_on |= uint64_t(1) << device;
     }
   }
+  if constexpr (Cfg::kCluster > 1) {  // grid: a multiple of kCluster (launch_grouped_gemm)
+    grid = std::min(grid, max_clusters[device] * Cfg::kCluster);
+    if (launched != nullptr) *launched = grid;
+    cudaLaunchConfig_t lc{};
+    lc.gridDim = dim3(unsigned(grid));
+    lc.blockDim = dim3(unsigned(Cfg::kNumThreads));
+    lc.dynamicSmemBytes = size_t(smem);
+    lc.stream = stream;
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = Cfg::kCluster;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    lc.attrs = &attr;
+    lc.numAttrs = 1;
+    if (p.trace != nullptr) return cudaLaunchKernelEx(&lc, sm90_grouped_gemm_kernel<Cfg, true>, tmap_a, tmap_b, tmap_sfa, tmap_d, p);
+    return cudaLaunchKernelEx(&lc, sm90_grouped_gemm_kernel<Cfg, false>, tmap_a, tmap_b, tmap_sfa, tmap_d, p);
+  }
+  if (launched != nullptr) *launched = grid;
   if constexpr (Cfg::kFp8) {
     if (p.trace != nullptr) {
       sm90_grouped_gemm_kernel<Cfg, true><<<grid, Cfg::kNumThreads, smem, stream>>>(tmap_a, tmap_b, tmap_sfa, tmap_d, p);
@@ -998,35 +1251,38 @@ cudaError_t launch_grouped_gemm_config(const CUtensorMap& tmap_a, const CUtensor
   return cudaGetLastError();
 }
 
+// X(BLOCK_M, BLOCK_N, fp8, epilogue, cluster)
 #define MEGAMOE_GROUPED_GEMM_CONFIGS_FP8(X)   \
-  X(16, 128, true, kEpiStoreBf16)             \
-  X(16, 256, true, kEpiStoreBf16)             \
-  X(16, 256, true, kEpiSwigluFp8)             \
-  X(32, 128, true, kEpiStoreBf16)             \
-  X(32, 256, true, kEpiStoreBf16)             \
-  X(32, 256, true, kEpiSwigluFp8)             \
-  X(64, 128, true, kEpiStoreBf16)             \
-  X(64, 256, true, kEpiStoreBf16)             \
-  X(128, 128, true, kEpiStoreBf16)            \
-  X(128, 256, true, kEpiStoreBf16)            \
-  X(64, 256, true, kEpiSwigluFp8)             \
-  X(128, 256, true, kEpiSwigluFp8)
+  X(16, 128, true, kEpiStoreBf16, 1)          \
+  X(16, 256, true, kEpiStoreBf16, 1)          \
+  X(16, 256, true, kEpiSwigluFp8, 1)          \
+  X(32, 128, true, kEpiStoreBf16, 1)          \
+  X(32, 256, true, kEpiStoreBf16, 1)          \
+  X(32, 256, true, kEpiSwigluFp8, 1)          \
+  X(64, 128, true, kEpiStoreBf16, 1)          \
+  X(64, 256, true, kEpiStoreBf16, 1)          \
+  X(128, 128, true, kEpiStoreBf16, 1)         \
+  X(128, 256, true, kEpiStoreBf16, 1)         \
+  X(128, 256, true, kEpiStoreBf16, 2)         \
+  X(64, 256, true, kEpiSwigluFp8, 1)          \
+  X(128, 256, true, kEpiSwigluFp8, 1)         \
+  X(128, 256, true, kEpiSwigluFp8, 2)
 #define MEGAMOE_GROUPED_GEMM_CONFIGS_BF16(X)  \
-  X(64, 128, false, kEpiStoreBf16)            \
-  X(64, 256, false, kEpiStoreBf16)            \
-  X(128, 128, false, kEpiStoreBf16)           \
-  X(128, 256, false, kEpiStoreBf16)           \
-  X(64, 256, false, kEpiSwigluBf16)           \
-  X(128, 256, false, kEpiSwigluBf16)
+  X(64, 128, false, kEpiStoreBf16, 1)         \
+  X(64, 256, false, kEpiStoreBf16, 1)         \
+  X(128, 128, false, kEpiStoreBf16, 1)        \
+  X(128, 256, false, kEpiStoreBf16, 1)        \
+  X(64, 256, false, kEpiSwigluBf16, 1)        \
+  X(128, 256, false, kEpiSwigluBf16, 1)
 
-#define MEGAMOE_GROUPED_GEMM_EXTERN(BM, BN, FP8, EPI)                                                          \
-  extern template cudaError_t launch_grouped_gemm_config<GroupedGemmConfig<BM, BN, FP8, EPI>>(                 \
+#define MEGAMOE_GROUPED_GEMM_EXTERN(BM, BN, FP8, EPI, CL)                                                      \
+  extern template cudaError_t launch_grouped_gemm_config<GroupedGemmConfig<BM, BN, FP8, EPI, CL>>(             \
       const CUtensorMap&, const CUtensorMap&, const CUtensorMap&, const CUtensorMap&, const GroupedGemmParams&, int,  \
-      cudaStream_t);
-#define MEGAMOE_GROUPED_GEMM_INSTANTIATE(BM, BN, FP8, EPI)                                                     \
-  template cudaError_t launch_grouped_gemm_config<GroupedGemmConfig<BM, BN, FP8, EPI>>(                        \
+      cudaStream_t, int*);
+#define MEGAMOE_GROUPED_GEMM_INSTANTIATE(BM, BN, FP8, EPI, CL)                                                 \
+  template cudaError_t launch_grouped_gemm_config<GroupedGemmConfig<BM, BN, FP8, EPI, CL>>(                    \
       const CUtensorMap&, const CUtensorMap&, const CUtensorMap&, const CUtensorMap&, const GroupedGemmParams&, int,  \
-      cudaStream_t);
+      cudaStream_t, int*);
 
 }  // namespace megamoe::gemm
 #endif

@@ -57,6 +57,10 @@ struct GemmTileConfig {
   int32_t block_n = 0;  // 128 or 256 (SwiGLU: 256 = 128 gate + 128 up)
   int32_t num_sms = 0;  // persistent CTAs; 0 = all SMs
   bool round_robin = false;  // tiles i, i + grid, ... per CTA instead of from the tile counter
+  // CTAs per cluster: 2 = pairs of CTAs running adjacent m-blocks of one weight tile, each loading half
+  // of it for both (TMA multicast; fp8, 128 x 256 tiles only); 1 = none; 0 = the heuristic's choice.
+  int32_t cluster = 0;
+  int32_t grid = 0;  // output (launch_grouped_gemm's `used`): the CTAs launched
   std::string to_string() const;
 };
 
@@ -65,8 +69,10 @@ constexpr int kTraceWordsHeader = 4;
 constexpr int kTraceWordsPerTile = 6;
 
 // Bench probes (GroupedGemmArgs::probe): the math warpgroups skip their MMAs and epilogue (kStream: the
-// weight stream alone) or the epilogue (kNoEpilogue). Results are not computed.
-enum class GemmProbe : int32_t { kNone = 0, kStream = 1, kNoEpilogue = 2 };
+// weight stream alone) or the epilogue (kNoEpilogue); or the producer issues no copies and only marks
+// each ring slot full, so the math runs on whatever the slots hold (kNoLoads: the MMAs and epilogue
+// without the memory system's loads; kMathOnly: the K loops alone). Results are not computed.
+enum class GemmProbe : int32_t { kNone = 0, kStream = 1, kNoEpilogue = 2, kNoLoads = 3, kMathOnly = 4 };
 
 // Order in which the persistent CTAs take tiles: the heuristic's choice (GemmTileConfig::round_robin),
 // from the tile counter (needs GroupedGemmArgs::tile_counter), or round-robin.

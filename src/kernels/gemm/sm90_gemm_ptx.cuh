@@ -50,6 +50,77 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       : "memory");
 }
 
+// ---- thread-block clusters ---------------------------------------------------------------------------
+
+// This CTA's rank in its cluster, and the cluster's index in the grid.
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ uint32_t cluster_id_x() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%clusterid.x;\n" : "=r"(r));
+  return r;
+}
+
+// Every thread of every CTA of the cluster: arrive (release), then wait (acquire). Orders barrier
+// initialisation before the partner's remote arrivals and multicast copies, and keeps a CTA's shared
+// memory alive until the partner is done with it. All threads of each warp, converged.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+// The shared::cluster address of `local`'s counterpart in CTA `rank` of the cluster.
+__device__ __forceinline__ uint32_t cluster_map(const void* local, uint32_t rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(smem_addr(local)), "r"(rank));
+  return r;
+}
+
+// Arrives on an mbarrier given by its shared::cluster address (this CTA's or another's in the cluster),
+// with the default semantics (release at CTA scope).
+__device__ __forceinline__ void mbar_arrive_remote(uint32_t cluster_addr) {
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_addr) : "memory");
+}
+
+// Lane 0 arrives on `local` (this CTA's barrier), lane 1 on `remote` (a shared::cluster address: the
+// same barrier in another CTA of the cluster); the other lanes do nothing. Predicated inside the asm, so
+// the caller's loop has no divergent branch (see tma_store_2d).
+__device__ __forceinline__ void mbar_arrive_local_and_remote(int lane, uint64_t* local, uint32_t remote) {
+  asm volatile(
+      "{\n .reg .pred p0, p1;\n setp.eq.s32 p0, %2, 0;\n setp.eq.s32 p1, %2, 1;\n"
+      " @p0 mbarrier.arrive.shared::cta.b64 _, [%0];\n"
+      " @p1 mbarrier.arrive.shared::cluster.b64 _, [%1];\n}\n" ::"r"(smem_addr(local)),
+      "r"(remote), "r"(lane)
+      : "memory");
+}
+
+// Arrives (release at cluster scope) on an mbarrier given by its shared::cluster address.
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t cluster_addr) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_addr) : "memory");
+}
+
+// mbar_wait with acquire at cluster scope: for phases completed by another CTA's arrivals whose earlier
+// writes into this CTA's shared memory the waiter then reads.
+__device__ __forceinline__ void mbar_wait_cluster(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT_%=;\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+// A 4-byte store into another CTA's shared memory (shared::cluster address).
+__device__ __forceinline__ void st_cluster_u32(uint32_t cluster_addr, uint32_t v) {
+  asm volatile("st.shared::cluster.u32 [%0], %1;\n" ::"r"(cluster_addr), "r"(v) : "memory");
+}
+
 // ---- async copies ---------------------------------------------------------------------------------
 
 // 2-D TMA tile load into shared memory; completes `bytes` of transaction on `bar`.
@@ -58,6 +129,17 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, u
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n" ::"r"(
           smem_addr(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(x), "r"(y)
+      : "memory");
+}
+
+// The same tile written to the same shared-memory offset of every CTA in `cta_mask` (bit r: cluster rank r),
+// each of whose mbarriers at `bar`'s offset gets the bytes' transaction: one L2 read, several SMs fed.
+__device__ __forceinline__ void tma_load_2d_multicast(void* dst, const CUtensorMap* map, uint64_t* bar, int32_t x,
+                                                      int32_t y, uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%3, "
+      "%4}], [%2], %5;\n" ::"r"(smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(x), "r"(y), "h"(cta_mask)
       : "memory");
 }
 

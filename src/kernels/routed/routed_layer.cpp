@@ -347,6 +347,10 @@ class RoutedMoeLayer final : public MoeLayer {
     const bool bn_ok = swiglu ? bn == 256 : ((bn == 128 || bn == 256) && n % bn == 0);
     t.block_n = bn_ok ? bn : 0;
     t.num_sms = config_.knobs.num_sms;
+    // clusters of 2 exist for fp8 128 x 256 tiles; a knob that asks for them elsewhere is left to the
+    // heuristic (which then runs none)
+    const bool cluster_ok = fp8() && (t.block_m == 0 || t.block_m == 128) && (t.block_n == 0 || t.block_n == 256);
+    t.cluster = config_.knobs.gemm_cluster == 2 && !cluster_ok ? 0 : config_.knobs.gemm_cluster;
     return t;
   }
 

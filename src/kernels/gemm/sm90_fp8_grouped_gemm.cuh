@@ -8,7 +8,8 @@
 //   bf16: bf16 x bf16, fp32 accumulation straight in the wgmma accumulators.
 //
 // Kernel (one CTA per SM, persistent; tiles from a global counter in order, or CTA i runs tiles i,
-// i + grid, ... without one; see grouped_scheduler.h and next_tile()):
+// i + grid, ... without one; see grouped_scheduler.h and next_tile(). fp8 128 x 256 tiles may run as
+// clusters of 2 whose CTAs share each weight tile by TMA multicast: "clusters" below):
 //   (BLOCK_M 16 and 32, fp8 decode: the operands swapped, see "swapped operands" below)
 //   warpgroups 0 .. kNumMathWG-1  math: each owns 64 rows of the BLOCK_M tile and all BLOCK_N
 //                                 columns, issued as BLOCK_N/128 chunks of wgmma m64n128 (one temp

@@ -21,9 +21,10 @@
 //                                 (BLOCK_M x 128 B), the B tile (BLOCK_N x 128 B), the A scales
 //                                 (a BLOCK_M + 4 fp32 box starting 16-byte aligned) and 4-byte
 //                                 cp.async loads of the B scales.
-// Shared memory: kStages ring slots {A, B, SFA, SFB}, a full and an empty mbarrier and a tile id
+// Shared memory: kStages ring slots {A, B, SFA, SFB}, a full and an empty mbarrier and a tile record
 // per slot, the bf16-store epilogue's staging rows, the scheduler tables. The producer alone picks
-// tiles; the slot holding a tile's first K block carries its id to the math warpgroups (-1 after
+// tiles; the slot holding a tile's first K block carries the tile (id, expert, n-block, rows: resolved
+// once, by the producer) to the math warpgroups (id -1 after
 // the last tile). full[s]: expect_tx arrival + (fp8) the cp.async arrival, completes when the bytes
 // land; empty[s]: one arrival per math warp once its wgmmas on the slot retired.
 //
@@ -133,7 +134,7 @@ struct GroupedGemmConfig {
   static constexpr int kSfaStride = kFp8 ? (kSfaBox * 4 + 127) / 128 * 32 : 0;  // floats per slot
   static constexpr int kStageSFA = kSfaStride * 4;
   static constexpr int kStageSFB = 16;
-  static constexpr int kStageBytes = kStageA + kStageB + kStageSFA + kStageSFB + 16 + 4;  // + 2 barriers + tile id
+  static constexpr int kStageBytes = kStageA + kStageB + kStageSFA + kStageSFB + 16 + 32;  // + 2 barriers + tile record
   static constexpr int kClaimBytes = kCluster > 1 ? 2 * 16 + 2 * 4 : 0;  // 2 x {claim_full, claim_empty} + 2 values
   // bf16-store epilogue staging: per math warp 16 rows x 64 columns of bf16 (2 KiB), see
   // epilogue_store_bf16; swapped: the tile's BLOCK_M token rows of BLOCK_N bf16.
@@ -164,7 +165,7 @@ struct GroupedGemmConfig {
 
   // Dynamic shared memory: 1 KiB alignment slack + ring + barriers + tables.
   static constexpr int smem_bytes(int num_experts) {
-    return 1024 + kStages * (kStageA + kStageB + kStageSFA + kStageSFB) + kStageOut + kStages * 16 + kStages * 4 +
+    return 1024 + kStages * (kStageA + kStageB + kStageSFA + kStageSFB) + kStageOut + kStages * 16 + kStages * 32 +
            kClaimBytes + 3 * (num_experts + 1) * 4 + 16;
   }
 };
@@ -179,7 +180,10 @@ struct GroupedGemmSmem {
   uint8_t* out;     // [math warps][16 rows][128 B] bf16-store epilogue staging (1024-aligned)
   uint64_t* full;   // [kStages]
   uint64_t* empty;  // [kStages]
-  int32_t* tile_of_stage;  // [kStages]: the tile whose first K block the slot holds; -1: no more tiles
+  // [kStages][2]: the tile whose first K block the slot holds, as the producer resolved it: {id, expert,
+  // n_block, row0}, {m0, rows, -, -}; id -1: no more tiles. The math warpgroups read it rather than
+  // search the scheduler tables again at each tile switch.
+  int4* tile_info;
   // Clusters (kCluster 2): rank 0's producer claims pair tiles and hands each to rank 1's through
   // rank 1's claim_val[i] / claim_full[i]; rank 1 frees the entry through rank 0's claim_empty[i].
   uint64_t* claim_full;   // [2]
@@ -206,6 +210,8 @@ struct GroupedGemmSmem {
     p += Cfg::kStages * Cfg::kStageSFA;
     s.sfb = reinterpret_cast<float*>(p);
     p += Cfg::kStages * Cfg::kStageSFB;
+    s.tile_info = reinterpret_cast<int4*>(p);  // 16-byte aligned: everything before is a multiple of 16
+    p += Cfg::kStages * 32;
     s.full = reinterpret_cast<uint64_t*>(p);
     s.empty = s.full + Cfg::kStages;
     p += Cfg::kStages * 16;
@@ -214,8 +220,6 @@ struct GroupedGemmSmem {
       s.claim_empty = s.claim_full + 2;
       p += 2 * 16;
     }
-    s.tile_of_stage = reinterpret_cast<int32_t*>(p);
-    p += Cfg::kStages * 4;
     if constexpr (Cfg::kCluster > 1) {
       s.claim_val = reinterpret_cast<int32_t*>(p);
       p += 2 * 4;
@@ -297,6 +301,15 @@ __device__ __forceinline__ void init_barriers(const GroupedGemmSmem<Cfg>& sm) {
 
 // ---- producer ------------------------------------------------------------------------------------
 
+// Publishes tile `tile_id` (= t) in ring slot `stage` (its first K block); the slot's full barrier
+// arrival that follows releases it to the math warpgroups.
+template <class Cfg>
+__device__ __forceinline__ void publish_tile(const GroupedGemmSmem<Cfg>& sm, int stage, int32_t tile_id,
+                                             const GroupedTile& t) {
+  sm.tile_info[2 * stage] = make_int4(tile_id, t.expert, t.n_block, t.row0);
+  sm.tile_info[2 * stage + 1] = make_int4(t.m0, t.rows, 0, 0);
+}
+
 // First A-scale column the TMA box starts at: the tile's first scale row rounded down to 4 (16 bytes).
 __device__ __forceinline__ int32_t sfa_first_row(const GroupedGemmParams& p, const GroupedTile& t) {
   return p.layout == kLayoutMasked ? t.m0 : t.row0;
@@ -307,7 +320,7 @@ __device__ __forceinline__ int32_t sfa_box_start(const GroupedGemmParams& p, con
 }
 
 // Loads every K block of tile `tile_id` (= t) into the ring; the slot of its first K block also
-// carries the tile id, which is how the math warpgroups learn their next tile. Called by one thread.
+// carries the tile (publish_tile), which is how the math warpgroups learn their next tile. Called by one thread.
 // kEvictFirst: B with the L2 evict-first policy `b_policy` (a separate loop, so each stays unrolled).
 template <class Cfg, bool kEvictFirst>
 __device__ __forceinline__ void produce_tile(const GroupedGemmSmem<Cfg>& sm, PipeState& pipe, int32_t tile_id,
@@ -321,7 +334,7 @@ __device__ __forceinline__ void produce_tile(const GroupedGemmSmem<Cfg>& sm, Pip
   for (int kb = 0; kb < num_kb; ++kb) {
     ptx::mbar_wait(&sm.empty[pipe.stage], pipe.phase ^ 1u);
     uint64_t* full = &sm.full[pipe.stage];
-    if (kb == 0) sm.tile_of_stage[pipe.stage] = tile_id;  // published by the arrive below (release)
+    if (kb == 0) publish_tile<Cfg>(sm, pipe.stage, tile_id, t);  // released by the arrive below
     ptx::mbar_arrive_expect_tx(full, Cfg::kTxBytes);
     ptx::tma_load_2d(sm.a + pipe.stage * Cfg::kStageA, tmap_a, full, kb * Cfg::kBlockKBytes, t.row0);
     if constexpr (kEvictFirst)
@@ -345,10 +358,10 @@ __device__ __forceinline__ void produce_tile(const GroupedGemmSmem<Cfg>& sm, Pip
 // their K loops on whatever the slots hold.
 template <class Cfg>
 __device__ __forceinline__ void produce_tile_no_loads(const GroupedGemmSmem<Cfg>& sm, PipeState& pipe, int32_t tile_id,
-                                                      const GroupedGemmParams& p) {
+                                                      const GroupedTile& t, const GroupedGemmParams& p) {
   for (int kb = 0; kb < p.k / Cfg::kBlockK; ++kb) {
     ptx::mbar_wait(&sm.empty[pipe.stage], pipe.phase ^ 1u);
-    if (kb == 0) sm.tile_of_stage[pipe.stage] = tile_id;
+    if (kb == 0) publish_tile<Cfg>(sm, pipe.stage, tile_id, t);
     ptx::mbar_arrive(&sm.full[pipe.stage]);
     if constexpr (Cfg::kFp8) ptx::mbar_arrive(&sm.full[pipe.stage]);  // stands in for the cp.async arrival
     pipe.advance(Cfg::kStages);
@@ -360,7 +373,7 @@ __device__ __forceinline__ void produce_tile_no_loads(const GroupedGemmSmem<Cfg>
 template <class Cfg>
 __device__ __forceinline__ void produce_end(const GroupedGemmSmem<Cfg>& sm, PipeState& pipe) {
   ptx::mbar_wait(&sm.empty[pipe.stage], pipe.phase ^ 1u);
-  sm.tile_of_stage[pipe.stage] = -1;
+  sm.tile_info[2 * pipe.stage] = make_int4(-1, 0, 0, 0);
   ptx::mbar_arrive(&sm.full[pipe.stage]);
   if constexpr (Cfg::kFp8) ptx::mbar_arrive(&sm.full[pipe.stage]);  // stands in for the cp.async arrival
 }
@@ -415,7 +428,7 @@ __device__ __forceinline__ void produce_tile_pair(const GroupedGemmSmem<Cfg>& sm
   for (int kb = 0; kb < num_kb; ++kb) {
     ptx::mbar_wait(&sm.empty[pipe.stage], pipe.phase ^ 1u);  // both CTAs' math warps have read this slot
     uint64_t* full = &sm.full[pipe.stage];
-    if (kb == 0) sm.tile_of_stage[pipe.stage] = tile_id;
+    if (kb == 0) publish_tile<Cfg>(sm, pipe.stage, tile_id, t);
     // The partner's half may land first: its transaction bytes count down before this expect counts
     // them up, and the phase cannot complete while this arrival is still pending.
     ptx::mbar_arrive_expect_tx(full, Cfg::kTxBytes);
@@ -444,8 +457,8 @@ constexpr int32_t kLoneTile = 0x7FFFFFFE;
 // The pair counter's mailbox from rank 0 to rank 1 (two entries; `claim` counts the entries used).
 // Rank 0 fetches a pair tile and posts it; rank 1 takes it.
 template <class Cfg>
-__device__ __forceinline__ int32_t post_claim(const GroupedGemmSmem<Cfg>& sm, const GroupedGemmParams& p, int32_t claim,
-                                              int32_t num_clusters) {
+__device__ __forceinline__ int32_t post_claim(const GroupedGemmSmem<Cfg>& sm, const GroupedGemmParams& p, int32_t claim) {
+  const int32_t num_clusters = int32_t(ptx::num_clusters_x());  // read here, not held (the producer has 56 registers)
   const int i = claim & 1;
   ptx::mbar_wait_cluster(&sm.claim_empty[i], (uint32_t(claim >> 1) & 1u) ^ 1u);  // rank 1 has taken what entry i held
   const int32_t next = num_clusters + atomicAdd(&p.tile_counter[0], 1);
@@ -472,13 +485,12 @@ __device__ __forceinline__ void produce_cluster(const GroupedGemmSmem<Cfg>& sm, 
   const uint32_t rank = ptx::cluster_ctarank();
   const int32_t num_tiles = sched.num_tiles();
   const int32_t num_pairs = (num_tiles + 1) / 2;
-  const int32_t num_clusters = int32_t(gridDim.x) / Cfg::kCluster;
   // Pair tiles: the cluster's index first, then round-robin over the clusters or from the counter. Rank
   // 0 fetches from the counter one pair tile ahead (when it starts a pair tile it posts the next), so
   // rank 1, whose loads wait for the id, does not wait for the fetch's round trip at each tile.
   const bool counter = p.tile_counter != nullptr;
   int32_t claim = 0, u = int32_t(ptx::cluster_id_x()), u_next = num_pairs;
-  if (counter && rank == 0 && u < num_pairs) u_next = post_claim<Cfg>(sm, p, claim++, num_clusters);
+  if (counter && rank == 0 && u < num_pairs) u_next = post_claim<Cfg>(sm, p, claim++);
   while (u < num_pairs) {
     const int32_t t = 2 * u + int32_t(rank);
     if (t < num_tiles) {
@@ -491,25 +503,29 @@ __device__ __forceinline__ void produce_cluster(const GroupedGemmSmem<Cfg>& sm, 
         shared = o.expert == tile.expert && o.n_block == tile.n_block;
       }
       if (no_loads)  // probes 3 and 4
-        produce_tile_no_loads<Cfg>(sm, pipe, t, p);
+        produce_tile_no_loads<Cfg>(sm, pipe, t, tile, p);
       else if (shared)
         produce_tile_pair<Cfg, true>(sm, pipe, t, tile, rank, p, tmap_a, tmap_b, tmap_sfa);
       else
         produce_tile_pair<Cfg, false>(sm, pipe, t, tile, rank, p, tmap_a, tmap_b, tmap_sfa);
       stamp(t, 2);
     } else {
-      produce_tile_no_loads<Cfg>(sm, pipe, kLoneTile, p);  // no tile 2u + 1: walk the ring in step
+      // No tile 2u + 1: walk the ring in step. The math runs it as a tile of no rows of tile 0's expert
+      // (stale operands, nothing stored).
+      GroupedTile none = sched.tile(0);
+      none.rows = 0;
+      produce_tile_no_loads<Cfg>(sm, pipe, kLoneTile, none, p);
     }
     if (!counter) {
-      u += num_clusters;
+      u += int32_t(ptx::num_clusters_x());
     } else if (rank == 0) {
       u = u_next;
-      if (u < num_pairs) u_next = post_claim<Cfg>(sm, p, claim++, num_clusters);
+      if (u < num_pairs) u_next = post_claim<Cfg>(sm, p, claim++);
     } else {
       u = take_claim<Cfg>(sm, claim++);
     }
   }
-  if (rank == 0) release_tile_counter(p, num_clusters);
+  if (rank == 0) release_tile_counter(p, int32_t(ptx::num_clusters_x()));
   produce_end<Cfg>(sm, pipe);
 }
 
@@ -1093,7 +1109,7 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
         }
         const GroupedTile tile = sched.tile(t);
         if (kTrace && p.probe >= 3)
-          produce_tile_no_loads<Cfg>(sm, pipe, t, p);
+          produce_tile_no_loads<Cfg>(sm, pipe, t, tile, p);
         else if (p.b_evict_first != 0 && sched.num_rows[tile.expert] <= Cfg::kBlockM)
           produce_tile<Cfg, true>(sm, pipe, t, tile, p, &tmap_a, &tmap_b, &tmap_sfa, evict_first);
         else
@@ -1115,15 +1131,19 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
       // uniform registers only while this loop has no divergent exit or branch: an exit on a value
       // it must treat as per-lane, followed by code (the TMA stores' wait below), or a lane-0 branch
       // in the epilogue, cost +30 instructions per K block (measured 1.5-8% slower, session 7).
-      const int32_t t = __shfl_sync(0xffffffffu, sm.tile_of_stage[pipe.stage], 0);
+      const int4 info0 = sm.tile_info[2 * pipe.stage];
+      const int32_t t = __shfl_sync(0xffffffffu, info0.x, 0);
       if (t < 0) break;
-      // Clusters: kLoneTile is the missing second tile of the last pair; its slots were marked full
-      // without loads. It runs as a tile of no rows (stale operands, nothing stored), keeping the ring in
-      // step with the partner (selects, not a branch around a loop: that cost the K loop its uniform
-      // registers, +45 instructions per K block).
-      const bool lone = Cfg::kCluster > 1 && t == kLoneTile;
-      GroupedTile tile = sched.tile(lone ? 0 : t);
-      if constexpr (Cfg::kCluster > 1) tile.rows = lone ? 0 : tile.rows;
+      // The tile as the producer resolved it (clusters: kLoneTile, the missing second tile of the last
+      // pair, comes as a tile of no rows; a branch around a release loop for it instead cost the K loop
+      // its uniform registers, +45 instructions per K block).
+      const int4 info1 = sm.tile_info[2 * pipe.stage + 1];
+      GroupedTile tile;
+      tile.expert = info0.y;
+      tile.n_block = info0.z;
+      tile.row0 = info0.w;
+      tile.m0 = info1.x;
+      tile.rows = info1.y;
       // Timeline stamps (kTrace): every math thread writes the same word.
       if (uint64_t* rec = tile_rec(t)) rec[3] = kernels::globaltimer_ns();
       if (kTrace && p.probe == 1) {  // the weight stream alone

@@ -64,6 +64,13 @@ __device__ __forceinline__ uint32_t cluster_id_x() {
   return r;
 }
 
+// Clusters in the grid. Volatile: read where used rather than held in a register.
+__device__ __forceinline__ uint32_t num_clusters_x() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%nclusterid.x;\n" : "=r"(r));
+  return r;
+}
+
 // Every thread of every CTA of the cluster: arrive (release), then wait (acquire). Orders barrier
 // initialisation before the partner's remote arrivals and multicast copies, and keeps a CTA's shared
 // memory alive until the partner is done with it. All threads of each warp, converged.

@@ -353,9 +353,9 @@ __device__ __forceinline__ void produce_tile(const GroupedGemmSmem<Cfg>& sm, Pip
   }
 }
 
-// Probes 3 and 4 (bench tools): walks the ring as produce_tile does, publishing the tile id, but
-// issues no copies; each slot's full barrier completes on plain arrivals, so the math warpgroups run
-// their K loops on whatever the slots hold.
+// Walks the ring as produce_tile does, publishing tile t, but issues no copies; each slot's full barrier
+// completes on plain arrivals, so the math warpgroups run their K loops on whatever the slots hold.
+// For probes 3 and 4 (bench tools) and for a cluster's missing last tile (t with no rows).
 template <class Cfg>
 __device__ __forceinline__ void produce_tile_no_loads(const GroupedGemmSmem<Cfg>& sm, PipeState& pipe, int32_t tile_id,
                                                       const GroupedTile& t, const GroupedGemmParams& p) {
@@ -1196,6 +1196,25 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
 #include <mutex>
 namespace megamoe::gemm {
 
+// A launch of `grid` CTAs in clusters of Cfg::kCluster along x; `attr` holds the cluster size and must
+// outlive the returned configuration.
+template <class Cfg>
+cudaLaunchConfig_t cluster_launch_config(int grid, size_t smem, cudaStream_t stream, cudaLaunchAttribute* attr) {
+  cudaLaunchConfig_t lc{};
+  lc.gridDim = dim3(unsigned(grid));
+  lc.blockDim = dim3(unsigned(Cfg::kNumThreads));
+  lc.dynamicSmemBytes = smem;
+  lc.stream = stream;
+  *attr = cudaLaunchAttribute{};
+  attr->id = cudaLaunchAttributeClusterDimension;
+  attr->val.clusterDim.x = Cfg::kCluster;
+  attr->val.clusterDim.y = 1;
+  attr->val.clusterDim.z = 1;
+  lc.attrs = attr;
+  lc.numAttrs = 1;
+  return lc;
+}
+
 template <class Cfg>
 cudaError_t launch_grouped_gemm_config(const CUtensorMap& tmap_a, const CUtensorMap& tmap_b, const CUtensorMap& tmap_sfa,
                                        const CUtensorMap& tmap_d, const GroupedGemmParams& p, int grid, cudaStream_t stream,
@@ -1225,17 +1244,9 @@ cudaError_t launch_grouped_gemm_config(const CUtensorMap& tmap_a, const CUtensor
       if constexpr (Cfg::kCluster > 1) {
         // A persistent grid must fit at once: a cluster's CTAs need SMs of one GPC, so fewer than
         // SMs / kCluster clusters may fit.
-        cudaLaunchConfig_t lc{};
-        lc.gridDim = dim3(unsigned(Cfg::kCluster));
-        lc.blockDim = dim3(unsigned(Cfg::kNumThreads));
-        lc.dynamicSmemBytes = size_t(Cfg::smem_bytes(Cfg::kMaxExperts));
-        cudaLaunchAttribute attr{};
-        attr.id = cudaLaunchAttributeClusterDimension;
-        attr.val.clusterDim.x = Cfg::kCluster;
-        attr.val.clusterDim.y = 1;
-        attr.val.clusterDim.z = 1;
-        lc.attrs = &attr;
-        lc.numAttrs = 1;
+        cudaLaunchAttribute attr;
+        const cudaLaunchConfig_t lc =
+            cluster_launch_config<Cfg>(Cfg::kCluster, size_t(Cfg::smem_bytes(Cfg::kMaxExperts)), nullptr, &attr);
         err = cudaOccupancyMaxActiveClusters(&max_clusters[device], sm90_grouped_gemm_kernel<Cfg, false>, &lc);
         if (err != cudaSuccess) return err;
         if (max_clusters[device] < 1) return cudaErrorInvalidConfiguration;
@@ -1246,18 +1257,8 @@ cudaError_t launch_grouped_gemm_config(const CUtensorMap& tmap_a, const CUtensor
   if constexpr (Cfg::kCluster > 1) {  // grid: a multiple of kCluster (launch_grouped_gemm)
     grid = std::min(grid, max_clusters[device] * Cfg::kCluster);
     if (launched != nullptr) *launched = grid;
-    cudaLaunchConfig_t lc{};
-    lc.gridDim = dim3(unsigned(grid));
-    lc.blockDim = dim3(unsigned(Cfg::kNumThreads));
-    lc.dynamicSmemBytes = size_t(smem);
-    lc.stream = stream;
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = Cfg::kCluster;
-    attr.val.clusterDim.y = 1;
-    attr.val.clusterDim.z = 1;
-    lc.attrs = &attr;
-    lc.numAttrs = 1;
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t lc = cluster_launch_config<Cfg>(grid, size_t(smem), stream, &attr);
     if (p.trace != nullptr) return cudaLaunchKernelEx(&lc, sm90_grouped_gemm_kernel<Cfg, true>, tmap_a, tmap_b, tmap_sfa, tmap_d, p);
     return cudaLaunchKernelEx(&lc, sm90_grouped_gemm_kernel<Cfg, false>, tmap_a, tmap_b, tmap_sfa, tmap_d, p);
   }

@@ -542,8 +542,8 @@ __device__ __forceinline__ void release_slot(const GroupedGemmSmem<Cfg>& sm, int
   if constexpr (Cfg::kCluster > 1) {
     ptx::mbar_arrive_local_and_remote(lane, &sm.empty[stage], ptx::cluster_map(&sm.empty[stage], ptx::cluster_ctarank() ^ 1u));
   } else {
-    if (lane == 0) ptx::mbar_arrive(&sm.empty[stage]);
-  }
+    ptx::mbar_arrive_if(lane == 0, &sm.empty[stage]);  // predicated, not a branch: 3-5 fewer instructions
+  }                                                     // in the swapped K loops
 }
 
 // One fp8 K block of math warpgroup `wg`: per 128-column chunk, the four m64n128k32 wgmmas into the

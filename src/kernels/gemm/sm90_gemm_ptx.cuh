@@ -104,6 +104,16 @@ __device__ __forceinline__ void mbar_arrive_local_and_remote(int lane, uint64_t*
       : "memory");
 }
 
+// Arrives on this CTA's mbarrier where `pred` holds; predicated inside the asm (no branch, see
+// tma_store_2d).
+__device__ __forceinline__ void mbar_arrive_if(bool pred, uint64_t* bar) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.u32 p, %1, 0;\n @p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(
+          smem_addr(bar)),
+      "r"(pred ? 1u : 0u)
+      : "memory");
+}
+
 // Arrives (release at cluster scope) on an mbarrier given by its shared::cluster address.
 __device__ __forceinline__ void mbar_arrive_cluster(uint32_t cluster_addr) {
   asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_addr) : "memory");

@@ -86,12 +86,6 @@ __device__ __forceinline__ uint32_t cluster_map(const void* local, uint32_t rank
   return r;
 }
 
-// Arrives on an mbarrier given by its shared::cluster address (this CTA's or another's in the cluster),
-// with the default semantics (release at CTA scope).
-__device__ __forceinline__ void mbar_arrive_remote(uint32_t cluster_addr) {
-  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_addr) : "memory");
-}
-
 // Lane 0 arrives on `local` (this CTA's barrier), lane 1 on `remote` (a shared::cluster address: the
 // same barrier in another CTA of the cluster); the other lanes do nothing. Predicated inside the asm, so
 // the caller's loop has no divergent branch (see tma_store_2d).

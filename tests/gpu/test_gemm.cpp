@@ -384,14 +384,13 @@ std::vector<GemmCase> store_cases() {
       {"Fp8_Contig_OddTiles_N768_Cluster2", F, C, 768, 384, {129, 300}, 128, 256, true, false, 2},
       {"Fp8_Contig_Unpadded_BM128_BN256_Cluster2", F, C, 256, 384, {1, 7, 63, 64, 65, 200}, 128, 256, false, false, 2},
       {"Fp8_DeepseekV3_FC2_N7168_K2048_Cluster2", F, C, 7168, 2048, {256, 384, 1}, 128, 256, true, false, 2},
-      // max_m <= BLOCK_M (masked): each CTA issues its guessed first tile before the scheduler tables
-      // exist. An empty expert makes the CTAs after it guess wrong (they run a tile of no rows first),
-      // CTAs past the last tile guess tiles that do not exist, 3 K blocks fit the ring at once
-      {"Fp8_Masked_FirstTileGuess_BM16_BN256", F, M, 512, 512, {8, 16, 3, 11, 0, 5, 16, 1}, 16, 256, false, false, 0, 16},
-      {"Fp8_Qwen3_FC2_Masked_FirstTileGuess_BM16", F, M, 2048, 768, {8, 1, 16, 5, 9, 12}, 16, 256, false, false, 0, 16},
-      {"Fp8_Masked_FirstTileGuess_BM32_BN128", F, M, 256, 512, {32, 24, 0, 1, 30}, 32, 128, false, false, 0, 32},
-      {"Fp8_Masked_FirstTileGuess_BM64_BN128_K384", F, M, 384, 384, {32, 0, 64, 1, 17}, 64, 128, false, false, 0, 64},
-      {"Bf16_Masked_FirstTileGuess_BM64", H, M, 256, 512, {8, 0, 33, 64}, 64, 256, false, false, 0, 64},
+      // masked with max_m == BLOCK_M (rows per expert in A, no slack): the A-scale box (BLOCK_M + 4)
+      // reaches past each expert's scale row, full tiles store every row, an idle expert between busy ones
+      {"Fp8_Masked_MaxMIsBlockM_BM16_BN256", F, M, 512, 512, {8, 16, 3, 11, 0, 5, 16, 1}, 16, 256, false, false, 0, 16},
+      {"Fp8_Qwen3_FC2_Masked_MaxMIsBlockM_BM16", F, M, 2048, 768, {8, 1, 16, 5, 9, 12}, 16, 256, false, false, 0, 16},
+      {"Fp8_Masked_MaxMIsBlockM_BM32_BN128", F, M, 256, 512, {32, 24, 0, 1, 30}, 32, 128, false, false, 0, 32},
+      {"Fp8_Masked_MaxMIsBlockM_BM64_BN128_K384", F, M, 384, 384, {32, 0, 64, 1, 17}, 64, 128, false, false, 0, 64},
+      {"Bf16_Masked_MaxMIsBlockM_BM64", H, M, 256, 512, {8, 0, 33, 64}, 64, 256, false, false, 0, 64},
       {"Bf16_Contig_BM128_BN256", H, C, 512, 384, {1, 7, 129, 0, 64}, 128, 256, true, false},
       {"Bf16_Contig_BM64_BN128", H, C, 384, 256, {63, 65}, 64, 128, false, false},
       {"Bf16_Masked_BM64", H, M, 256, 512, {8, 0, 33}, 64, 256, false, false},
@@ -582,9 +581,9 @@ INSTANTIATE_TEST_SUITE_P(
                       SwigluCase{"Masked_I256_K384_BM32", GroupedLayout::kMasked, 256, 384, {24, 0, 33, 1, 32}, 32, false},
                       SwigluCase{"Contig_I384_K256_BM32_Pow2", GroupedLayout::kContiguous, 384, 256, {5, 32, 70, 0}, 32, true},
                       SwigluCase{"Qwen3_I768_K2048", GroupedLayout::kContiguous, 768, 2048, {130, 5}, 0, false},
-                      // max_m <= BLOCK_M: the guessed first tile (an empty expert: wrong guesses after it)
-                      SwigluCase{"Masked_I256_K384_BM16_FirstTileGuess", GroupedLayout::kMasked, 256, 384, {8, 0, 16, 1, 11}, 16, false, 0, 16},
-                      SwigluCase{"Masked_I256_K384_BM64_FirstTileGuess", GroupedLayout::kMasked, 256, 384, {8, 33, 0, 64}, 64, true, 0, 64},
+                      // masked with max_m == BLOCK_M (no slack rows)
+                      SwigluCase{"Masked_I256_K384_BM16_MaxMIsBlockM", GroupedLayout::kMasked, 256, 384, {8, 0, 16, 1, 11}, 16, false, 0, 16},
+                      SwigluCase{"Masked_I256_K384_BM64_MaxMIsBlockM_Pow2", GroupedLayout::kMasked, 256, 384, {8, 33, 0, 64}, 64, true, 0, 64},
                       // clusters of 2: pairs straddling experts, an odd tile count
                       SwigluCase{"Contig_I256_K512_BM128_Cluster2", GroupedLayout::kContiguous, 256, 512, {1, 7, 129, 0, 64, 300}, 128, false, 2},
                       SwigluCase{"Contig_I384_K256_BM128_Cluster2_Pow2", GroupedLayout::kContiguous, 384, 256, {129, 3}, 128, true, 2}),

@@ -62,6 +62,7 @@ struct BenchOptions {
   bool swiglu = true;           // also time FC1 with the SwiGLU + fp8 requant epilogue
   bool cublas = true;
   int block_m = 0, block_n = 0, num_sms = 0, cluster = 0;
+  int empty_every = 0;  // > 0: experts e with (e + 1) % empty_every == 0 get no rows
   std::string schedule = "auto";  // auto (the heuristic), dynamic (a global tile counter) or static (round-robin)
   std::string flush = "memset";      // memset (dirty L2) or read (clean L2) before each timed launch
   std::string weights_l2 = "normal";  // L2 policy of weight tiles read once: normal (the library default) or evict-first
@@ -364,7 +365,11 @@ int run_bench_gemm(const BenchOptions& o) {
           const bool is_fc1 = fc.first != "fc2";
           const int64_t N = is_fc1 ? 2 * ms->intermediate : ms->hidden;
           const int64_t K = is_fc1 ? ms->hidden : ms->intermediate;
-          const int64_t M = E * T;
+          const int64_t M = E * T;  // rows allocated
+          const auto empty = [&](int64_t e) { return o.empty_every > 0 && (e + 1) % o.empty_every == 0; };
+          int64_t busy = 0;  // experts with rows
+          for (int64_t e = 0; e < E; ++e) busy += empty(e) ? 0 : 1;
+          const int64_t M_real = busy * T;
           const bool swiglu = fc.second == GemmEpilogue::kSwigluFp8;
           // buffers
           void *a = nullptr, *b = nullptr, *d = nullptr;
@@ -382,7 +387,10 @@ int run_bench_gemm(const BenchOptions& o) {
           cuda_check(gemm::fill_random_f32(sa, ((M + 3) / 4 * 4) * (K / 128), 0.5f, 2.f, 3, s), "fill SFA");
           cuda_check(gemm::fill_random_f32(sb, E * (N / 128) * (K / 128), 0.5f, 2.f, 4, s), "fill SFB");
           std::vector<int32_t> hseg(E + 1);
-          for (int64_t e = 0; e <= E; ++e) hseg[e] = int32_t(masked ? T : e * T);
+          for (int64_t e = 0, off = 0; e <= E; ++e) {  // masked: counts; contiguous: offsets
+            hseg[e] = int32_t(masked ? (e < E && !empty(e) ? T : 0) : off);
+            if (e < E && !empty(e)) off += T;
+          }
           cuda_check(cudaMemcpy(seg, hseg.data(), (E + 1) * 4, cudaMemcpyHostToDevice), "copy segments");
 
           GroupedGemmArgs g;
@@ -430,7 +438,8 @@ int run_bench_gemm(const BenchOptions& o) {
           Row r;
           r.model = ms->name;
           r.fc = fc.first;
-          r.layout = masked ? "masked" : "contiguous";
+          r.layout = std::string(masked ? "masked" : "contiguous") +
+                     (o.empty_every > 0 ? "/e" + std::to_string(o.empty_every) : "");
           r.tiles = std::to_string(used.block_m) + "x" + std::to_string(used.block_n) +
                     (used.cluster > 1 ? " x" + std::to_string(used.cluster) + " g" + std::to_string(used.grid) : "") + (used.round_robin ? " static" : "") +
                     (o.probe != "none" ? " probe:" + o.probe : "");
@@ -440,8 +449,9 @@ int run_bench_gemm(const BenchOptions& o) {
           r.k = K;
           r.ours = time_launches([&] { (void)gemm::launch_grouped_gemm(g, s); }, flush, o.iters, o.warmup, s);
           cuda_check(cudaGetLastError(), "grouped GEMM timing");
-          const double flops = 2.0 * double(M) * double(N) * double(K);
-          const double wbytes = double(E) * double(N) * double(K);
+          // the rows and weights the launch works on (idle experts excluded)
+          const double flops = 2.0 * double(M_real) * double(N) * double(K);
+          const double wbytes = double(busy) * double(N) * double(K);
           r.tflops = flops / (r.ours.med_us * 1e-6) / 1e12;
           r.weight_gbs = wbytes / (r.ours.med_us * 1e-6) / 1e9;
           r.weight_gbs_kernel = r.ours.kernel_med_us > 0 ? wbytes / (r.ours.kernel_med_us * 1e-6) / 1e9 : 0;
@@ -451,9 +461,9 @@ int run_bench_gemm(const BenchOptions& o) {
           r.ratio = 0;
           if (cublas != nullptr && !swiglu) {
             bool ok = false;
-            cublas->run(a, b, d, M, N, K, s, &ok);
+            cublas->run(a, b, d, M_real, N, K, s, &ok);
             if (ok) {
-              r.peer = time_launches([&] { bool k2; cublas->run(a, b, d, M, N, K, s, &k2); }, flush, o.iters,
+              r.peer = time_launches([&] { bool k2; cublas->run(a, b, d, M_real, N, K, s, &k2); }, flush, o.iters,
                                      o.warmup, s);
               r.peer_ok = true;
               r.peer_tflops = flops / (r.peer.med_us * 1e-6) / 1e12;
@@ -465,7 +475,8 @@ int run_bench_gemm(const BenchOptions& o) {
           if (o.hidden > 0) cmd << " --hidden " << o.hidden;
           if (o.intermediate > 0) cmd << " --intermediate " << o.intermediate;
           cmd << " --experts " << E << " --tokens " << T << " --fc "
-              << (is_fc1 ? "fc1" : "fc2") << " --layout " << r.layout;
+              << (is_fc1 ? "fc1" : "fc2") << " --layout " << (masked ? "masked" : "contiguous");
+          if (o.empty_every > 0) cmd << " --empty-every " << o.empty_every;
           r.command = cmd.str();
           std::printf("  %-13s %-10s %4lld %5lld %-10s %-22s %9.1f %8.1f %8.1f %8.0f %8.1f %9.0f | %9.1f %8.1f %8.1f %6.3f "
                       "%10.2f   # %s\n",
@@ -534,6 +545,9 @@ CLI::App* add_flags(CLI::App* app, BenchOptions* o) {
       ->check(CLI::Range(int64_t(128), int64_t(1) << 16));
   sub->add_option("--fc", o->fcs, "fc1, fc2 or fc1,fc2")->capture_default_str();
   sub->add_option("--layout", o->layout, "auto (masked at <= 32 rows per expert), contiguous or masked")->capture_default_str();
+  sub->add_option("--empty-every", o->empty_every,
+                  "every N-th expert gets no rows, as idle experts in a decode step (default 0: none)")
+      ->check(CLI::Range(0, 1 << 20));
   sub->add_flag("!--no-swiglu", o->swiglu, "skip the FC1 + SwiGLU + fp8 requant rows");
   sub->add_flag("!--no-cublas", o->cublas, "skip the cuBLASLt peer");
   sub->add_option("--block-m", o->block_m, "tile rows: 16, 32, 64 or 128 (default: heuristic)")->check(CLI::IsMember({16, 32, 64, 128}));

@@ -264,10 +264,6 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream, Gem
   p.trace = args.trace_max_tiles > 0 ? args.trace : nullptr;
   p.trace_max_tiles = args.trace_max_tiles;
   p.probe = p.trace != nullptr ? int32_t(args.probe) : 0;
-  // At most one m-block per expert: each CTA's first tile can be guessed before the tables exist (not
-  // with the evict-first policy, whose choice needs the counts, nor the no-loads probes).
-  p.speculate_first =
-      masked && args.m_rows <= cfg.block_m && cfg.cluster == 1 && !args.weights_evict_first && p.probe < 3 ? 1 : 0;
 
   // Persistent grid: all SMs, fewer when the contiguous pool cannot have that many tiles.
   int64_t grid = cfg.num_sms > 0 ? std::min(cfg.num_sms, dev.sms) : dev.sms;

@@ -96,9 +96,6 @@ struct GroupedGemmParams {
   // Only the kernel's kTrace instantiation (fp8) reads it.
   uint64_t* trace;
   int32_t trace_max_tiles;
-  // 1: each CTA issues its first tile's first K blocks before the scheduler tables exist, guessing the
-  // tile from its index (speculate_first_tile); only for launches with at most one m-block per expert.
-  int32_t speculate_first;
   // Probe (kTrace kernel only, bench tools; the output is not computed): 1 = the math warpgroups only
   // wait for each K block and release it (no MMA, no epilogue: the weight stream alone), 2 = no
   // epilogue, 3 = no loads (the producer only marks each slot full), 4 = no loads and no epilogue.
@@ -325,105 +322,35 @@ __device__ __forceinline__ int32_t sfa_box_start(const GroupedGemmParams& p, con
 // Loads every K block of tile `tile_id` (= t) into the ring; the slot of its first K block also
 // carries the tile (publish_tile), which is how the math warpgroups learn their next tile. Called by one thread.
 // kEvictFirst: B with the L2 evict-first policy `b_policy` (a separate loop, so each stays unrolled).
-// Issues the copies of K block kb of tile t into ring slot `stage` (A, B, A scales by TMA, B scales by
-// cp.async and its arrival); the slot's expected bytes (Cfg::kTxBytes) are the caller's.
-template <class Cfg, bool kEvictFirst>
-__device__ __forceinline__ void load_k_block(const GroupedGemmSmem<Cfg>& sm, int stage, const GroupedTile& t, int kb,
-                                             const GroupedGemmParams& p, const CUtensorMap* tmap_a,
-                                             const CUtensorMap* tmap_b, const CUtensorMap* tmap_sfa,
-                                             uint64_t b_policy) {
-  uint64_t* full = &sm.full[stage];
-  const int32_t b_row = t.expert * p.n + t.n_block * Cfg::kBlockN;
-  ptx::tma_load_2d(sm.a + stage * Cfg::kStageA, tmap_a, full, kb * Cfg::kBlockKBytes, t.row0);
-  if constexpr (kEvictFirst)
-    ptx::tma_load_2d_hint(sm.b + stage * Cfg::kStageB, tmap_b, full, kb * Cfg::kBlockKBytes, b_row, b_policy);
-  else
-    ptx::tma_load_2d(sm.b + stage * Cfg::kStageB, tmap_b, full, kb * Cfg::kBlockKBytes, b_row);
-  if constexpr (Cfg::kFp8) {
-    const int num_kb = p.k / Cfg::kBlockK;
-    const float* sfb_tile = p.sfb + (int64_t(t.expert) * (p.n / 128) + t.n_block * Cfg::kNumChunks) * num_kb;
-    const int32_t sfa_x = sfa_box_start(p, t);
-    const int32_t sfa_y = p.layout == kLayoutMasked ? t.expert * num_kb + kb : kb;
-    ptx::tma_load_2d(sm.sfa + stage * Cfg::kSfaStride, tmap_sfa, full, sfa_x, sfa_y);
-#pragma unroll
-    for (int c = 0; c < Cfg::kNumChunks; ++c) ptx::cp_async_4(sm.sfb + stage * 4 + c, sfb_tile + c * num_kb + kb);
-    ptx::cp_async_mbar_arrive_noinc(full);
-  }
-}
-
-// Loads K blocks [kb_begin, K / BLOCK_K) of tile `tile_id` (= t) into the ring; the slot of its first K
-// block also carries the tile (publish_tile), which is how the math warpgroups learn their next tile.
-// Called by one thread. kEvictFirst: B with the L2 evict-first policy `b_policy` (a separate loop, so
-// each stays unrolled). kb_begin > 0: the first K blocks went out before the scheduler tables
-// (speculate_first_tile), and the tile was published then.
 template <class Cfg, bool kEvictFirst>
 __device__ __forceinline__ void produce_tile(const GroupedGemmSmem<Cfg>& sm, PipeState& pipe, int32_t tile_id,
                                              const GroupedTile& t, const GroupedGemmParams& p,
                                              const CUtensorMap* tmap_a, const CUtensorMap* tmap_b,
-                                             const CUtensorMap* tmap_sfa, uint64_t b_policy, int kb_begin = 0) {
+                                             const CUtensorMap* tmap_sfa, uint64_t b_policy) {
   const int num_kb = p.k / Cfg::kBlockK;
-  for (int kb = kb_begin; kb < num_kb; ++kb) {
+  const int32_t b_row = t.expert * p.n + t.n_block * Cfg::kBlockN;
+  const float* sfb_tile = nullptr;
+  if constexpr (Cfg::kFp8) sfb_tile = p.sfb + (int64_t(t.expert) * (p.n / 128) + t.n_block * Cfg::kNumChunks) * num_kb;
+  for (int kb = 0; kb < num_kb; ++kb) {
     ptx::mbar_wait(&sm.empty[pipe.stage], pipe.phase ^ 1u);
+    uint64_t* full = &sm.full[pipe.stage];
     if (kb == 0) publish_tile<Cfg>(sm, pipe.stage, tile_id, t);  // released by the arrive below
-    ptx::mbar_arrive_expect_tx(&sm.full[pipe.stage], Cfg::kTxBytes);
-    load_k_block<Cfg, kEvictFirst>(sm, pipe.stage, t, kb, p, tmap_a, tmap_b, tmap_sfa, b_policy);
-    pipe.advance(Cfg::kStages);
-  }
-}
-
-// ---- the first tile before the scheduler tables (decode) -----------------------------------------------
-//
-// A decode launch spends its first ~1.2 µs reading the per-expert counts and building the tables
-// before its first copy goes out, while DRAM idles (session 12's timeline). With at most one m-block
-// per expert (masked layout, max_m <= BLOCK_M: GroupedGemmParams::speculate_first), CTA i's first tile
-// is (expert i / n-blocks, n-block i % n-blocks, rows from 0) unless an expert before it is empty, and
-// none of its copies (weights, the expert's A rows, both scales) depend on the counts. So the producer
-// issues that tile's first ring of K blocks right after initialising the barriers. Slot 0's phase is
-// held open (its expected bytes without the arrival) until the tables exist: then the tile is
-// published with its real row count and the arrival releases the slot. A wrong guess (an empty expert
-// before it) is published as a tile of no rows: the math warpgroups run it and store nothing, and the
-// CTA goes on with its real first tile.
-
-// The guessed first tile of this CTA (rows unknown until the tables exist), or expert -1: no guess.
-template <class Cfg>
-__device__ __forceinline__ GroupedTile guess_first_tile(const GroupedGemmParams& p, int num_n_blocks) {
-  GroupedTile g{};
-  g.expert = p.speculate_first != 0 ? int32_t(blockIdx.x) / num_n_blocks : -1;
-  if (g.expert >= p.num_experts) g.expert = -1;
-  g.n_block = int32_t(blockIdx.x) % num_n_blocks;
-  g.row0 = g.expert * p.max_m;
-  g.m0 = 0;
-  g.rows = 0;
-  return g;
-}
-
-// Issues K blocks [0, min(stages, K / BLOCK_K)) of tile g; returns how many. Slot 0 gets its expected
-// bytes without the expect_tx arrival, which finish_first_tile adds. The ring is fresh (no empty waits).
-template <class Cfg>
-__device__ __forceinline__ int speculate_first_tile(const GroupedGemmSmem<Cfg>& sm, PipeState& pipe,
-                                                    const GroupedTile& g, const GroupedGemmParams& p,
-                                                    const CUtensorMap* tmap_a, const CUtensorMap* tmap_b,
-                                                    const CUtensorMap* tmap_sfa) {
-  const int num_kb = p.k / Cfg::kBlockK;
-  const int n = num_kb < Cfg::kStages ? num_kb : Cfg::kStages;
-  for (int kb = 0; kb < n; ++kb) {
-    if (kb == 0)
-      ptx::mbar_expect_tx(&sm.full[pipe.stage], Cfg::kTxBytes);
+    ptx::mbar_arrive_expect_tx(full, Cfg::kTxBytes);
+    ptx::tma_load_2d(sm.a + pipe.stage * Cfg::kStageA, tmap_a, full, kb * Cfg::kBlockKBytes, t.row0);
+    if constexpr (kEvictFirst)
+      ptx::tma_load_2d_hint(sm.b + pipe.stage * Cfg::kStageB, tmap_b, full, kb * Cfg::kBlockKBytes, b_row, b_policy);
     else
-      ptx::mbar_arrive_expect_tx(&sm.full[pipe.stage], Cfg::kTxBytes);
-    load_k_block<Cfg, false>(sm, pipe.stage, g, kb, p, tmap_a, tmap_b, tmap_sfa, 0);
+      ptx::tma_load_2d(sm.b + pipe.stage * Cfg::kStageB, tmap_b, full, kb * Cfg::kBlockKBytes, b_row);
+    if constexpr (Cfg::kFp8) {
+      const int32_t sfa_x = sfa_box_start(p, t);
+      const int32_t sfa_y = p.layout == kLayoutMasked ? t.expert * num_kb + kb : kb;
+      ptx::tma_load_2d(sm.sfa + pipe.stage * Cfg::kSfaStride, tmap_sfa, full, sfa_x, sfa_y);
+#pragma unroll
+      for (int c = 0; c < Cfg::kNumChunks; ++c) ptx::cp_async_4(sm.sfb + pipe.stage * 4 + c, sfb_tile + c * num_kb + kb);
+      ptx::cp_async_mbar_arrive_noinc(full);
+    }
     pipe.advance(Cfg::kStages);
   }
-  return n;
-}
-
-// Publishes the speculated tile in slot 0 as tile `tile_id` (its rows set by the caller: the real count,
-// or 0 for a wrong guess) and completes slot 0's arrivals.
-template <class Cfg>
-__device__ __forceinline__ void finish_first_tile(const GroupedGemmSmem<Cfg>& sm, int32_t tile_id,
-                                                  const GroupedTile& g) {
-  publish_tile<Cfg>(sm, 0, tile_id, g);
-  ptx::mbar_arrive(&sm.full[0]);  // releases the record with the slot
 }
 
 // Walks the ring as produce_tile does, publishing tile t, but issues no copies; each slot's full barrier
@@ -526,8 +453,6 @@ __device__ __forceinline__ void produce_tile_pair(const GroupedGemmSmem<Cfg>& sm
 
 // The tile id rank 1 publishes for the missing second tile of the last pair (an odd tile count).
 constexpr int32_t kLoneTile = 0x7FFFFFFE;
-// The tile id a wrong first-tile guess runs under (a tile of no rows; see speculate_first_tile).
-constexpr int32_t kMissedGuessTile = 0x7FFFFFFD;
 
 // The pair counter's mailbox from rank 0 to rank 1 (two entries; `claim` counts the entries used).
 // Rank 0 fetches a pair tile and posts it; rank 1 takes it.
@@ -1146,27 +1071,14 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
                : nullptr;
   };
   if (trace != nullptr && threadIdx.x == 0) trace[0] = kernels::globaltimer_ns();
-  const int num_n_blocks = p.n / Cfg::kBlockN;
-  // The producing thread sets up the barriers, then (decode) issues its guessed first tile's copies
-  // before the tables exist. Its ring position is a variable of its own: the math warpgroups' `pipe`
-  // must stay one that ptxas can keep in uniform registers (a position written under a per-thread
-  // condition cost every K loop 30-110 instructions of R2UR).
-  const bool producer_thread = threadIdx.x == Cfg::kNumMathWG * 128;
-  PipeState first_pipe;
-  GroupedTile guess{};
-  int guessed_kb = 0;
-  if (producer_thread) {
+  if (threadIdx.x == 0) {
     init_barriers<Cfg>(sm);
     ptx::tma_prefetch_desc(&tmap_a);
     ptx::tma_prefetch_desc(&tmap_b);
     if constexpr (Cfg::kFp8) ptx::tma_prefetch_desc(&tmap_sfa);
     if (p.tma_store) ptx::tma_prefetch_desc(&tmap_d);
-    if constexpr (Cfg::kCluster == 1) {
-      guess = guess_first_tile<Cfg>(p, num_n_blocks);
-      if (guess.expert >= 0)
-        guessed_kb = speculate_first_tile<Cfg>(sm, first_pipe, guess, p, &tmap_a, &tmap_b, &tmap_sfa);
-    }
   }
+  const int num_n_blocks = p.n / Cfg::kBlockN;
   const GroupedSchedule sched = build_schedule<Cfg>(sm, p, num_n_blocks);  // ends in __syncthreads
   if constexpr (Cfg::kCluster > 1) ptx::cluster_sync();  // the partner's barriers exist before any remote use
   const int num_tiles = sched.num_tiles();
@@ -1189,25 +1101,7 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
       }
     } else if (threadIdx.x % 128 == 0) {
       const uint64_t evict_first = ptx::createpolicy_evict_first();
-      pipe = first_pipe;
-      int32_t t = next_tile(p, -1);
-      if (guessed_kb > 0) {  // the guessed first tile: this CTA's tile t, or a tile of no rows
-        GroupedTile real{};
-        if (t < num_tiles) real = sched.tile(t);
-        const bool hit = t < num_tiles && real.expert == guess.expert && real.n_block == guess.n_block &&
-                         real.row0 == guess.row0;
-        guess.rows = hit ? real.rows : 0;
-        const int32_t id = hit ? t : kMissedGuessTile;
-        if (uint64_t* rec = tile_rec(id)) {
-          rec[0] = blockIdx.x + 1;
-          rec[1] = kernels::globaltimer_ns();
-        }
-        finish_first_tile<Cfg>(sm, id, guess);
-        produce_tile<Cfg, false>(sm, pipe, id, guess, p, &tmap_a, &tmap_b, &tmap_sfa, 0, guessed_kb);
-        if (uint64_t* rec = tile_rec(id)) rec[2] = kernels::globaltimer_ns();
-        if (hit) t = next_tile(p, t);
-      }
-      for (; t < num_tiles; t = next_tile(p, t)) {
+      for (int32_t t = next_tile(p, -1); t < num_tiles; t = next_tile(p, t)) {
         uint64_t* const rec = tile_rec(t);
         if (rec != nullptr) {
           rec[0] = blockIdx.x + 1;

@@ -459,7 +459,7 @@ int run_bench_gemm(const BenchOptions& o) {
           r.peer_ok = false;
           r.peer_tflops = 0;
           r.ratio = 0;
-          if (cublas != nullptr && !swiglu) {
+          if (cublas != nullptr && !swiglu && M_real > 0) {  // no peer for a launch of idle experts only
             bool ok = false;
             cublas->run(a, b, d, M_real, N, K, s, &ok);
             if (ok) {

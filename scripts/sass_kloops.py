@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """The grouped GEMM's K loop in the SASS, per kernel: its instruction count, how many of them are
 wgmma (GMMA) and R2UR (a ring position that left the uniform registers shows as more R2UR), and the
-kernel's STACK / LOCAL bytes (spills). The K loop is the smallest loop (a backward branch) holding a
-GMMA. Compare before and after a change to the kernel's control flow.
+kernel's STACK / LOCAL bytes (spills). A K loop is a loop (a backward branch) holding a GMMA with no
+such loop inside it; a kernel may have more than one (the split tail's one-chunk loop), largest first. Compare before and after a change to the kernel's control flow.
 
 Usage: scripts/sass_kloops.py OBJECT_OR_BINARY [...]   (runs cuobjdump -sass on each)
 """
@@ -49,7 +49,7 @@ def main():
             if "grouped_gemm" not in name:
                 continue
             addr = {a: k for k, (a, _) in enumerate(body)}
-            best = None
+            loops = []  # (first, last) index ranges of backward-branch loops holding a GMMA
             for k, (a, ins) in enumerate(body):
                 m = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", ins)
                 if not m:
@@ -57,21 +57,29 @@ def main():
                 target = int(m.group(1), 16)
                 if target >= a or target not in addr:
                     continue
-                loop = body[addr[target]:k + 1]
-                if any("GMMA" in x for _, x in loop) and (best is None or len(loop) < len(best)):
-                    best = loop
-            cfg = re.search(r"GroupedGemmConfigILi(\d+)ELi(\d+)ELb(\d)ELi(\d)", name)
+                if any("GMMA" in x for _, x in body[addr[target]:k + 1]):
+                    loops.append((addr[target], k))
+            # the K loops: GMMA loops with no other GMMA loop inside (a kernel may have several, e.g.
+            # the split tail's one-chunk loop beside the whole tile's). ptxas may lay a K loop out
+            # after its tile loop's backward branch, so a tile loop does not always enclose it by
+            # address; tile loops are told apart by size (thousands of instructions, K loops hundreds).
+            inner = [(f, l) for f, l in loops
+                     if l - f < 1000 and not any((f2, l2) != (f, l) and f <= f2 and l2 <= l for f2, l2 in loops)]
+            cfg = re.search(r"GroupedGemmConfigILi(\d+)ELi(\d+)ELb(\d)ELi(\d)ELi(\d)", name)
             label = "x".join(cfg.groups()[:2]) + (" fp8" if cfg.group(3) == "1" else " bf16") + " epi" + cfg.group(4) if cfg else name[:60]
+            if cfg and cfg.group(5) != "1":
+                label += " cl" + cfg.group(5)
             if re.search(r"EELb1EEEv", name):
                 label += " trace"
             r = res.get(name, ("?", "?", "?"))
-            if best is None:
-                print(f"{label:22s} no K loop found  REG:{r[0]} STACK:{r[1]} LOCAL:{r[2]}")
+            if not inner:
+                print(f"{label:26s} no K loop found  REG:{r[0]} STACK:{r[1]} LOCAL:{r[2]}")
                 continue
-            gmma = sum("GMMA" in x for _, x in best)
-            r2ur = sum(x.split()[0].startswith("R2UR") or " R2UR" in x for _, x in best)
-            print(f"{label:22s} K loop {len(best):4d} instr, {gmma} GMMA, {r2ur:3d} R2UR  REG:{r[0]} STACK:{r[1]} LOCAL:{r[2]}")
-
+            for f, l in sorted(inner, key=lambda x: -(x[1] - x[0])):
+                loop = body[f:l + 1]
+                gmma = sum("GMMA" in x for _, x in loop)
+                r2ur = sum(x.split()[0].startswith("R2UR") or " R2UR" in x for _, x in loop)
+                print(f"{label:26s} K loop {len(loop):4d} instr, {gmma:2d} GMMA, {r2ur:3d} R2UR  REG:{r[0]} STACK:{r[1]} LOCAL:{r[2]}")
 
 if __name__ == "__main__":
     main()

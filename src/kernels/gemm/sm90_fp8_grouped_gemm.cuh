@@ -792,9 +792,6 @@ __device__ __forceinline__ void epilogue_store_bf16(const GroupedGemmSmem<Cfg>& 
   // warp-uniform; read through a shuffle so that ptxas knows it (a branch on a value it must treat as
   // per-lane moved the mainloop's ring position out of uniform registers)
   const bool tma = __shfl_sync(0xffffffffu, tma_d != nullptr && wrow0 + 16 <= t.rows ? 1 : 0, 0) != 0;
-  // Lane l < 16 resolves row l's destination once; the others get it by shuffle.
-  __nv_bfloat16* my_row = nullptr;
-  if (lane < 16 && wrow0 + lane < t.rows) my_row = sink.row_ptr(t.row0 + wrow0 + lane);
   // This lane's two accumulator rows (lane / 4 and + 8) and their weights.
   float w0 = 1.f, w1 = 1.f;
   if (row_weight != nullptr) {
@@ -805,51 +802,70 @@ __device__ __forceinline__ void epilogue_store_bf16(const GroupedGemmSmem<Cfg>& 
   // stmatrix addresses: lane l gives row (l & 7) + 8 * ((l >> 3) & 1) of 16-byte piece (l >> 4) of
   // each pair of 8-column groups.
   const int st_row = (lane & 7) + 8 * ((lane >> 3) & 1), st_piece = lane >> 4;
-  // read-back: lane l takes row 4 * it + l / 8, piece l % 8
-  const int rb_piece = lane % 8;
+  // Rounds the warp's 16 rows x 64 columns of chunk c, half `half`, to bf16 and writes them into the
+  // staging rows.
+  const auto stage_slab = [&](int c, int half) {
 #pragma unroll
-  for (int c = 0; c < Cfg::kNumChunks; ++c)
+    for (int g2 = 0; g2 < 4; ++g2) {  // 8-column groups 2*g2 and 2*g2+1 of this 64-column half
+      const int g = half * 8 + 2 * g2;
+      uint32_t r[4];
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      if (tma_d != nullptr) {  // the staging's previous TMA store (this tile's or the last one's) has read it
-        ptx::bulk_wait_read<0>();  // every lane: a no-op where nothing is pending
+      for (int m = 0; m < 2; ++m)  // group g + m, rows lane/4 (h = 0) and lane/4 + 8 (h = 1)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float v0 = acc[c][4 * (g + m) + 2 * h], v1 = acc[c][4 * (g + m) + 2 * h + 1];
+          const float w = h == 0 ? w0 : w1;
+          r[2 * m + h] = row_weight ? pack_bf16x2(v0 * w, v1 * w) : pack_bf16x2(v0, v1);
+        }
+      const int piece = 2 * g2 + st_piece;
+      ptx::stmatrix_x4(stage + st_row * 128 + ((piece ^ (st_row & 7)) << 4), r[0], r[1], r[2], r[3]);
+    }
+  };
+  // Two loops, one per path, chosen once per tile: with the per-row path in the same loop body (a
+  // branch per slab), FC2 ran ~1% slower (measured with the per-row path compiled out, PERF.md
+  // session 15).
+  if (tma) {
+#pragma unroll
+    for (int c = 0; c < Cfg::kNumChunks; ++c)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        ptx::bulk_wait_read<0>();  // the staging's previous TMA store (this tile's or the last one's) has read it
         __syncwarp();
-      }
-#pragma unroll
-      for (int g2 = 0; g2 < 4; ++g2) {  // 8-column groups 2*g2 and 2*g2+1 of this 64-column half
-        const int g = half * 8 + 2 * g2;
-        uint32_t r[4];
-#pragma unroll
-        for (int m = 0; m < 2; ++m)  // group g + m, rows lane/4 (h = 0) and lane/4 + 8 (h = 1)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const float v0 = acc[c][4 * (g + m) + 2 * h], v1 = acc[c][4 * (g + m) + 2 * h + 1];
-            const float w = h == 0 ? w0 : w1;
-            r[2 * m + h] = row_weight ? pack_bf16x2(v0 * w, v1 * w) : pack_bf16x2(v0, v1);
-          }
-        const int piece = 2 * g2 + st_piece;
-        ptx::stmatrix_x4(stage + st_row * 128 + ((piece ^ (st_row & 7)) << 4), r[0], r[1], r[2], r[3]);
-      }
-      if (tma) {
+        stage_slab(c, half);
         ptx::fence_proxy_async_smem();
         __syncwarp();
         ptx::tma_store_2d(lane == 0, tma_d, stage_ptr, t.n_block * Cfg::kBlockN + c * 128 + half * 64, t.row0 + wrow0);
         ptx::bulk_commit();  // a no-op where nothing was issued
-        continue;
       }
+  } else {
+    // Lane l < 16 resolves row l's destination once; the others get it by shuffle.
+    __nv_bfloat16* my_row = nullptr;
+    if (lane < 16 && wrow0 + lane < t.rows) my_row = sink.row_ptr(t.row0 + wrow0 + lane);
+    // read-back: lane l takes row 4 * it + l / 8, piece l % 8
+    const int rb_piece = lane % 8;
+    if (tma_d != nullptr) {  // an earlier tile's TMA stores from this staging have read it
+      ptx::bulk_wait_read<0>();  // every lane: a no-op where nothing is pending
       __syncwarp();
-#pragma unroll
-      for (int it = 0; it < 4; ++it) {
-        const int row = 4 * it + lane / 8;
-        const uint4 v = ptx::lds_v4(stage + row * 128 + ((rb_piece ^ (row & 7)) << 4));
-        const unsigned long long pr =
-            __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(my_row), row);
-        __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(pr);
-        if (out != nullptr)
-          *reinterpret_cast<uint4*>(out + t.n_block * Cfg::kBlockN + c * 128 + half * 64 + 8 * rb_piece) = v;
-      }
-      __syncwarp();  // the next stmatrix overwrites the staging rows
     }
+#pragma unroll
+    for (int c = 0; c < Cfg::kNumChunks; ++c)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        stage_slab(c, half);
+        __syncwarp();
+#pragma unroll
+        for (int it = 0; it < 4; ++it) {
+          const int row = 4 * it + lane / 8;
+          const uint4 v = ptx::lds_v4(stage + row * 128 + ((rb_piece ^ (row & 7)) << 4));
+          const unsigned long long pr =
+              __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(my_row), row);
+          __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(pr);
+          if (out != nullptr)
+            *reinterpret_cast<uint4*>(out + t.n_block * Cfg::kBlockN + c * 128 + half * 64 + 8 * rb_piece) = v;
+        }
+        __syncwarp();  // the next stmatrix overwrites the staging rows
+      }
+  }
 }
 
 // bf16 rows of a swapped tile: token row r gets the tile's BLOCK_N columns (times row_weight[r]).

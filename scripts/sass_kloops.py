@@ -2,7 +2,9 @@
 """The grouped GEMM's K loop in the SASS, per kernel: its instruction count, how many of them are
 wgmma (GMMA) and R2UR (a ring position that left the uniform registers shows as more R2UR), and the
 kernel's STACK / LOCAL bytes (spills). A K loop is a loop (a backward branch) holding a GMMA with no
-such loop inside it; a kernel may have more than one (the split tail's one-chunk loop), largest first. Compare before and after a change to the kernel's control flow.
+such loop inside it; a kernel may have more than one (a one-chunk loop beside the whole tile's, as
+session 15's split-tail build had), printed largest first. Compare before and after a change to the
+kernel's control flow.
 
 Usage: scripts/sass_kloops.py OBJECT_OR_BINARY [...]   (runs cuobjdump -sass on each)
 """

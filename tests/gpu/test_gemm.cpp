@@ -457,6 +457,57 @@ TEST(Sm90GroupedGemm, Fp8_RowMapAndWeights) {
   }
 }
 
+// Row weights with D's own rows (no row_map): full 16-row slabs go out by TMA store, weighted, and the
+// slabs at the unpadded segments' ends by the per-row path; rows outside every segment stay untouched.
+TEST(Sm90GroupedGemm, Fp8_IdentityRowsWithWeights) {
+  REQUIRE_SM90();
+  GemmCase c{"weights", GemmDtype::kFp8Block, GroupedLayout::kContiguous, 512, 256, {70, 0, 5, 33, 130}, 0, 0,
+             false, false};
+  Problem p;
+  p.N = c.N;
+  p.K = c.K;
+  make_segments(c, &p);
+  build_problem(&p, 77);
+  const std::vector<double> ref = reference(p);
+  const int64_t rows = p.a_rows();
+  std::vector<float> weight(rows);
+  for (int64_t r = 0; r < rows; ++r) weight[r] = 0.5f + 0.03f * float(r % 11);
+  const DeviceProblem dev(p);
+  DevBuf<float> dw(weight);
+  DevBuf<uint16_t> dd(rows * p.N);
+  for (const int block_m : {0, 64, 128}) {
+    CUDA_OK(cudaMemset(dd.p, 0xFF, rows * p.N * 2));  // poison: bf16 NaN
+    GroupedGemmArgs a = dev.args();
+    a.d = dd.p;
+    a.row_weight = dw.p;
+    a.tiles.block_m = block_m;
+    a.tiles.block_n = 256;
+    megamoe::gemm::GemmTileConfig used;
+    const megamoe::Status st = megamoe::gemm::launch_grouped_gemm(a, nullptr, &used);
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+    CUDA_OK(cudaDeviceSynchronize());
+    const std::vector<uint16_t> d = dd.get();
+    double num = 0, den = 0;
+    int64_t outside = 0, poisoned_ok = 0;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t n = 0; n < p.N; ++n) {
+        if (std::isnan(ref[r * p.N + n])) {
+          ++outside;
+          if (d[r * p.N + n] == 0xFFFF) ++poisoned_ok;
+          continue;
+        }
+        const double rv = fmt::round_to_bf16(float(ref[r * p.N + n] * weight[r]));
+        const double g = bf16_at(d, r * p.N + n);
+        num += (g - rv) * (g - rv);
+        den += rv * rv;
+      }
+    const double rel = std::sqrt(num / den);
+    std::printf("  identity rows + weights, %s: rel_l2 = %.3e\n", used.to_string().c_str(), rel);
+    EXPECT_LE(rel, 1e-3);
+    EXPECT_EQ(poisoned_ok, outside) << "rows outside every segment were written";
+  }
+}
+
 // FC1 with SwiGLU + fp8 requant: codes and scales against the CPU codec on the float64 GEMM.
 struct SwigluCase {
   std::string name;

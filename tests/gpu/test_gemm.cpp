@@ -226,6 +226,19 @@ void make_segments(const GemmCase& c, Problem* p) {
   }
 }
 
+// The Problem of case c (dtype, layout, N, K, scale kind, segments), its inputs drawn from `seed`.
+Problem case_problem(const GemmCase& c, uint32_t seed) {
+  Problem p;
+  p.dtype = c.dtype;
+  p.layout = c.layout;
+  p.N = c.N;
+  p.K = c.K;
+  p.pow2 = c.pow2;
+  make_segments(c, &p);
+  build_problem(&p, seed);
+  return p;
+}
+
 // A Problem's operands on the device and the arguments every GEMM test sets from them (epilogue,
 // outputs and tiles are the test's). b_host / b_scales_host: the weights as launched (the SwiGLU test
 // passes the prepared w13).
@@ -262,14 +275,7 @@ class GroupedGemmStore : public ::testing::TestWithParam<GemmCase> {};
 TEST_P(GroupedGemmStore, MatchesFloat64Reference) {
   REQUIRE_SM90();
   const GemmCase& c = GetParam();
-  Problem p;
-  p.dtype = c.dtype;
-  p.layout = c.layout;
-  p.N = c.N;
-  p.K = c.K;
-  p.pow2 = c.pow2;
-  make_segments(c, &p);
-  build_problem(&p, 1234u + c.N + c.K);
+  const Problem p = case_problem(c, 1234u + c.N + c.K);
   const std::vector<double> ref = reference(p);
 
   const DeviceProblem dev(p);
@@ -405,11 +411,7 @@ INSTANTIATE_TEST_SUITE_P(Sm90, GroupedGemmStore, ::testing::ValuesIn(store_cases
 TEST(Sm90GroupedGemm, Fp8_RowMapAndWeights) {
   REQUIRE_SM90();
   GemmCase c{"rowmap", GemmDtype::kFp8Block, GroupedLayout::kContiguous, 256, 256, {70, 0, 5}, 128, 256, true, false};
-  Problem p;
-  p.N = c.N;
-  p.K = c.K;
-  make_segments(c, &p);
-  build_problem(&p, 99);
+  const Problem p = case_problem(c, 99);
   const std::vector<double> ref = reference(p);
   const int64_t rows = p.a_rows();
   std::vector<int32_t> row_map(rows);
@@ -463,11 +465,7 @@ TEST(Sm90GroupedGemm, Fp8_IdentityRowsWithWeights) {
   REQUIRE_SM90();
   GemmCase c{"weights", GemmDtype::kFp8Block, GroupedLayout::kContiguous, 512, 256, {70, 0, 5, 33, 130}, 0, 0,
              false, false};
-  Problem p;
-  p.N = c.N;
-  p.K = c.K;
-  make_segments(c, &p);
-  build_problem(&p, 77);
+  const Problem p = case_problem(c, 77);
   const std::vector<double> ref = reference(p);
   const int64_t rows = p.a_rows();
   std::vector<float> weight(rows);

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """A reference for the decode GEMMs' DRAM floor, independent of megamoe's kernels (device machine).
 
-Times PyTorch's full reduction (torch.sum over an int64 view: a plain read of every byte) of the
-qwen3-30b-a3b expert weight sets, after the same two L2 flushes as `megamoe bench-gemm --flush`:
+Times PyTorch's full reduction (torch.sum over an int64 tensor: a plain read of every byte) of as
+many bytes as the qwen3-30b-a3b FC1 / FC2 and deepseek-v3 FC2 expert weight sets, after the same two L2 flushes as `megamoe bench-gemm --flush`:
 read (256 MiB read, L2 left clean) and memset (256 MiB written, L2 left dirty). Kernel times come
 from the CUDA profiler (CUPTI), so launch gaps are not counted.
   python3 scripts/device_read_floor.py [iters]
@@ -23,6 +23,7 @@ cases = {
     "deepseek-v3 FC2 weights 32 x 7168 x 2048": 32 * 7168 * 2048,
 }
 print(torch.cuda.get_device_name(0), "torch", torch.__version__)
+failed = 0
 for flush in ("read", "memset"):
     for name, nbytes in cases.items():
         w = torch.randint(-2**31, 2**31 - 1, (nbytes // 8,), dtype=torch.int64, device=dev)
@@ -49,8 +50,10 @@ for flush in ("read", "memset"):
             print(f"  unexpected kernel list ({len(durs)} int64 reductions for {iters} iterations):")
             for n, c in names.items():
                 print(f"    {c:4d} x {n[:150]}")
+            failed += 1
             continue
         durs = sorted(durs)
         med = statistics.median(durs)
         print(f"flush {flush:6s} {name:42s} {nbytes / 1e6:8.1f} MB  kernel us med {med:7.2f} min {durs[0]:7.2f}"
               f"  -> {nbytes / med / 1e6:5.2f} TB/s (med), {nbytes / durs[0] / 1e6:5.2f} (min)  n={len(durs)}")
+sys.exit(1 if failed else 0)

@@ -2,9 +2,10 @@
 """A reference for the decode GEMMs' DRAM floor, independent of megamoe's kernels (device machine).
 
 Times PyTorch's full reduction (torch.sum over an int64 tensor: a plain read of every byte) of as
-many bytes as the qwen3-30b-a3b FC1 / FC2 and deepseek-v3 FC2 expert weight sets, after the same two L2 flushes as `megamoe bench-gemm --flush`:
-read (256 MiB read, L2 left clean) and memset (256 MiB written, L2 left dirty). Kernel times come
-from the CUDA profiler (CUPTI), so launch gaps are not counted.
+many bytes as the qwen3-30b-a3b FC1 / FC2 and deepseek-v3 FC2 expert weight sets, after the same two
+L2 flushes as `megamoe bench-gemm --flush`: read (256 MiB read, L2 left clean) and memset (256 MiB
+written, L2 left dirty). Kernel times come from the CUDA profiler (CUPTI), so launch gaps are not
+counted.
   python3 scripts/device_read_floor.py [iters]
 """
 import statistics

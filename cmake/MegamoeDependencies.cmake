@@ -25,26 +25,6 @@ target_include_directories(megamoe::nccl INTERFACE ${MEGAMOE_NCCL_INCLUDE_DIR})
 target_link_libraries(megamoe::nccl INTERFACE ${MEGAMOE_NCCL_LIBRARY})
 message(STATUS "megamoe: NCCL ${_nccl_major}.${_nccl_minor} at ${MEGAMOE_NCCL_LIBRARY}")
 
-# CUTLASS/CuTe headers from PyPI's nvidia-cutlass (pinned); headers under cutlass_library/source/include.
-set(MEGAMOE_CUTLASS_PIN "4.2.0.0")
-if(NOT MEGAMOE_CUTLASS_INCLUDE_DIR)
-  find_package(Python3 COMPONENTS Interpreter REQUIRED)
-  execute_process(
-    COMMAND ${Python3_EXECUTABLE} -c "import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), 'source', 'include'))"
-    OUTPUT_VARIABLE _cutlass_dir OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET RESULT_VARIABLE _cutlass_rc)
-  if(_cutlass_rc EQUAL 0 AND EXISTS "${_cutlass_dir}/cute/tensor.hpp")
-    set(MEGAMOE_CUTLASS_INCLUDE_DIR ${_cutlass_dir} CACHE PATH "CUTLASS/CuTe include dir")
-  endif()
-endif()
-if(NOT MEGAMOE_CUTLASS_INCLUDE_DIR OR NOT EXISTS "${MEGAMOE_CUTLASS_INCLUDE_DIR}/cute/tensor.hpp")
-  message(FATAL_ERROR "megamoe needs the CUTLASS/CuTe headers and did not find them. Fix: "
-    "'python3 -m pip install --no-deps nvidia-cutlass==${MEGAMOE_CUTLASS_PIN}' (or run scripts/setup.sh), "
-    "or pass -DMEGAMOE_CUTLASS_INCLUDE_DIR=<dir holding cute/ and cutlass/>.")
-endif()
-add_library(megamoe::cutlass INTERFACE IMPORTED)
-target_include_directories(megamoe::cutlass SYSTEM INTERFACE ${MEGAMOE_CUTLASS_INCLUDE_DIR})
-message(STATUS "megamoe: CUTLASS headers at ${MEGAMOE_CUTLASS_INCLUDE_DIR}")
-
 find_package(nlohmann_json 3.10 QUIET)
 if(NOT nlohmann_json_FOUND)
   message(FATAL_ERROR "megamoe needs nlohmann-json >= 3.10 for the knob cache and JSON output. Fix: "

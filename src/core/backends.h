@@ -1,5 +1,6 @@
-// Factories of the backends, called by MoeLayer::create() once the backend is selected and the
-// weights are prepared. Each lives with its backend (src/reference, src/kernels/<path>).
+// What core needs of each backend: its factory, called by MoeLayer::create() once the backend is
+// selected and the weights are prepared, and its static gate. Each is defined with its backend
+// (src/reference, src/kernels/<path>); core includes nothing from those folders.
 #pragma once
 
 #include <memory>
@@ -21,5 +22,9 @@ namespace megamoe {
 // current device).
 Status create_routed_layer(const MoeGeometry& geometry, const MoeConfig& config, BackendSelection selection,
                            PreparedWeights weights, std::shared_ptr<Communicator> comm, std::unique_ptr<MoeLayer>* out);
+
+// src/kernels/routed/routed_layer.cpp: the routed backend's static rules (formats, options, local
+// expert count); no device access. Part of its capability gate (core/layer.cpp).
+Status routed_format_gate(const MoeGeometry& geometry, const MoeConfig& config);
 
 }  // namespace megamoe

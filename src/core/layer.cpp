@@ -2,11 +2,10 @@
 // backend's factory. Also the forward-argument checks every backend shares.
 #include "megamoe/layer.h"
 
+#include "core/backends.h"
 #include "core/device.h"
 #include "core/log.h"
-#include "kernels/routed/routed_backend.h"
 #include "megamoe/knobs.h"
-#include "core/backends.h"
 
 namespace megamoe {
 namespace {

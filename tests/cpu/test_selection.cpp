@@ -3,8 +3,8 @@
 
 #include <string>
 
+#include "core/backends.h"
 #include "core/device.h"
-#include "kernels/routed/routed_backend.h"
 #include "megamoe/layer.h"
 
 namespace megamoe {

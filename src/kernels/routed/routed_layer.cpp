@@ -1,11 +1,21 @@
-// RoutedMoeLayer: the split-kernel GPU backend (see routed_backend.h for the stage list).
+// RoutedMoeLayer: the split-kernel GPU backend. Separate kernels on the caller's stream, no host
+// synchronisation inside forward(), capturable in a CUDA graph after warmup():
+//   dispatch (EpTransport: layout + copy to the experts' ranks + arrival wait, one kernel)
+//   -> build_expert_pool (rows grouped by local expert, unpadded; per-row combine targets)
+//   -> fp8 only: the pool's activation scales transposed M-major for FC1's TMA loads
+//   -> FC1 grouped GEMM with the SwiGLU (+ fp8 1x128 requant) epilogue into the intermediate region
+//   -> FC2 grouped GEMM: with a bf16 wire and one row per slot, its epilogue writes the weighted rows
+//      into the source ranks' combine regions through the LSA pointers; else bf16 rows to expert_out
+//   -> combine (the reduce alone) or send_and_combine (owner sums, encode, send, reduce) -> y.
+// Formats: fp8-block weights with fp8-block dispatch, or bf16 weights with bf16 dispatch; every
+// combine wire; no in-kernel FC2 reduce.
 //
 // Buffers: the symmetric workspace (EpTransport, shared through WorkspacePool by every layer of the
-// same geometry); the prepared weights (per layer, device); two scratch buffers shared by every
-// layer of the same sizes on a device (DeviceScratch below): the M-major copy of the pool's
-// activation scales that FC1 reads, and FC2's bf16 output rows [pool_rows, H] that combine_send
-// reads. Sharing is safe for the same reason the workspace is: the layers of a model run one after
-// another on a stream.
+// same geometry); the prepared weights (per layer, device); scratch shared by every layer of the
+// same sizes on a device (shared_scratch below): the M-major copy of the pool's activation scales
+// that FC1 reads, FC2's bf16 rows [pool_rows, H] where the combine reads them (a quantised wire or
+// the owner reduce), and the GEMMs' tile counter. Sharing is safe for the same reason the workspace
+// is: the layers of a model run one after another on a stream.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -20,7 +30,6 @@
 #include "core/log.h"
 #include "kernels/gemm/gemm_weights.h"
 #include "kernels/gemm/sm90_fp8_grouped_gemm.h"
-#include "kernels/routed/routed_backend.h"
 #include "kernels/routed/sm90_scale_transpose.h"
 #include "kernels/transport/ep_transport.h"
 

@@ -39,19 +39,19 @@ def targets(model, experts, rows, fc):
     return out
 
 
-def main(paths):
+def table_lines(rows):
+    """The markdown table of bench-gemm JSON rows, one line per case (rounds of a case folded)."""
     cases = {}
-    for path in paths:
-        for r in json.load(open(path)):
-            key = (r["model"], r["fc"], r["experts"], r["tokens_per_expert"], r["layout"], r["tiles"])
-            cases.setdefault(key, []).append(r)
-    print("| model | fc | E | rows/E | tiles | rounds | kernel µs, median (range) | TFLOP/s | weights TB/s "
-          "| cuBLASLt kernel µs / TFLOP/s | ratio | target: met? |")
-    print("| --- | --- | ---: | ---: | --- | ---: | --- | ---: | ---: | --- | ---: | --- |")
+    for r in rows:
+        key = (r["model"], r["fc"], r["experts"], r["tokens_per_expert"], r["layout"], r["tiles"])
+        cases.setdefault(key, []).append(r)
+    out = ["| model | fc | E | rows/E | tiles | rounds | kernel µs, median (range) | TFLOP/s | weights TB/s "
+           "| cuBLASLt kernel µs / TFLOP/s | ratio | target: met? |",
+           "| --- | --- | ---: | ---: | --- | ---: | --- | ---: | ---: | --- | ---: | --- |"]
     order = {"fc1": 0, "fc1+swiglu": 1, "fc2": 2}
     keys = sorted(cases, key=lambda c: (c[0], c[2], c[3], order.get(c[1], 3)))  # model, E, rows, fc
-    for (model, fc, experts, rows, layout, tiles) in keys:
-        rs = cases[(model, fc, experts, rows, layout, tiles)]
+    for (model, fc, experts, rows_per_expert, layout, tiles) in keys:
+        rs = cases[(model, fc, experts, rows_per_expert, layout, tiles)]
         ks = [r["kernel_us_median"] for r in rs]
         k = statistics.median(ks)
         flops = rs[0]["tflops"] * rs[0]["us_median"]  # TFLOP/s x µs: the case's FLOPs / 1e6
@@ -64,12 +64,21 @@ def main(paths):
         else:
             peer, ratio = "–", "–"
         verdicts = []
-        for label, value, unit in targets(model, experts, rows, fc):
+        for label, value, unit in targets(model, experts, rows_per_expert, fc):
             got = gbs if unit == "GB/s" else tf
             verdicts.append(f"≥ {label}: {'yes' if got >= value else 'no'}")
         span = f"{k:.1f} ({min(ks):.1f}-{max(ks):.1f})" if len(ks) > 1 else f"{k:.1f}"
-        print(f"| {model} | {fc} | {experts} | {rows} | {layout} {tiles} | {len(rs)} | {span} | {tf:.0f} "
-              f"| {gbs / 1000:.2f} | {peer} | {ratio} | {'; '.join(verdicts)} |")
+        out.append(f"| {model} | {fc} | {experts} | {rows_per_expert} | {layout} {tiles} | {len(rs)} | {span} "
+                   f"| {tf:.0f} | {gbs / 1000:.2f} | {peer} | {ratio} | {'; '.join(verdicts)} |")
+    return out
+
+
+def main(paths):
+    rows = []
+    for path in paths:
+        doc = json.load(open(path))
+        rows += doc.get("rows", []) if isinstance(doc, dict) else doc
+    print("\n".join(table_lines(rows)))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# scripts/device.sh on the CPU with fake binaries: each subcommand that only calls the tool or the
+# GPU test binary must call them with the arguments it documents, write under $OUT and report the
+# exit status. The fakes log their arguments; `fail` in a fake's arguments makes it exit 3.
+#   bash tests/scripts/test_device_sh.sh
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+export BIN=$TMP/bin LOG=$TMP/calls.log
+mkdir -p "$BIN"
+for b in megamoe megamoe_before; do
+  cat > "$BIN/$b" <<FAKE
+#!/usr/bin/env bash
+echo "$b \$*" >> "\$LOG"
+[[ " \$* " == *" fail "* ]] && { echo "routed 8 not run: fake failure"; exit 3; }
+prev=
+for a in "\$@"; do [[ \$prev == --json ]] && echo '{"tool": "megamoe bench", "rows": []}' > "\$a"; prev=\$a; done
+echo "routed 8 1.0 1.0 1.0"
+FAKE
+done
+cat > "$BIN/megamoe_gpu_tests" <<'FAKE'
+#!/usr/bin/env bash
+echo "megamoe_gpu_tests $*" >> "$LOG"
+if [[ $* == *--gtest_list_tests* ]]; then printf 'Sm90Fake.\n  One\n  Two\n'; exit 0; fi
+echo "[  PASSED  ] 1 test."
+FAKE
+chmod +x "$BIN"/*
+failures=0
+expect() {  # description, then a grep -E pattern the call log must hold
+  if grep -qE -- "$2" "$LOG"; then echo "ok   $1"; else echo "FAIL $1: no call matching '$2'"; failures=$((failures + 1)); fi
+}
+exists() {  # description, file
+  if [[ -f $2 ]]; then echo "ok   $1"; else echo "FAIL $1: no $2"; failures=$((failures + 1)); fi
+}
+status() {  # description, expected exit status, command...
+  local want=$2
+  shift 2
+  "$@" > "$TMP/out.txt" 2>&1
+  local got=$?
+  if [[ $got -eq $want ]]; then echo "ok   exit $got: $*"; else echo "FAIL exit $got (want $want): $*"; cat "$TMP/out.txt"; failures=$((failures + 1)); fi
+}
+D=(bash "$ROOT/scripts/device.sh")
+export OUT=$TMP/out
+
+status "help" 0 "${D[@]}" help
+status "unknown subcommand" 2 "${D[@]}" nonsense
+status "tests" 0 "${D[@]}" tests 'Sm90Fake.*'
+expect "tests: one process, the filter" "^megamoe_gpu_tests --gtest_filter=Sm90Fake\.\*$"
+status "tests, one process each" 0 env EACH=1 "${D[@]}" tests 'Sm90Fake.*'
+expect "tests: each test alone" "^megamoe_gpu_tests --gtest_filter=Sm90Fake\.Two$"
+status "check" 0 "${D[@]}" check
+expect "check: deepseek-v3 with 16 experts" "^megamoe check --backend routed --preset deepseek-v3 --experts 16 --ep 2 --tokens 8$"
+status "bench-table" 0 env PRESETS=tiny EPS="1 2" TOKENS=1,8 "${D[@]}" bench-table
+expect "bench-table: EP2 with --json" "^megamoe bench --preset tiny --backend routed --ep 2 --tokens 1,8 --iters 20 --warmup 5 --max-host-gb 120 --json $OUT/bench_tiny_ep2.json$"
+exists "bench-table wrote its JSON" "$OUT/bench_tiny_ep1.json"
+status "layer-ab" 0 env CASES=$'--preset tiny --tokens 1\n\n--preset tiny --tokens 8' "${D[@]}" layer-ab
+expect "layer-ab: the second binary, second line" "^megamoe_before bench --backend routed --iters 50 --max-host-gb 120 --preset tiny --tokens 8$"
+status "layer-ab, a failing case" 1 env BINS=megamoe CASES='--preset tiny fail' "${D[@]}" layer-ab
+status "launch" 0 "${D[@]}" launch bench --preset tiny --ep 2
+expect "launch: N processes of the tool" "^megamoe launch -n 2 -- $BIN/megamoe bench --preset tiny --ep 2$"
+status "launch without a command" 2 "${D[@]}" launch
+status "transport tests" 0 "${D[@]}" transport tests
+expect "transport tests: the filter" "^megamoe_gpu_tests --gtest_filter=Sm90Transport\.\*$"
+status "transport perf" 0 "${D[@]}" transport perf
+expect "transport perf: amortised, this binary and the one before" "^megamoe_before bench-transport --ranks 2 --tokens 1,8,128,512,1024,4096,8192 --dispatch fp8 --combine bf16 --iters 10 --warmup 2 --graph-iters 32 --graph-reps 3$"
+status "transport-ab" 0 env BENCH='--tokens 1,8 --owner-reduce' "${D[@]}" transport-ab
+expect "transport-ab: the line's flags" "^megamoe bench-transport --ranks 2 --dispatch fp8 --iters 10 --warmup 2 --graph-iters 16 --graph-reps 3 --tokens 1,8 --owner-reduce$"
+status "gemm bench" 0 "${D[@]}" gemm bench --preset qwen3-30b-a3b
+expect "gemm bench: json and the flags" "^megamoe bench-gemm --json $OUT/bench.json --preset qwen3-30b-a3b$"
+status "gemm-ab" 0 env ROUNDS=1 BENCH='--preset tiny --trace @OUT@/trace_@BIN@_@ROUND@.json' "${D[@]}" gemm-ab
+expect "gemm-ab: substitutions" "^megamoe_before bench-gemm --no-cublas --iters 20 --preset tiny --trace $OUT/trace_megamoe_before_1.json$"
+exists "gemm-ab packed its output" "$OUT/out.tgz"
+status "link" 0 "${D[@]}" link
+expect "link: the handshake" "^megamoe bench-link --mib 1 --paths handshake,handshake-grid --iters 10$"
+echo "device.sh with fake binaries: $failures failure(s)"
+[[ $failures -eq 0 ]]

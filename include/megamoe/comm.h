@@ -13,6 +13,10 @@
 //   (one process per GPU, as inference engines launch; `megamoe launch -n N -- cmd` starts N of them).
 //   Multi-node (NCCL GIN) is designed for but not built: a group whose ranks are not all LSA-reachable
 //   is refused with a message saying so.
+// - shared GPU (GPU backends; tests, benches, single-GPU development): R logical ranks on ONE GPU,
+//   each driven by its own thread with its own buffers and streams, reaching its peers' buffers by
+//   plain device pointers (no NCCL: it refuses two ranks on one device). See
+//   create_shared_gpu_group().
 #pragma once
 
 #include <cstdint>
@@ -24,7 +28,7 @@
 
 namespace megamoe {
 
-enum class CommKind { kHostThreads = 0, kNccl };
+enum class CommKind { kHostThreads = 0, kNccl, kSharedGpu };
 
 class Communicator {
  public:
@@ -40,6 +44,22 @@ class Communicator {
 // R ranks as threads of this process over host memory. `ranks` receives one handle per rank, in rank
 // order. Bounded waits inside the group use MEGAMOE_WAIT_TIMEOUT_MS (default 10000).
 Status create_host_group(int size, std::vector<std::shared_ptr<Communicator>>* ranks);
+
+// ---- Logical ranks sharing one GPU (GPU backends) ----
+
+// `size` logical EP ranks (1..8) on CUDA device `device` (sm_90 or newer): (*ranks)[r] is rank r.
+// What it is for: running the EP > 1 code paths of the GPU backends (dispatch to peers, the pool of
+// received tokens, combine from peers, bounded waits and fault handling) on a machine with one GPU,
+// so tests, benchmarks of correctness-relevant paths, and development need no second GPU.
+// What it is not: a deployment mode. The ranks share one GPU's SMs and memory bandwidth, so it is
+// never faster than one rank (EP1) on the same GPU; peer stores are local HBM stores, so it measures
+// nothing about NVLink; and its timings do not model a multi-GPU system.
+// Rules it imposes: drive each rank from its own thread (as with create_nccl_group); every kernel of
+// a rank is sized to at most SMs / size CTAs by default (the backends apply it; a larger
+// Knobs::num_sms is clamped to it), so that all ranks' kernels are resident at once and no rank's
+// spinning wait holds the SMs its peer needs. Collective allocations are bounded by
+// MEGAMOE_BARRIER_TIMEOUT_MS; releasing a rank's part never waits for its peers.
+Status create_shared_gpu_group(int device, int size, std::vector<std::shared_ptr<Communicator>>* ranks);
 
 // ---- NCCL groups (GPU backends; NCCL >= 2.28 with its device API) ----
 

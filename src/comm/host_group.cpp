@@ -82,23 +82,24 @@ void HostGroup::abort(int rank, const std::string& reason, StatusCode code) {
   abort_locked(rank, reason, code);
 }
 
-Status HostGroup::barrier(int rank, const char* stage, WaitError* error) {
-  return barrier_impl(rank, stage, nullptr, nullptr, error);
+Status HostGroup::barrier(int rank, const char* stage, WaitError* error, int64_t timeout_ms) {
+  return barrier_impl(rank, stage, nullptr, nullptr, error, timeout_ms);
 }
 
-Status HostGroup::all_gather(int rank, const char* stage, void* mine, std::vector<void*>* all, WaitError* error) {
-  return barrier_impl(rank, stage, mine, all, error);
+Status HostGroup::all_gather(int rank, const char* stage, void* mine, std::vector<void*>* all, WaitError* error,
+                             int64_t timeout_ms) {
+  return barrier_impl(rank, stage, mine, all, error, timeout_ms);
 }
 
 // Published pointers are double-buffered by epoch parity. invariant: while rank p reads
 // published_[n & 1] (inside its epoch-n barrier), no rank can write it again: that happens at epoch
 // n + 2, which needs every rank — p included — to have entered epoch n + 1 first.
 Status HostGroup::barrier_impl(int rank, const char* stage, void* publish, std::vector<void*>* gathered,
-                               WaitError* error) {
+                               WaitError* error, int64_t timeout_override_ms) {
   if (rank < 0 || rank >= size_)
     return invalid_argument("host group barrier", "rank", std::to_string(rank),
                             "must be in [0, size=" + std::to_string(size_) + ")");
-  const int64_t timeout_ms = wait_timeout_ms();
+  const int64_t timeout_ms = timeout_override_ms > 0 ? timeout_override_ms : wait_timeout_ms();
   std::unique_lock<std::mutex> lock(mutex_);
   if (aborted_) return abort_status_locked(rank, stage);
 
@@ -144,7 +145,7 @@ Status HostGroup::barrier_impl(int rank, const char* stage, void* publish, std::
       if (arrived_[p] == 0) os << "no barrier";
       else os << "stage '" << stage_[p] << "' (epoch " << arrived_[p] << ")";
     }
-    os << " (MEGAMOE_WAIT_TIMEOUT_MS bounds this wait)";
+    os << (timeout_override_ms > 0 ? " (the caller's bound)" : " (MEGAMOE_WAIT_TIMEOUT_MS bounds this wait)");
     if (error) {
       error->flag = 1;
       error->rank = rank;
@@ -167,6 +168,8 @@ std::string HostRankComm::to_string() const {
   return os.str();
 }
 
+uint64_t next_in_process_group_id() { return g_next_group_id.fetch_add(1); }
+
 HostGroup* host_group_of(const Communicator* comm) {
   if (!comm || comm->kind() != CommKind::kHostThreads) return nullptr;
   const auto* handle = dynamic_cast<const HostRankComm*>(comm);
@@ -177,7 +180,7 @@ Status create_host_group(int size, std::vector<std::shared_ptr<Communicator>>* r
   if (!ranks) return invalid_argument("argument", "ranks", "null", "must point to a vector to receive the handles");
   if (size < 1 || size > 4096)
     return invalid_argument("host group", "size", std::to_string(size), "must be in [1, 4096]");
-  auto group = std::make_shared<HostGroup>(size, g_next_group_id.fetch_add(1));
+  auto group = std::make_shared<HostGroup>(size, next_in_process_group_id());
   ranks->clear();
   ranks->reserve(size);
   for (int r = 0; r < size; ++r) ranks->push_back(std::make_shared<HostRankComm>(group, r));

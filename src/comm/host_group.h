@@ -47,10 +47,12 @@ class HostGroup {
 
   // Collective. Returns ok once all ranks have entered this epoch's barrier. On failure, `error`
   // (optional) receives rank, stage is left to the caller, peer = first missing peer (or -1),
-  // expected = ranks expected, seen = ranks that arrived.
-  Status barrier(int rank, const char* stage, WaitError* error = nullptr);
+  // expected = ranks expected, seen = ranks that arrived. timeout_ms > 0 bounds this wait instead of
+  // wait_timeout_ms().
+  Status barrier(int rank, const char* stage, WaitError* error = nullptr, int64_t timeout_ms = 0);
   // Collective barrier that also gathers one pointer per rank: (*all)[p] is what rank p passed.
-  Status all_gather(int rank, const char* stage, void* mine, std::vector<void*>* all, WaitError* error = nullptr);
+  Status all_gather(int rank, const char* stage, void* mine, std::vector<void*>* all, WaitError* error = nullptr,
+                    int64_t timeout_ms = 0);
 
   // Marks the group aborted (first reason wins) and wakes every waiter. `code` is the code every
   // rank's pending and later calls return.
@@ -66,7 +68,8 @@ class HostGroup {
   int64_t epoch(int rank) const;
 
  private:
-  Status barrier_impl(int rank, const char* stage, void* publish, std::vector<void*>* gathered, WaitError* error);
+  Status barrier_impl(int rank, const char* stage, void* publish, std::vector<void*>* gathered, WaitError* error,
+                      int64_t timeout_ms);
   // Callers hold mutex_.
   Status abort_status_locked(int rank, const char* stage) const;
   void abort_locked(int rank, const std::string& reason, StatusCode code);
@@ -103,5 +106,8 @@ class HostRankComm final : public Communicator {
 
 // The host group behind `comm`, or null when comm is null or not a host-threads handle.
 HostGroup* host_group_of(const Communicator* comm);
+
+// A fresh id for an in-process group (host threads, shared GPU): small, never reused in a process.
+uint64_t next_in_process_group_id();
 
 }  // namespace megamoe

@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "comm/nccl_check.h"
+#include "comm/nccl_window.h"
 #include "core/env.h"
 #include "core/log.h"
 
@@ -106,12 +107,86 @@ Status read_id_file(const std::string& path, int64_t timeout_ms, int rank, ncclU
 }  // namespace
 
 NcclRankComm::NcclRankComm(ncclComm_t comm, int rank, int size, int device, uint64_t group_id)
-    : comm_(comm), rank_(rank), size_(size), device_(device), group_id_(group_id) {}
+    : comm_(comm), rank_(rank), size_(size), device_(device), group_id_(group_id) {
+  if (cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device_) != cudaSuccess) {
+    cudaGetLastError();
+    num_sms_ = 1;
+  }
+}
 
 NcclRankComm::~NcclRankComm() {
   CudaDeviceGuard guard(device_);
   device_state_.reset();  // the ncclDevComm goes before its communicator
-  if (comm_) ncclCommDestroy(comm_);
+  // A broken group may have operations pending on a dead peer (a barrier's all-reduce) that would
+  // keep ncclCommDestroy from returning: abort it instead, which never waits.
+  if (comm_) (broken() ? ncclCommAbort : ncclCommDestroy)(comm_);
+  if (barrier_stream_) cudaStreamDestroy(static_cast<cudaStream_t>(barrier_stream_));
+  if (barrier_cell_) cudaFree(barrier_cell_);
+}
+
+Status NcclRankComm::symmetric_alloc(int64_t bytes, void** base, std::function<void(void*)>* release) {
+  MEGAMOE_RETURN_IF_ERROR(ensure_device_comm(this));  // collective, once: the LSA-team check
+  return megamoe::symmetric_alloc(shared_from_this(), bytes, base, release);
+}
+
+Status NcclRankComm::peer_bases(const void* base, std::vector<void*>* out) {
+  return window_peer_bases(symmetric_window_of(base), size_, device_, out);
+}
+
+void NcclRankComm::mark_broken(const std::string& reason) {
+  std::lock_guard<std::mutex> lock(broken_mutex_);
+  if (broken_.load()) return;  // the first reason wins
+  broken_reason_ = reason;
+  broken_.store(true);
+}
+
+Status NcclRankComm::barrier(const char* stage, int64_t timeout_ms) {
+  if (broken()) {
+    std::lock_guard<std::mutex> lock(broken_mutex_);
+    return Status(StatusCode::kFailedPrecondition, "rank " + std::to_string(rank_) + " cannot enter barrier '" + stage +
+                                                       "': its NCCL group is broken (" + broken_reason_ +
+                                                       "); rebuild the communicator");
+  }
+  const int64_t bound = timeout_ms > 0 ? timeout_ms : env_knobs().barrier_timeout_ms;
+  CudaDeviceGuard guard(device_);
+  if (!barrier_stream_) {
+    cudaStream_t s = nullptr;
+    MEGAMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    barrier_stream_ = s;
+    MEGAMOE_CUDA_CHECK(cudaMalloc(&barrier_cell_, sizeof(int32_t)));
+    MEGAMOE_CUDA_CHECK(cudaMemsetAsync(barrier_cell_, 0, sizeof(int32_t), s));
+  }
+  cudaStream_t stream = static_cast<cudaStream_t>(barrier_stream_);
+  const int64_t n = ++barriers_;
+  MEGAMOE_NCCL_CHECK(ncclAllReduce(barrier_cell_, barrier_cell_, 1, ncclInt32, ncclSum, comm_, stream));
+  const auto start = std::chrono::steady_clock::now();
+  std::string what;
+  for (;;) {
+    const cudaError_t q = cudaStreamQuery(stream);
+    if (q == cudaSuccess) return Status::ok();
+    if (q != cudaErrorNotReady) {
+      what = std::string("the all-reduce failed: ") + cudaGetErrorString(q);
+      break;
+    }
+    ncclResult_t async = ncclSuccess;
+    if (ncclCommGetAsyncError(comm_, &async) == ncclSuccess && async != ncclSuccess && async != ncclInProgress) {
+      what = std::string("NCCL reports ") + ncclGetErrorString(async) + " on the communicator (a peer gone?)";
+      break;
+    }
+    const int64_t waited =
+        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start).count();
+    if (waited > bound) {
+      what = "not every rank arrived within " + std::to_string(bound) + " ms (MEGAMOE_BARRIER_TIMEOUT_MS)";
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  std::ostringstream os;
+  os << "timeout: rank " << rank_ << " at barrier '" << stage << "' (barrier " << n << " of NCCL group 0x" << std::hex
+     << group_id_ << std::dec << ", " << size_ << " ranks): " << what
+     << "; the communicator is broken (it will be aborted, not destroyed): rebuild it";
+  mark_broken(os.str());
+  return Status(StatusCode::kTimeout, os.str());
 }
 
 std::string NcclRankComm::to_string() const {

@@ -8,15 +8,22 @@
 //   with "multi-node (GIN) transport not built yet".
 // - device_state(): an opaque slot the CUDA side (nccl_window.cu) fills once, under state_mutex():
 //   the ncclDevComm. It is destroyed before the communicator.
+// - As a GpuRankComm: symmetric_alloc() creates the device communicator (collective, once) and
+//   allocates through nccl_window.h; peer_bases() resolves every rank's LSA address of a window once;
+//   barrier() is an all-reduce of one int on a private stream, polled until a deadline (and the
+//   communicator's async error); a broken communicator (barrier timeout, mark_broken()) is aborted
+//   in the destructor instead of destroyed, so teardown never waits for a dead peer.
 // invariant: all collective calls on one NcclRankComm come from one thread at a time (NCCL's rule).
 #pragma once
 
 #include <nccl.h>
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <string>
 
+#include "comm/gpu_comm.h"
 #include "megamoe/comm.h"
 #include "megamoe/status.h"
 
@@ -25,7 +32,7 @@ namespace megamoe {
 // Minimum NCCL version with the device API (symmetric windows, ncclDevComm, LSA pointers).
 constexpr int kMinNcclVersionCode = 22800;
 
-class NcclRankComm final : public Communicator {
+class NcclRankComm final : public GpuRankComm, public std::enable_shared_from_this<NcclRankComm> {
  public:
   NcclRankComm(ncclComm_t comm, int rank, int size, int device, uint64_t group_id);
   ~NcclRankComm() override;
@@ -39,17 +46,30 @@ class NcclRankComm final : public Communicator {
   std::string to_string() const override;
 
   ncclComm_t nccl() const { return comm_; }
-  int device() const { return device_; }
+  int device() const override { return device_; }
+  int sm_budget() const override { return num_sms_; }
+  bool shares_device() const override { return false; }
+  Status symmetric_alloc(int64_t bytes, void** base, std::function<void(void*)>* release) override;
+  Status peer_bases(const void* base, std::vector<void*>* out) override;
+  Status barrier(const char* stage, int64_t timeout_ms) override;
+  void mark_broken(const std::string& reason) override;
+  bool broken() const override { return broken_.load(); }
 
   std::mutex& state_mutex() { return state_mutex_; }
   std::shared_ptr<void>& device_state() { return device_state_; }
 
  private:
   ncclComm_t comm_;
-  int rank_, size_, device_;
+  int rank_, size_, device_, num_sms_ = 0;
   uint64_t group_id_;
   std::mutex state_mutex_;
   std::shared_ptr<void> device_state_;
+  std::atomic<bool> broken_{false};
+  std::mutex broken_mutex_;
+  std::string broken_reason_;
+  void* barrier_stream_ = nullptr;  // cudaStream_t, made at the first barrier
+  void* barrier_cell_ = nullptr;    // one int on the device
+  int64_t barriers_ = 0;
 };
 
 // The NCCL rank behind `comm`, or null when comm is null or not an NCCL handle.

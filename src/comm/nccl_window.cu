@@ -81,6 +81,31 @@ Status symmetric_alloc(const std::shared_ptr<NcclRankComm>& comm, int64_t bytes,
   return Status::ok();
 }
 
+namespace {
+__global__ void window_peer_bases_kernel(ncclWindow_t window, int num_ranks, void** out) {
+  const int r = threadIdx.x;
+  if (r < num_ranks) out[r] = ncclGetPeerPointer(window, 0, r);
+}
+}  // namespace
+
+Status window_peer_bases(ncclWindow_t window, int num_ranks, int device, std::vector<void*>* out) {
+  if (!window)
+    return Status(StatusCode::kInvalidArgument,
+                  "peer bases: the buffer has no NCCL window (not allocated by this communicator's symmetric_alloc)");
+  if (num_ranks < 1 || num_ranks > 1024)
+    return Status(StatusCode::kInvalidArgument, "peer bases: num_ranks=" + std::to_string(num_ranks) + ", must be in [1, 1024]");
+  CudaDeviceGuard guard(device);
+  void** d_out = nullptr;
+  MEGAMOE_CUDA_CHECK(cudaMalloc(&d_out, sizeof(void*) * num_ranks));
+  window_peer_bases_kernel<<<1, 32 * ((num_ranks + 31) / 32)>>>(window, num_ranks, d_out);
+  cudaError_t err = cudaGetLastError();
+  out->assign(num_ranks, nullptr);
+  if (err == cudaSuccess) err = cudaMemcpy(out->data(), d_out, sizeof(void*) * num_ranks, cudaMemcpyDeviceToHost);
+  cudaFree(d_out);
+  MEGAMOE_CUDA_CHECK(err);
+  return Status::ok();
+}
+
 ncclWindow_t symmetric_window_of(const void* base) {
   std::lock_guard<std::mutex> lock(g_windows_mutex);
   auto it = windows().find(base);

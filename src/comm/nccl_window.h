@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <vector>
 
 #include "megamoe/status.h"
 
@@ -31,6 +32,11 @@ Status symmetric_alloc(const std::shared_ptr<NcclRankComm>& comm, int64_t bytes,
 
 // The window symmetric_alloc() registered for `base`, or null.
 ncclWindow_t symmetric_window_of(const void* base);
+
+// (*out)[r] = the device address of byte 0 of rank r's copy of `window` (r < num_ranks), through the
+// LSA window (an LSA peer's window is one fixed mapping, so base + offset addresses any byte of it).
+// Synchronous: warmup only.
+Status window_peer_bases(ncclWindow_t window, int num_ranks, int device, std::vector<void*>* out);
 
 Status ensure_device_comm(NcclRankComm* comm);
 

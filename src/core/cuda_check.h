@@ -40,6 +40,24 @@ class CudaDeviceGuard {
   bool ok_ = false;
 };
 
+// Synchronous zeroing / upload on a private non-blocking stream of the current device: waits for
+// this copy only, never for other streams' work. (cudaMemset / cudaMemcpy use the legacy default
+// stream, which waits for every blocking stream of the device, and cudaDeviceSynchronize for every
+// stream: on a GPU shared by several ranks that is a peer's kernel, which may be waiting for this
+// rank.)
+inline cudaError_t private_stream_copy(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return cudaSuccess;
+  cudaStream_t s = nullptr;
+  cudaError_t err = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  if (err == cudaSuccess)
+    err = src ? cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s) : cudaMemsetAsync(dst, 0, bytes, s);
+  if (err == cudaSuccess) err = cudaStreamSynchronize(s);
+  if (s) cudaStreamDestroy(s);
+  return err;
+}
+inline cudaError_t zero_device_sync(void* dst, size_t bytes) { return private_stream_copy(dst, nullptr, bytes); }
+inline cudaError_t upload_sync(void* dst, const void* src, size_t bytes) { return private_stream_copy(dst, src, bytes); }
+
 }  // namespace megamoe
 
 #define MEGAMOE_CUDA_CHECK(expr)                                                    \

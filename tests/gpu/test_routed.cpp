@@ -1,5 +1,6 @@
 // Routed backend on H200s: against the cpu backend on the same inputs (same quantisation points),
-// EP1 on one GPU and EP2 on two (one process, one thread per rank). Skips without enough GPUs.
+// EP1 on one GPU, EP > 1 on one GPU per rank (NCCL, one process, one thread per rank) and on logical
+// ranks sharing one GPU (create_shared_gpu_group). Skips without enough GPUs.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -60,10 +61,18 @@ double rel_l2_bf16(const std::vector<uint16_t>& a, const std::vector<uint16_t>& 
   return s.rel();
 }
 
-// One EP group of the routed backend (GPUs 0..R-1) beside one of the cpu backend (host threads).
+// How the ranks of an EP > 1 group are connected.
+enum class GroupKind { kNcclGpus, kSharedGpu };
+const char* group_suffix(GroupKind k) { return k == GroupKind::kSharedGpu ? "SharedGpu" : "Gpus"; }
+
+// One EP group of the routed backend (GPUs 0..R-1, or R logical ranks on GPU 0) beside one of the
+// cpu backend (host threads).
 class Harness {
  public:
-  Harness(const MoeProblem& p, const MoeConfig& c) : problem_(p), config_(c), R_(static_cast<int>(p.geometry.ep_size)) {}
+  Harness(const MoeProblem& p, const MoeConfig& c, GroupKind kind = GroupKind::kNcclGpus)
+      : problem_(p), config_(c), R_(static_cast<int>(p.geometry.ep_size)), kind_(kind) {}
+
+  int device_of(int r) const { return kind_ == GroupKind::kSharedGpu ? 0 : r; }
 
   ::testing::AssertionResult build() {
     const MoeGeometry& g = problem_.geometry;
@@ -71,7 +80,7 @@ class Harness {
     for (int r = 0; r < R_; ++r) devices.push_back(r);
     std::vector<std::shared_ptr<Communicator>> nccl, host;
     if (R_ > 1) {
-      Status st = create_nccl_group(devices, &nccl);
+      Status st = kind_ == GroupKind::kSharedGpu ? create_shared_gpu_group(0, R_, &nccl) : create_nccl_group(devices, &nccl);
       if (!st.is_ok()) return ::testing::AssertionFailure() << st.to_string();
       st = create_host_group(R_, &host);
       if (!st.is_ok()) return ::testing::AssertionFailure() << st.to_string();
@@ -83,8 +92,10 @@ class Harness {
     std::vector<std::thread> threads;
     for (int r = 0; r < R_; ++r) {
       threads.emplace_back([&, r] {
-        cudaSetDevice(r);
-        cudaStreamCreate(&streams_[r]);
+        cudaSetDevice(device_of(r));
+        // non-blocking: the harness's own copies (legacy stream) must not wait for a logical peer's
+        // kernels on a shared GPU
+        cudaStreamCreateWithFlags(&streams_[r], cudaStreamNonBlocking);
         MoeConfig gc = config_, cc = config_;
         gc.backend = Backend::kRouted;
         cc.backend = Backend::kCpu;
@@ -125,16 +136,18 @@ class Harness {
         if (!st.is_ok()) return fail("cpu: " + st.to_string());
         (*y_cpu)[r] = std::move(yc);
         // gpu
-        cudaSetDevice(r);
+        cudaSetDevice(device_of(r));
         void *dx = nullptr, *dids = nullptr, *dw = nullptr, *dy = nullptr;
         const size_t xb = std::max<size_t>(1, T * H * 2), ib = std::max<size_t>(1, T * k * 4);
         if (cudaMalloc(&dx, xb) || cudaMalloc(&dids, ib) || cudaMalloc(&dw, ib) || cudaMalloc(&dy, xb))
           return fail("cudaMalloc failed");
-        cudaMemcpy(dx, x.x_bf16.data(), T * H * 2, cudaMemcpyHostToDevice);
-        cudaMemcpy(dids, x.topk_ids.data(), T * k * 4, cudaMemcpyHostToDevice);
-        cudaMemcpy(dw, x.topk_weights.data(), T * k * 4, cudaMemcpyHostToDevice);
-        cudaMemset(dy, 0xFF, xb);
-        const Device d = Device::cuda(r);
+        // On the rank's stream: ordered before its forward, and never waiting for a peer's work.
+        cudaMemcpyAsync(dx, x.x_bf16.data(), T * H * 2, cudaMemcpyHostToDevice, streams_[r]);
+        cudaMemcpyAsync(dids, x.topk_ids.data(), T * k * 4, cudaMemcpyHostToDevice, streams_[r]);
+        cudaMemcpyAsync(dw, x.topk_weights.data(), T * k * 4, cudaMemcpyHostToDevice, streams_[r]);
+        cudaMemsetAsync(dy, 0xFF, xb, streams_[r]);
+        cudaStreamSynchronize(streams_[r]);  // the host vectors may go before the copies ran
+        const Device d = Device::cuda(device_of(r));
         TensorView gx(dx, DType::kBFloat16, {T, H}, d), gids(dids, DType::kInt32, {T, k}, d),
             gw(dw, DType::kFloat32, {T, k}, d), gy(dy, DType::kBFloat16, {T, H}, d);
         if (graph) {
@@ -155,7 +168,8 @@ class Harness {
         st = gpu_[r]->check_error(streams_[r]);
         if (!st.is_ok()) return fail("gpu check_error: " + st.to_string());
         std::vector<uint16_t> yg(T * H);
-        cudaMemcpy(yg.data(), dy, T * H * 2, cudaMemcpyDeviceToHost);
+        cudaMemcpyAsync(yg.data(), dy, T * H * 2, cudaMemcpyDeviceToHost, streams_[r]);
+        cudaStreamSynchronize(streams_[r]);
         (*y_gpu)[r] = std::move(yg);
         cudaFree(dx);
         cudaFree(dids);
@@ -176,7 +190,7 @@ class Harness {
     std::vector<std::thread> threads;
     for (int r = 0; r < R_; ++r)
       threads.emplace_back([&, r] {
-        cudaSetDevice(r);
+        cudaSetDevice(device_of(r));
         if (r < static_cast<int>(gpu_.size())) gpu_[r].reset();
         if (r < static_cast<int>(streams_.size()) && streams_[r]) cudaStreamDestroy(streams_[r]);
       });
@@ -187,6 +201,7 @@ class Harness {
   const MoeProblem& problem_;
   MoeConfig config_;
   int R_;
+  GroupKind kind_;
   std::vector<std::unique_ptr<MoeLayer>> gpu_, cpu_;
   std::vector<cudaStream_t> streams_;
 };
@@ -211,13 +226,29 @@ struct RoutedCase {
   bool bf16;
   CombineDtype combine;
   OwnerReduce owner_reduce = OwnerReduce::kOff;  // MoeConfig::owner_reduce
+  GroupKind group = GroupKind::kNcclGpus;        // EP > 1: one GPU per rank, or R ranks on one GPU
+  std::string test_name() const { return std::string(name) + (R > 1 ? std::string("_") + group_suffix(group) : ""); }
 };
+
+// Every case; those with R > 1 both on R GPUs and on R logical ranks of one GPU.
+std::vector<RoutedCase> on_both_groups(std::vector<RoutedCase> cases) {
+  std::vector<RoutedCase> out;
+  for (const RoutedCase& c : cases) {
+    out.push_back(c);
+    if (c.R > 1 && c.group == GroupKind::kNcclGpus) {
+      RoutedCase shared = c;
+      shared.group = GroupKind::kSharedGpu;
+      out.push_back(shared);
+    }
+  }
+  return out;
+}
 
 class Sm90Routed : public ::testing::TestWithParam<RoutedCase> {};
 
 TEST_P(Sm90Routed, MatchesCpuBackendAndIsDeterministic) {
   const RoutedCase& p = GetParam();
-  MEGAMOE_REQUIRE_SM90_GPUS(p.R);
+  MEGAMOE_REQUIRE_SM90_GPUS(p.group == GroupKind::kSharedGpu ? 1 : p.R);
   std::vector<int64_t> tokens(p.R, p.T);
   if (p.R > 1) tokens[0] = 0;  // a rank with no tokens still takes part
   if (p.R > 1) tokens[1] = p.T;  // T = max_tokens_per_rank
@@ -229,11 +260,11 @@ TEST_P(Sm90Routed, MatchesCpuBackendAndIsDeterministic) {
     c.weight_format = WeightFormat::kBf16;
     c.dispatch_format = DispatchFormat::kBf16;
   }
-  Harness h(problem, c);
+  Harness h(problem, c, p.group);
   ASSERT_TRUE(h.build());
   std::vector<std::vector<uint16_t>> y_gpu, y_cpu, y_again, y_graph, unused;
   ASSERT_TRUE(h.run(problem.ranks, &y_gpu, &y_cpu));
-  expect_close(y_gpu, y_cpu, p.combine, p.name);
+  expect_close(y_gpu, y_cpu, p.combine, p.test_name().c_str());
   ASSERT_TRUE(h.run(problem.ranks, &y_again, &unused));
   EXPECT_EQ(y_gpu, y_again) << "repeated forwards differ: a race";
   ASSERT_TRUE(h.run(problem.ranks, &y_graph, &unused, /*graph=*/true));
@@ -248,14 +279,14 @@ TEST_P(Sm90Routed, MatchesCpuBackendAndIsDeterministic) {
     std::vector<double> ref(y.size());
     reference::reference_moe(problem.geometry, in.num_tokens, x.data(), in.topk_ids.data(), in.topk_weights.data(),
                              problem.w13.data(), problem.w2.data(), ref.data());
-    std::printf("[routed] %s rank %d: rel-L2 vs float64 unquantised reference = %.3e\n", p.name, r,
+    std::printf("[routed] %s rank %d: rel-L2 vs float64 unquantised reference = %.3e\n", p.test_name().c_str(), r,
                 reference::rel_l2(y.data(), ref.data(), static_cast<int64_t>(y.size())));
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Sm90, Sm90Routed,
-    ::testing::Values(RoutedCase{"Fp8_EP1_Tiny_T64", 512, 256, 16, 4, 1, 64, Routing::kUniform, false, CombineDtype::kBf16},
+    ::testing::ValuesIn(on_both_groups({RoutedCase{"Fp8_EP1_Tiny_T64", 512, 256, 16, 4, 1, 64, Routing::kUniform, false, CombineDtype::kBf16},
                       RoutedCase{"Fp8_EP1_Qwen3_30B_T96", 2048, 768, 128, 8, 1, 96, Routing::kWithDropped, false,
                                  CombineDtype::kBf16},
                       RoutedCase{"Fp8_EP1_DeepSeekV3Dims_E16_T8", 7168, 2048, 16, 8, 1, 8, Routing::kUniform, false,
@@ -275,8 +306,15 @@ INSTANTIATE_TEST_SUITE_P(
                       RoutedCase{"Fp8_EP2_Qwen3_30B_T64_OwnerReduce", 2048, 768, 128, 8, 2, 64, Routing::kWithDropped,
                                  false, CombineDtype::kBf16, OwnerReduce::kOn},
                       RoutedCase{"Fp8_EP2_DeepSeekV3Dims_E16_T8_OwnerReduce_Mxfp8Wire", 7168, 2048, 16, 8, 2, 8,
-                                 Routing::kUniform, false, CombineDtype::kMxfp8, OwnerReduce::kAuto}),
-    [](const ::testing::TestParamInfo<RoutedCase>& info) { return std::string(info.param.name); });
+                                 Routing::kUniform, false, CombineDtype::kMxfp8, OwnerReduce::kAuto},
+                      // EP4 on logical ranks of one GPU (and on 4 GPUs where there are 4)
+                      RoutedCase{"Fp8_EP4_Tiny_T48", 512, 256, 16, 4, 4, 48, Routing::kWithDropped, false,
+                                 CombineDtype::kBf16},
+                      RoutedCase{"Fp8_EP4_Qwen3_30B_T32_Nvfp4Wire", 2048, 768, 128, 8, 4, 32, Routing::kUniform, false,
+                                 CombineDtype::kNvfp4},
+                      RoutedCase{"Bf16_EP4_Tiny_T40_OwnerReduce", 512, 256, 16, 4, 4, 40, Routing::kUniform, true,
+                                 CombineDtype::kBf16, OwnerReduce::kOn}})),
+    [](const ::testing::TestParamInfo<RoutedCase>& info) { return info.param.test_name(); });
 
 // Layers of one geometry share one symmetric workspace (EP1 layers built without a communicator
 // share their device's one-rank group, so their pool keys match).
@@ -301,14 +339,15 @@ TEST(Sm90RoutedWorkspace, Ep1LayersOfOneGeometryShareOneWorkspace) {
 // same-points bound applies to the rel-L2 pooled over all forwards: one forward of a few tokens
 // holds only a few requantised codes that differ, too few for its own rel-L2 to be that estimate.
 TEST(Sm90RoutedSoak, Fp8_EP2_Tiny_1000RandomForwards) {
-  const int R = cuda_device_count_or_zero() >= 2 ? 2 : 1;
+  const int R = 2;  // on two GPUs where there are two, else two logical ranks of one
+  const GroupKind kind = cuda_device_count_or_zero() >= 2 ? GroupKind::kNcclGpus : GroupKind::kSharedGpu;
   MEGAMOE_REQUIRE_SM90_GPUS(1);
   const int64_t T_max = 48, H = 512, k = 4, E = 16;
   MoeProblem problem = reference::make_random_problem(geometry(H, 256, E, k, R, T_max), 99,
                                                       std::vector<int64_t>(R, T_max));
   const double per_forward_bound = reference::error_bound(MoeConfig{}, k).rel_l2;
   L2Sums pooled;
-  Harness h(problem, MoeConfig{});
+  Harness h(problem, MoeConfig{}, kind);
   ASSERT_TRUE(h.build());
   std::mt19937_64 rng(7);
   double worst = 0;

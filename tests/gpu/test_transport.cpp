@@ -1,4 +1,5 @@
-// EP transport on NCCL symmetric memory: 2 GPUs, one thread per rank (ncclCommInitAll group).
+// EP transport over symmetric memory: 2 GPUs over NCCL (ncclCommInitAll group) where there are two,
+// else 2 logical ranks sharing GPU 0; one thread per rank.
 // Every test checks exact bytes against the host truth built with the fmt:: codecs.
 #include <cstring>
 #include <mutex>
@@ -13,7 +14,7 @@ constexpr int kRanks = 2;
 
 #define REQUIRE_GROUP(group)                                  \
   std::string _reason;                                        \
-  auto* group = nccl_group(kRanks, &_reason);                 \
+  auto* group = transport_group(kRanks, &_reason);                 \
   if (!group) GTEST_SKIP() << _reason;
 
 struct RankRun {
@@ -57,7 +58,7 @@ void teardown_rank(RankRun* run) {
 }
 
 TensorView view(DeviceBuffer* b, DType dt, std::initializer_list<int64_t> shape, int dev) {
-  return TensorView(b ? b->ptr : nullptr, dt, shape, Device::cuda(dev));
+  return TensorView(b ? b->ptr : nullptr, dt, shape, Device::cuda(device_of_rank(dev)));
 }
 
 Status dispatch_once(const Case& c, RankRun* run, int rank) {
@@ -529,7 +530,7 @@ TEST(Sm90Transport, SkippedLaunchTimesOut_EP2) {
   EXPECT_LT(secs, 30.0);
 }
 
-TEST(Sm90Transport, NotNcclCommunicatorRefused) {
+TEST(Sm90Transport, NotGpuCommunicatorRefused) {
   std::vector<std::shared_ptr<Communicator>> host;
   MEGAMOE_ASSERT_OK(create_host_group(2, &host));
   Case c = base_case();
@@ -538,7 +539,7 @@ TEST(Sm90Transport, NotNcclCommunicatorRefused) {
   std::unique_ptr<EpTransport> t;
   const Status st = EpTransport::create(host[0], o, &t);
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(st.message().find("NCCL communicator"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("GPU group's communicator"), std::string::npos) << st.message();
 }
 
 }  // namespace

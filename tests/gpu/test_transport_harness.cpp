@@ -6,7 +6,11 @@
 namespace megamoe {
 namespace test {
 
-std::vector<std::shared_ptr<Communicator>>* nccl_group(int n, std::string* reason) {
+namespace {
+bool g_shared_gpu = false;
+}  // namespace
+
+std::vector<std::shared_ptr<Communicator>>* transport_group(int n, std::string* reason) {
   static std::mutex mutex;
   static std::vector<std::shared_ptr<Communicator>>* group = nullptr;
   static std::string failure;
@@ -14,14 +18,15 @@ std::vector<std::shared_ptr<Communicator>>* nccl_group(int n, std::string* reaso
   std::lock_guard<std::mutex> lock(mutex);
   if (!tried) {
     tried = true;
-    failure = gpu_test::gpu_skip_reason(2);
+    g_shared_gpu = !gpu_test::gpu_skip_reason(1).empty() || gpu_test::cuda_device_count_or_zero() < 2;
+    failure = gpu_test::gpu_skip_reason(1);
     if (!failure.empty()) {
       failure = "the EP transport tests: " + failure;
     } else {
       auto* g = new std::vector<std::shared_ptr<Communicator>>();
-      const Status st = create_nccl_group({0, 1}, g);
+      const Status st = g_shared_gpu ? create_shared_gpu_group(0, 2, g) : create_nccl_group({0, 1}, g);
       if (!st.is_ok()) {
-        failure = "cannot build the NCCL group: " + st.to_string();
+        failure = std::string("cannot build the ") + transport_group_kind() + " group: " + st.to_string();
         delete g;
       } else {
         group = g;
@@ -29,17 +34,20 @@ std::vector<std::shared_ptr<Communicator>>* nccl_group(int n, std::string* reaso
     }
   }
   if (!group || static_cast<int>(group->size()) < n) {
-    if (reason) *reason = failure.empty() ? "fewer GPUs than the test needs" : failure;
+    if (reason) *reason = failure.empty() ? "fewer ranks than the test needs" : failure;
     return nullptr;
   }
   return group;
 }
 
+int device_of_rank(int rank) { return g_shared_gpu ? 0 : rank; }
+const char* transport_group_kind() { return g_shared_gpu ? "shared GPU" : "NCCL"; }
+
 void run_ranks(int n, const std::function<void(int)>& fn) {
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r)
     threads.emplace_back([r, &fn] {
-      cudaSetDevice(r);
+      cudaSetDevice(device_of_rank(r));
       fn(r);
     });
   for (auto& t : threads) t.join();

@@ -1,4 +1,4 @@
-// Test harness of the EP transport GPU tests: an NCCL group shared by the tests, rank threads, device
+// Test harness of the EP transport GPU tests: a GPU group shared by the tests, rank threads, device
 // buffers, and the host-side truth of the protocol (built with the fmt:: codecs, so device and host
 // must agree bit for bit).
 #pragma once
@@ -35,8 +35,13 @@ namespace test {
     ASSERT_EQ(_e, cudaSuccess) << #expr << ": " << cudaGetErrorString(_e);         \
   } while (0)
 
-// The shared NCCL group of `n` GPUs, or null with `reason` when the machine cannot host it.
-std::vector<std::shared_ptr<Communicator>>* nccl_group(int n, std::string* reason);
+// The group the transport tests share: 2 GPUs over NCCL where there are two, else 2 logical ranks
+// sharing GPU 0 (create_shared_gpu_group); null with `reason` when the machine cannot host either.
+std::vector<std::shared_ptr<Communicator>>* transport_group(int n, std::string* reason);
+// The CUDA device of `rank` in that group.
+int device_of_rank(int rank);
+// "NCCL" or "shared GPU", for the tests' output.
+const char* transport_group_kind();
 
 // Runs fn(rank) on one thread per rank (each with its device set) and joins them.
 void run_ranks(int n, const std::function<void(int)>& fn);
@@ -53,9 +58,16 @@ struct DeviceBuffer {
   }
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  // Complete on return, on a private stream: a pageable cudaMemcpy may return before its DMA lands,
+  // and the legacy stream would order against a logical peer's work on a shared GPU.
   template <typename T>
   void upload(const std::vector<T>& v) {
-    if (!v.empty()) cudaMemcpy(ptr, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice);
+    if (v.empty()) return;
+    cudaStream_t s = nullptr;
+    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    cudaMemcpyAsync(ptr, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice, s);
+    cudaStreamSynchronize(s);
+    cudaStreamDestroy(s);
   }
   template <typename T>
   std::vector<T> download(size_t n) const {

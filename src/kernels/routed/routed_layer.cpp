@@ -24,7 +24,7 @@
 #include <tuple>
 #include <vector>
 
-#include "comm/nccl_comm.h"
+#include "comm/gpu_comm.h"
 #include "core/backends.h"
 #include "core/cuda_check.h"
 #include "core/log.h"
@@ -64,13 +64,15 @@ Status device_alloc(int device, int64_t bytes, std::shared_ptr<DeviceBuffer>* ou
   return Status::ok();
 }
 
-// Scratch shared by the layers of one EP group with equal (device, purpose, bytes), like their
-// workspace; freed with its last user.
-Status shared_scratch(int device, uint64_t group_id, int purpose, int64_t bytes, std::shared_ptr<DeviceBuffer>* out) {
+// Scratch shared by the layers of one EP rank with equal (device, purpose, bytes), like their
+// workspace; freed with its last user. The rank is part of the key: logical ranks of a shared GPU
+// have one device and one group.
+Status shared_scratch(int device, uint64_t group_id, int rank, int purpose, int64_t bytes,
+                      std::shared_ptr<DeviceBuffer>* out) {
   static std::mutex mutex;
-  static auto* entries = new std::map<std::tuple<int, uint64_t, int, int64_t>, std::weak_ptr<DeviceBuffer>>();
+  static auto* entries = new std::map<std::tuple<int, uint64_t, int, int, int64_t>, std::weak_ptr<DeviceBuffer>>();
   std::lock_guard<std::mutex> lock(mutex);
-  auto& slot = (*entries)[{device, group_id, purpose, bytes}];
+  auto& slot = (*entries)[{device, group_id, rank, purpose, bytes}];
   if (auto live = slot.lock()) {
     *out = std::move(live);
     return Status::ok();
@@ -82,7 +84,7 @@ Status shared_scratch(int device, uint64_t group_id, int purpose, int64_t bytes,
 
 Status upload(int device, const void* src, int64_t bytes, std::shared_ptr<DeviceBuffer>* out) {
   MEGAMOE_RETURN_IF_ERROR(device_alloc(device, bytes, out));
-  if (bytes > 0) MEGAMOE_CUDA_CHECK(cudaMemcpy((*out)->ptr, src, static_cast<size_t>(bytes), cudaMemcpyHostToDevice));
+  if (bytes > 0) MEGAMOE_CUDA_CHECK(upload_sync((*out)->ptr, src, static_cast<size_t>(bytes)));
   return Status::ok();
 }
 
@@ -116,12 +118,17 @@ class RoutedMoeLayer final : public MoeLayer {
       MEGAMOE_CUDA_CHECK(cudaGetDevice(&dev));
       MEGAMOE_RETURN_IF_ERROR(single_rank_group(dev, &comm));
     }
-    NcclRankComm* nccl = nccl_rank_of(comm.get());
-    if (!nccl)
+    GpuRankComm* gpu = gpu_rank_of(comm.get());
+    if (!gpu)
       return invalid_argument("argument", "comm", comm->to_string(),
-                              "the routed backend needs an NCCL communicator (create_nccl_group / create_nccl_rank)");
-    device_ = nccl->device();
+                              "the routed backend needs a GPU group's communicator (create_nccl_group / "
+                              "create_nccl_rank / create_shared_gpu_group)");
+    device_ = gpu->device();
     group_id_ = comm->group_id();
+    rank_ = comm->rank();
+    // invariant (shared device): each kernel of this rank launches at most sm_budget() CTAs
+    // (GpuRankComm::sm_budget), the GEMMs' persistent grids and a num_sms knob included.
+    gemm_sms_ = gpu->shares_device() ? gpu->sm_budget() : 0;
     CudaDeviceGuard guard(device_);
     if (!guard.ok()) return Status(StatusCode::kCudaError, "cannot select cuda:" + str(device_));
 
@@ -140,20 +147,19 @@ class RoutedMoeLayer final : public MoeLayer {
     const WorkspaceLayout& l = transport_->layout();
     const int64_t P = l.pool_rows, H = geometry_.hidden;
     if (fp8() && !a_scales_)
-      MEGAMOE_RETURN_IF_ERROR(shared_scratch(device_, group_id_, kScratchAScales, P * (H / 128) * 4, &a_scales_));
+      MEGAMOE_RETURN_IF_ERROR(shared_scratch(device_, group_id_, rank_, kScratchAScales, P * (H / 128) * 4, &a_scales_));
     // expert_out only when the combine reads FC2's rows here (a quantised wire to encode, or the owner
     // reduce's sums); else a bf16 wire is FC2's own output.
     if (!fc2_writes_combine() && !expert_out_)
-      MEGAMOE_RETURN_IF_ERROR(shared_scratch(device_, group_id_, kScratchExpertOut, P * H * 2, &expert_out_));
+      MEGAMOE_RETURN_IF_ERROR(shared_scratch(device_, group_id_, rank_, kScratchExpertOut, P * H * 2, &expert_out_));
     // The GEMMs' dynamic tile counter: zero once here, every launch leaves it zero (shared like the
     // workspace: the layers of a group run in stream order).
     if (!tile_counter_) {
-      MEGAMOE_RETURN_IF_ERROR(shared_scratch(device_, group_id_, kScratchTileCounter, 2 * 4, &tile_counter_));
-      MEGAMOE_CUDA_CHECK(cudaMemset(tile_counter_->ptr, 0, 2 * 4));
+      MEGAMOE_RETURN_IF_ERROR(shared_scratch(device_, group_id_, rank_, kScratchTileCounter, 2 * 4, &tile_counter_));
+      MEGAMOE_CUDA_CHECK(zero_device_sync(tile_counter_->ptr, 2 * 4));
     }
     MEGAMOE_RETURN_IF_ERROR(build_gemm_args());
     warmed_up_ = true;
-    MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
     return Status::ok();
   }
 
@@ -356,6 +362,7 @@ class RoutedMoeLayer final : public MoeLayer {
     const bool bn_ok = swiglu ? bn == 256 : ((bn == 128 || bn == 256) && n % bn == 0);
     t.block_n = bn_ok ? bn : 0;
     t.num_sms = config_.knobs.num_sms;
+    if (gemm_sms_ > 0) t.num_sms = t.num_sms > 0 ? std::min(t.num_sms, gemm_sms_) : gemm_sms_;
     // clusters of 2 exist for fp8 128 x 256 tiles; a knob that asks for them elsewhere is left to the
     // heuristic (which then runs none)
     const bool cluster_ok = fp8() && (t.block_m == 0 || t.block_m == 128) && (t.block_n == 0 || t.block_n == 256);
@@ -394,7 +401,8 @@ class RoutedMoeLayer final : public MoeLayer {
   static constexpr int kNumStages = 6;
   static constexpr const char* kStageNames[kNumStages] = {"dispatch", "expert_pool", "fc1_swiglu",
                                                           "fc2",      "combine_send", "combine"};
-  int device_ = 0;
+  int device_ = 0, rank_ = 0;
+  int gemm_sms_ = 0;  // > 0 on a shared device: the GEMMs' grid bound (the rank's SM budget)
   uint64_t group_id_ = 0;
   Status broken_;  // the first failure that left this rank out of step with its group
   gemm::GroupedGemmArgs fc1_, fc2_;

@@ -5,9 +5,7 @@
 #include <sstream>
 #include <vector>
 
-#include "comm/nccl_check.h"
-#include "comm/nccl_comm.h"
-#include "comm/nccl_window.h"
+#include "comm/gpu_comm.h"
 #include "core/cuda_check.h"
 #include "core/env.h"
 #include "kernels/transport/sm90_launch.h"
@@ -49,8 +47,8 @@ struct ScratchLayout {
   }
 };
 
-TransportParams make_args(const EpTransport& t, void* window, void* scratch, const EpTransportOptions& o,
-                          int64_t num_tokens);
+TransportParams make_args(const EpTransport& t, void* scratch, const EpTransportOptions& o, int64_t num_tokens,
+                          bool allow_pdl);
 
 // Refuses collective work while this stream (or, in global capture mode, any stream) is capturing.
 Status refuse_during_capture(cudaStream_t stream, const char* what) {
@@ -123,26 +121,32 @@ Status EpTransportOptions::validate() const {
 Status EpTransport::create(std::shared_ptr<Communicator> comm, const EpTransportOptions& options,
                            std::unique_ptr<EpTransport>* out) {
   if (!out) return invalid_argument("argument", "out", "null", "must point to a transport handle");
-  NcclRankComm* nccl = nccl_rank_of(comm.get());
-  if (!nccl)
+  GpuRankComm* gpu = gpu_rank_of(comm.get());
+  if (!gpu)
     return invalid_argument("EP transport", "comm", comm ? comm->to_string() : "null",
-                            "must be an NCCL communicator (create_nccl_group / create_nccl_rank)");
+                            "must be a GPU group's communicator (create_nccl_group / create_nccl_rank / "
+                            "create_shared_gpu_group)");
   MEGAMOE_RETURN_IF_ERROR(options.validate());
   if (options.params.ep_size != comm->size())
     return invalid_argument("EP transport", "ep_size", std::to_string(options.params.ep_size),
                             "must equal the communicator's size " + std::to_string(comm->size()));
   std::unique_ptr<EpTransport> t(new EpTransport());
   t->comm_ = std::move(comm);
-  t->nccl_ = nccl;
+  t->gpu_ = gpu;
   t->options_ = options;
   t->layout_ = WorkspaceLayout::make(options.params);
-  t->rank_ = nccl->rank();
-  t->size_ = nccl->size();
-  t->device_ = nccl->device();
+  t->rank_ = gpu->rank();
+  t->size_ = gpu->size();
+  t->device_ = gpu->device();
   t->num_experts_ = options.params.ep_size * options.params.experts_per_rank;
   cudaDeviceProp prop{};
   MEGAMOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, t->device_));
-  t->num_sms_ = options.num_sms > 0 ? std::min(options.num_sms, prop.multiProcessorCount) : prop.multiProcessorCount;
+  // invariant (shared device): every kernel of this rank launches at most sm_budget() CTAs; the
+  // launchers make up to 2 CTAs per SM they shape for, so they shape for half the budget, a knob
+  // included, and no kernel launches early (PDL) to hold SMs outside it.
+  const int shape_sms = gpu->shares_device() ? std::max(1, gpu->sm_budget() / 2) : prop.multiProcessorCount;
+  t->num_sms_ = options.num_sms > 0 ? std::min(options.num_sms, shape_sms) : shape_sms;
+  t->allow_pdl_ = !gpu->shares_device();
   *out = std::move(t);
   return Status::ok();
 }
@@ -164,35 +168,33 @@ Status EpTransport::warmup(cudaStream_t stream) {
   cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
   MEGAMOE_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
   Status st = [&]() -> Status {
-    MEGAMOE_RETURN_IF_ERROR(ensure_device_comm(nccl_));
     WorkspaceKey key;
     key.params = options_.params;
     key.ep_rank = rank_;
     key.group_id = comm_->group_id();
     key.device = Device::cuda(device_);
-    std::shared_ptr<NcclRankComm> keep(comm_, nccl_);
-    auto allocate = [keep](int64_t bytes, void** base, std::function<void(void*)>* release) {
-      return symmetric_alloc(keep, bytes, base, release);
+    std::shared_ptr<Communicator> keep = comm_;  // the communicator outlives its workspaces
+    GpuRankComm* gpu = gpu_;
+    auto allocate = [keep, gpu](int64_t bytes, void** base, std::function<void(void*)>* release) {
+      return gpu->symmetric_alloc(bytes, base, release);
     };
     std::shared_ptr<Workspace> ws;
     MEGAMOE_RETURN_IF_ERROR(WorkspacePool::global().acquire(key, allocate, &ws));
-    ncclWindow_t win = symmetric_window_of(ws->base);
-    if (!win)
-      return Status(StatusCode::kInternal, "the pooled workspace for " + key.to_string() +
-                                               " has no NCCL window (allocated by another allocator?)");
+    std::vector<void*> peers;
+    MEGAMOE_RETURN_IF_ERROR(gpu_->peer_bases(ws->base, &peers));
+    if (static_cast<int>(peers.size()) != size_)
+      return Status(StatusCode::kInternal, "the pooled workspace for " + key.to_string() + " has " +
+                                               std::to_string(peers.size()) + " peer bases, not " + std::to_string(size_));
     const ScratchLayout sl = ScratchLayout::make(options_.params);
     void* scratch = nullptr;
     MEGAMOE_CUDA_CHECK(cudaMalloc(&scratch, sl.total));
-    MEGAMOE_CUDA_CHECK(cudaMemset(scratch, 0, sl.total));
-    MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+    MEGAMOE_CUDA_CHECK(zero_device_sync(scratch, sl.total));
     workspace_ = std::move(ws);
     base_ = workspace_->base;
-    window_ = win;
     scratch_ = scratch;
     scratch_bytes_ = sl.total;
-    // Where an FC2 epilogue writes each pool row's partial (the bf16 wire's rows are H bf16).
-    MEGAMOE_RETURN_IF_ERROR(kernels::resolve_peer_pointers(make_args(*this, window_, scratch_, options_, 0), 0, peer_base_));
-    const TransportParams args = make_args(*this, window_, scratch_, options_, 0);
+    for (int r = 0; r < size_; ++r) peer_base_[r] = peers[r];
+    const TransportParams args = make_args(*this, scratch_, options_, 0, allow_pdl_);
     combine_targets_ = CombineTargets{};
     // The owner reduce sums a token's rows here before one row goes out: no per-row targets.
     if (options_.params.owner_reduce) return Status::ok();
@@ -200,7 +202,9 @@ Status EpTransport::warmup(cudaStream_t stream) {
     combine_targets_.pool_weight = args.pool_weight;
     combine_targets_.num_ranks = size_;
     combine_targets_.rows_per_rank = options_.params.max_tokens_per_rank * options_.params.top_k;
-    return kernels::resolve_peer_pointers(args, layout_.combine.offset, combine_targets_.peer_combine);
+    // Where an FC2 epilogue writes each pool row's partial (the bf16 wire's rows are H bf16).
+    for (int r = 0; r < size_; ++r) combine_targets_.peer_combine[r] = static_cast<char*>(peers[r]) + layout_.combine.offset;
+    return Status::ok();
   }();
   cudaThreadExchangeStreamCaptureMode(&mode);
   return st;
@@ -232,13 +236,13 @@ Status EpTransport::check_tokens(const TensorView& ids, const char* what, int64_
 }
 
 namespace {
-TransportParams make_args(const EpTransport& t, void* window, void* scratch, const EpTransportOptions& o,
-                        int64_t num_tokens) {
+TransportParams make_args(const EpTransport& t, void* scratch, const EpTransportOptions& o, int64_t num_tokens,
+                          bool allow_pdl) {
   TransportParams a{};
   const WorkspaceLayout& l = t.layout();
   const ScratchLayout sl = ScratchLayout::make(o.params);
   char* s = static_cast<char*>(scratch);
-  a.sig.window = static_cast<ncclWindow_t>(window);
+  a.sig.window = nullptr;  // every peer base is resolved (SignalCtx::peer_ptr never needs the window)
   a.sig.own_base = static_cast<char*>(t.base());
   for (int r = 0; r < t.size() && r < kernels::kMaxTransportRanks; ++r) a.sig.peer_base[r] = static_cast<char*>(t.peer_base(r));
   a.sig.signals_offset = l.signals.offset;
@@ -261,6 +265,7 @@ TransportParams make_args(const EpTransport& t, void* window, void* scratch, con
   a.dispatch_accum = reinterpret_cast<kernels::DispatchAccum*>(s + sl.dispatch_accum);
   a.token_rows = reinterpret_cast<int32_t*>(s + sl.token_rows);
   a.combine_counters = reinterpret_cast<kernels::CombineCounters*>(s + sl.combine_counters);
+  a.allow_pdl = allow_pdl;
   return a;
 }
 }  // namespace
@@ -294,7 +299,7 @@ Status EpTransport::dispatch(const TensorView& x, const TensorView& x_scale, con
   const int mode = fp8_wire ? (x_fp8 ? kernels::kFp8Copy : kernels::kBf16ToFp8)
                             : (x_fp8 ? kernels::kFp8ToBf16 : kernels::kBf16Copy);
   MEGAMOE_CUDA_CHECK(cudaSetDevice(device_));
-  const TransportParams args = make_args(*this, window_, scratch_, options_, T);
+  const TransportParams args = make_args(*this, scratch_, options_, T, allow_pdl_);
   last_num_tokens_ = T;
   return kernels::launch_dispatch(args, mode, x.data, x_fp8 ? x_scale.ptr<float>() : nullptr, topk_ids.ptr<int32_t>(),
                                   topk_weights.ptr<float>(), num_sms_, static_cast<cudaStream_t>(stream));
@@ -303,7 +308,7 @@ Status EpTransport::dispatch(const TensorView& x, const TensorView& x_scale, con
 Status EpTransport::build_expert_pool(cudaStream_t stream) {
   MEGAMOE_RETURN_IF_ERROR(check_ready(stream, "build_expert_pool()"));
   MEGAMOE_CUDA_CHECK(cudaSetDevice(device_));
-  const TransportParams args = make_args(*this, window_, scratch_, options_, last_num_tokens_);
+  const TransportParams args = make_args(*this, scratch_, options_, last_num_tokens_, allow_pdl_);
   return kernels::launch_expert_pool(args, num_sms_, stream);
 }
 
@@ -334,7 +339,7 @@ Status EpTransport::combine_send(const TensorView& out, cudaStream_t stream) {
   MEGAMOE_RETURN_IF_ERROR(check_ready(stream, "combine_send()"));
   MEGAMOE_RETURN_IF_ERROR(check_expert_out(out, "combine_send"));
   MEGAMOE_CUDA_CHECK(cudaSetDevice(device_));
-  const TransportParams args = make_args(*this, window_, scratch_, options_, last_num_tokens_);
+  const TransportParams args = make_args(*this, scratch_, options_, last_num_tokens_, allow_pdl_);
   return kernels::launch_combine_send(args, out.data, out.dtype == DType::kFloat32, num_sms_, stream);
 }
 
@@ -343,7 +348,7 @@ Status EpTransport::combine(const TensorView& topk_ids, const TensorView& y, cud
   int64_t T = 0;
   MEGAMOE_RETURN_IF_ERROR(check_output(topk_ids, y, "combine", &T));
   MEGAMOE_CUDA_CHECK(cudaSetDevice(device_));
-  const TransportParams args = make_args(*this, window_, scratch_, options_, T);
+  const TransportParams args = make_args(*this, scratch_, options_, T, allow_pdl_);
   return kernels::launch_combine_reduce(args, topk_ids.ptr<int32_t>(), y.ptr<uint16_t>(), num_sms_, stream);
 }
 
@@ -354,7 +359,7 @@ Status EpTransport::send_and_combine(const TensorView& expert_out, const TensorV
   int64_t T = 0;
   MEGAMOE_RETURN_IF_ERROR(check_output(topk_ids, y, "send_and_combine", &T));
   MEGAMOE_CUDA_CHECK(cudaSetDevice(device_));
-  const TransportParams args = make_args(*this, window_, scratch_, options_, T);
+  const TransportParams args = make_args(*this, scratch_, options_, T, allow_pdl_);
   const int groups = options_.combine_groups > 0 ? options_.combine_groups : default_combine_groups(T);
   return kernels::launch_combine(args, expert_out.data, expert_out.dtype == DType::kFloat32, topk_ids.ptr<int32_t>(),
                                  y.ptr<uint16_t>(), groups, num_sms_, stream);

@@ -1,8 +1,14 @@
-// EpTransport: the expert-parallel token transport of the GPU backends over NCCL symmetric memory.
+// EpTransport: the expert-parallel token transport of the GPU backends over symmetric memory.
 //
-// One object per rank (one GPU), built on that rank's NCCL Communicator and a WorkspaceLayout. It owns
-// (shares, through WorkspacePool) the symmetric workspace and its window, the local scratch, and the
+// One object per rank, built on that rank's GPU communicator (GpuRankComm: NCCL, one GPU per rank;
+// or logical ranks sharing one GPU) and a WorkspaceLayout. It owns (shares, through WorkspacePool)
+// the symmetric workspace, every rank's base address of it as this rank's kernels reach it (resolved
+// once in warmup: the kernels use plain pointers, never the NCCL window), the local scratch, and the
 // launch epoch (which lives in the workspace's signals, so CUDA-graph replays get fresh epochs).
+// Grids: shaped for every SM of the device, or on a shared device for GpuRankComm::sm_budget() / 2
+// SMs (its launchers make up to 2 CTAs per SM they shape for, so each kernel stays within the
+// budget), and without programmatic dependent launch there (a kernel launched early would hold SMs
+// outside the budget while it waits for its predecessor).
 //
 // Per forward, in stream order, with no host synchronisation (capturable in a CUDA graph):
 //   dispatch()          one fused layout + copy kernel: counts, rows and metadata into every owner's
@@ -33,12 +39,12 @@
 
 namespace megamoe {
 
-class NcclRankComm;
+class GpuRankComm;
 
 struct EpTransportOptions {
   WorkspaceParams params;      // ep_size must equal the communicator's size
   bool pow2_scales = false;    // bf16 x -> fp8 wire with power-of-two scales
-  int num_sms = 0;             // CTAs of the copy kernels: 0 = every SM
+  int num_sms = 0;             // SMs the copy kernels are shaped for: 0 = every SM (shared device: the budget)
   int64_t wait_timeout_ms = 0; // bound of every device wait; 0 = MEGAMOE_WAIT_TIMEOUT_MS
   // send_and_combine(): recv-row groups whose reduce overlaps the later groups' sends, 1..8; 0 = by
   // the token count (default_combine_groups).
@@ -103,12 +109,13 @@ class EpTransport {
 
   const WorkspaceLayout& layout() const { return layout_; }
   void* base() const { return base_; }  // this rank's copy of the workspace
-  // Rank r's copy through the LSA window (resolved in warmup; null before).
+  // Rank r's copy as this rank's kernels reach it (resolved in warmup; null before).
   void* peer_base(int r) const { return r >= 0 && r < kMaxCombinePeers ? peer_base_[r] : nullptr; }
   int rank() const { return rank_; }
   int size() const { return size_; }
   int device() const { return device_; }
   Communicator* communicator() const { return comm_.get(); }
+  int num_sms() const { return num_sms_; }  // SMs the grids are shaped for
   // Bytes this rank's last dispatch/combine configuration moves are computed by callers (bench).
 
  private:
@@ -119,19 +126,19 @@ class EpTransport {
   Status check_output(const TensorView& topk_ids, const TensorView& y, const char* what, int64_t* num_tokens) const;
 
   std::shared_ptr<Communicator> comm_;
-  NcclRankComm* nccl_ = nullptr;
+  GpuRankComm* gpu_ = nullptr;
   EpTransportOptions options_;
   WorkspaceLayout layout_;
   int rank_ = 0, size_ = 1, device_ = 0, num_sms_ = 0;
   int64_t num_experts_ = 0;
   std::shared_ptr<Workspace> workspace_;
   void* base_ = nullptr;
-  void* window_ = nullptr;  // ncclWindow_t
   void* scratch_ = nullptr; // local: pool_intra, pool_hist, seg_total, input status
   int64_t scratch_bytes_ = 0;
   int64_t last_num_tokens_ = 0;
   CombineTargets combine_targets_;
-  void* peer_base_[kMaxCombinePeers] = {};  // every rank's workspace copy through the LSA window (warmup)
+  void* peer_base_[kMaxCombinePeers] = {};  // every rank's workspace copy (warmup)
+  bool allow_pdl_ = true;
 };
 
 // Stage names of the transport's waits ("dispatch-done", "combine-done").

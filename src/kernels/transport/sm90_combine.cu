@@ -13,7 +13,7 @@ namespace {
 template <typename InT, bool kOwner>
 cudaError_t send_as_mode(const TransportArgs& args, const void* out, int ctas, int parts, cudaStream_t stream) {
   const InT* in = static_cast<const InT*>(out);
-  const bool pdl = pdl_wanted(args.num_tokens);
+  const bool pdl = use_pdl(args);
   switch (args.layout.params.combine_format) {
     case kWsMxfp8:
       return launch_pdl(combine_send_kernel<kWsMxfp8, InT, kOwner>, ctas, kCombineThreads, 0, stream, pdl, args, in, parts);
@@ -33,7 +33,7 @@ cudaError_t send_as(const TransportArgs& args, const void* out, int ctas, int pa
 template <bool kOwner>
 cudaError_t reduce_as(const TransportArgs& args, const int32_t* topk_ids, uint16_t* y, int ctas, int parts,
                       cudaStream_t stream) {
-  const bool pdl = pdl_wanted(args.num_tokens);
+  const bool pdl = use_pdl(args);
   switch (args.layout.params.combine_format) {
     case kWsMxfp8:
       return launch_pdl(combine_reduce_kernel<kWsMxfp8, kOwner>, ctas, kCombineThreads, 0, stream, pdl, args, topk_ids, y, parts);
@@ -84,11 +84,6 @@ int reduce_parts(const TransportArgs& args) {
   return row_parts(args.num_tokens, 2048, combine_reduce_rounds(args.layout.params.combine_format, args.layout.params.hidden), 64);
 }
 
-__global__ void resolve_peer_pointers_kernel(TransportArgs a, int64_t offset, char** out) {
-  const int r = threadIdx.x;
-  if (r < a.sig.num_ranks) out[r] = a.sig.peer_ptr(r, offset);
-}
-
 template <int kFormat, typename InT, bool kOwner>
 Status launch_fused(const TransportArgs& args, const InT* in, const int32_t* topk_ids, uint16_t* y, int64_t want_ctas,
                     CombineShape shape, cudaStream_t stream) {
@@ -103,7 +98,7 @@ Status launch_fused(const TransportArgs& args, const InT* in, const int32_t* top
   const int ctas = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want_ctas, static_cast<int64_t>(sms) * std::max(per_sm, 1))));
   if (ctas < 2) shape.groups = 1;  // groups need a sending and a reducing CTA
   shape.reducers = shape.groups > 1 ? std::max(1, ctas / 8) : 0;
-  MEGAMOE_CUDA_CHECK(launch_pdl(combine_kernel<kFormat, InT, kOwner>, ctas, kCombineThreads, 0, stream, pdl_wanted(args.num_tokens),
+  MEGAMOE_CUDA_CHECK(launch_pdl(combine_kernel<kFormat, InT, kOwner>, ctas, kCombineThreads, 0, stream, use_pdl(args),
                                 args, in, topk_ids, y, shape));
   return Status::ok();
 }
@@ -126,19 +121,6 @@ Status fused_as(const TransportArgs& args, const void* out, const int32_t* topk_
                                          : fused_as_mode<InT, false>(args, out, topk_ids, y, want_ctas, shape, stream);
 }
 }  // namespace
-
-Status resolve_peer_pointers(const TransportParams& params, int64_t offset, void** out) {
-  const TransportArgs args = TransportArgs::from(params);
-  const int R = args.sig.num_ranks;
-  char** d_out = nullptr;
-  MEGAMOE_CUDA_CHECK(cudaMalloc(&d_out, sizeof(char*) * R));
-  resolve_peer_pointers_kernel<<<1, 32 * ((R + 31) / 32)>>>(args, offset, d_out);
-  cudaError_t err = cudaGetLastError();
-  if (err == cudaSuccess) err = cudaMemcpy(out, d_out, sizeof(char*) * R, cudaMemcpyDeviceToHost);
-  cudaFree(d_out);
-  MEGAMOE_CUDA_CHECK(err);
-  return Status::ok();
-}
 
 Status launch_combine_send(const TransportParams& params, const void* expert_out, bool out_is_fp32, int num_sms,
                            cudaStream_t stream) {

@@ -16,7 +16,7 @@ Status launch_dispatch_mode(const TransportArgs& args, DispatchShape shape, int 
                             const float* x_scale, const int32_t* topk_ids, const float* topk_weights,
                             cudaStream_t stream) {
   MEGAMOE_CUDA_CHECK(launch_pdl(dispatch_kernel<kMode>, grid, kDispatchThreads, 0, stream,
-                                pdl_wanted(args.num_tokens), args, shape, x, x_scale, topk_ids, topk_weights));
+                                use_pdl(args), args, shape, x, x_scale, topk_ids, topk_weights));
   return Status::ok();
 }
 }  // namespace
@@ -50,7 +50,7 @@ Status launch_expert_pool(const TransportParams& params, int num_sms, cudaStream
   const int64_t rank_warps = R * args.num_chunks();
   const int rank_ctas = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((rank_warps + 7) / 8, 8 * num_sms)));
   const int64_t k = args.top_k();
-  const bool pdl = pdl_wanted(args.num_tokens);
+  const bool pdl = use_pdl(args);
   if (k <= 4) MEGAMOE_CUDA_CHECK(launch_pdl(pool_rank_kernel<4>, rank_ctas, 256, 0, stream, pdl, args));
   else if (k <= 8) MEGAMOE_CUDA_CHECK(launch_pdl(pool_rank_kernel<8>, rank_ctas, 256, 0, stream, pdl, args));
   else MEGAMOE_CUDA_CHECK(launch_pdl(pool_rank_kernel<kMaxTopK>, rank_ctas, 256, 0, stream, pdl, args));

@@ -73,8 +73,9 @@ struct CombineCounters {
 struct SignalParams {
   ncclWindow_t window;    // the symmetric workspace window
   char* own_base;         // this rank's copy of the workspace (local pointer)
-  // Each rank's copy through the LSA window, resolved once in warmup (an LSA peer's window is one
-  // fixed mapping, so base + offset addresses any byte of it); null: kernels ask ncclGetPeerPointer,
+  // Each rank's copy as this rank's kernels reach it, resolved once in warmup (GpuRankComm::peer_bases:
+  // an LSA peer's window is one fixed mapping, so base + offset addresses any byte of it; a shared
+  // GPU's siblings are plain device pointers); null: kernels ask ncclGetPeerPointer of `window`,
   // whose chain of dependent loads from the window's tables cost the dispatch ~5 us per launch.
   char* peer_base[kMaxTransportRanks];
   int64_t signals_offset;
@@ -101,15 +102,13 @@ struct TransportParams {
   DispatchAccum* dispatch_accum;
   int32_t* token_rows;           // [T_max, R] this rank's token t's recv row at owner r (-1: none), by dispatch
   CombineCounters* combine_counters;
+  bool allow_pdl;  // programmatic dependent launch for small launches (off on a shared device)
 };
 
 // Dispatch: one fused layout + copy kernel for `mode`, shaped for `num_sms` SMs.
 Status launch_dispatch(const TransportParams& params, int mode, const void* x, const float* x_scale,
                        const int32_t* topk_ids, const float* topk_weights, int num_sms, cudaStream_t stream);
 Status launch_expert_pool(const TransportParams& params, int num_sms, cudaStream_t stream);
-// out[r] = the device address of byte `offset` of rank r's workspace copy (r < num_ranks), through
-// the LSA window; synchronous (warmup only).
-Status resolve_peer_pointers(const TransportParams& params, int64_t offset, void** out);
 // expert_out: fp32 when out_is_fp32, else bf16. Grids are shaped for `num_sms` SMs.
 Status launch_combine_send(const TransportParams& params, const void* expert_out, bool out_is_fp32, int num_sms,
                            cudaStream_t stream);

@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "kernels/common/exact_div.h"
+#include "kernels/common/pdl.cuh"
 #include "kernels/common/sm90_signals.cuh"
 #include "megamoe/formats.h"
 #include "megamoe/workspace.h"
@@ -28,6 +29,7 @@ struct TransportArgs {
   DispatchAccum* dispatch_accum;
   int32_t* token_rows;
   CombineCounters* combine_counters;
+  bool allow_pdl;
   ExactDiv16 el_div;  // n / experts_per_rank: the owner rank of expert n, the rank of a (rank, expert) index
 
   static TransportArgs from(const TransportParams& p) {
@@ -47,6 +49,7 @@ struct TransportArgs {
     a.dispatch_accum = p.dispatch_accum;
     a.token_rows = p.token_rows;
     a.combine_counters = p.combine_counters;
+    a.allow_pdl = p.allow_pdl;
     a.el_div = ExactDiv16::make(static_cast<uint32_t>(p.layout.params.experts_per_rank));
     return a;
   }
@@ -61,6 +64,9 @@ __device__ __forceinline__ int64_t hidden() const { return layout.params.hidden;
     return reinterpret_cast<T*>(sig.own_base + r.offset);
   }
 };
+
+// Programmatic dependent launch for this launch (pdl.cuh): small launches, where allowed.
+inline bool use_pdl(const TransportArgs& a) { return a.allow_pdl && pdl_wanted(a.num_tokens); }
 
 // invariant: the same rule decides a slot's validity in layout, dispatch and combine (and the CPU
 // protocol): valid iff 0 <= id < E and no earlier slot of the token has the same id; a slot that is

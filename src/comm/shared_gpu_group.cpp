@@ -1,0 +1,201 @@
+#include "comm/shared_gpu_group.h"
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <sstream>
+
+#include "core/cuda_check.h"
+#include "core/env.h"
+
+namespace megamoe {
+
+// One collective allocation: every rank's buffer, freed together when the last rank lets go.
+struct SharedGpuGroup::Allocation {
+  int device = 0;
+  SharedGpuMemory memory;
+  std::vector<void*> bases;  // [R], rank order
+  int taken = 0;             // ranks that picked up their part (under the group's mutex)
+  ~Allocation() {
+    for (void* p : bases)
+      if (p) memory.free(device, p);
+  }
+};
+
+SharedGpuMemory SharedGpuMemory::cuda() {
+  SharedGpuMemory m;
+  m.alloc = [](int device, int64_t bytes, void** out) -> Status {
+    CudaDeviceGuard guard(device);
+    if (!guard.ok()) return Status(StatusCode::kCudaError, "cannot select cuda:" + std::to_string(device));
+    void* p = nullptr;
+    MEGAMOE_CUDA_CHECK(cudaMalloc(&p, static_cast<size_t>(bytes)));
+    // Zeroed on a private stream (not the legacy one, which would order against the other ranks'
+    // streams on this device) and synchronised before the address is published.
+    cudaStream_t s = nullptr;
+    cudaError_t err = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    if (err == cudaSuccess) err = cudaMemsetAsync(p, 0, static_cast<size_t>(bytes), s);
+    if (err == cudaSuccess) err = cudaStreamSynchronize(s);
+    if (s) cudaStreamDestroy(s);
+    if (err != cudaSuccess) {
+      cudaFree(p);
+      return cuda_status(err, "zeroing the shared-GPU symmetric buffer", __FILE__, __LINE__);
+    }
+    *out = p;
+    return Status::ok();
+  };
+  m.free = [](int device, void* p) {
+    CudaDeviceGuard guard(device);
+    cudaFree(p);  // waits for the device's work, whose waits are all bounded
+  };
+  return m;
+}
+
+SharedGpuGroup::SharedGpuGroup(int device, int size, int num_sms, uint64_t id, SharedGpuMemory memory)
+    : device_(device), num_sms_(num_sms), host_(size, id), memory_(std::move(memory)) {}
+
+SharedGpuGroup::~SharedGpuGroup() = default;  // records no rank took yet go with pending_
+
+Status SharedGpuGroup::symmetric_alloc(int rank, int64_t bytes, void** base, std::function<void(void*)>* release) {
+  if (rank < 0 || rank >= size())
+    return invalid_argument("shared-GPU symmetric allocation", "rank", std::to_string(rank),
+                            "must be in [0, size=" + std::to_string(size()) + ")");
+  if (bytes <= 0)
+    return invalid_argument("shared-GPU symmetric allocation", "bytes", std::to_string(bytes), "must be > 0");
+  if (!base || !release)
+    return invalid_argument("shared-GPU symmetric allocation", "base/release", "null", "must receive the buffer");
+  const int64_t timeout_ms = env_knobs().barrier_timeout_ms;
+  // The sizes first: a rank asking for another size is out of step (its layers differ).
+  std::vector<void*> sizes;
+  MEGAMOE_RETURN_IF_ERROR(host_.all_gather(rank, "symmetric-alloc-size",
+                                           reinterpret_cast<void*>(static_cast<uintptr_t>(bytes)), &sizes, nullptr,
+                                           timeout_ms));
+  for (int p = 0; p < size(); ++p) {
+    const int64_t theirs = static_cast<int64_t>(reinterpret_cast<uintptr_t>(sizes[p]));
+    if (theirs == bytes) continue;
+    const std::string why = "symmetric allocation out of step in shared-GPU group " + std::to_string(id()) +
+                            ": rank " + std::to_string(rank) + " asked for " + std::to_string(bytes) + " bytes, rank " +
+                            std::to_string(p) + " for " + std::to_string(theirs) +
+                            " (every rank must build the same layers in the same order)";
+    host_.abort(rank, why);
+    return Status(StatusCode::kFailedPrecondition, why);
+  }
+  void* mine = nullptr;
+  const Status alloc_st = memory_.alloc(device_, bytes, &mine);
+  // A rank whose allocation failed still takes part (publishing null), so its peers fail with it
+  // instead of waiting for it.
+  std::vector<void*> all;
+  const Status gather_st =
+      host_.all_gather(rank, "symmetric-alloc", alloc_st.is_ok() ? mine : nullptr, &all, nullptr, timeout_ms);
+  if (!alloc_st.is_ok() || !gather_st.is_ok()) {
+    if (mine) memory_.free(device_, mine);
+    return alloc_st.is_ok() ? gather_st : alloc_st;
+  }
+  for (int p = 0; p < size(); ++p) {
+    if (all[p] != nullptr) continue;
+    memory_.free(device_, mine);
+    return Status(StatusCode::kUnavailable, "shared-GPU symmetric allocation of " + std::to_string(bytes) +
+                                                " bytes failed on rank " + std::to_string(p) + " (rank " +
+                                                std::to_string(rank) + " gave its part back)");
+  }
+  std::shared_ptr<Allocation> record;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::shared_ptr<Allocation>& slot = pending_[all[0]];
+    if (!slot) {
+      slot = std::make_shared<Allocation>();
+      slot->device = device_;
+      slot->memory = memory_;
+      slot->bases = all;
+    }
+    record = slot;
+    if (++record->taken == size()) pending_.erase(all[0]);
+    by_base_[mine] = record;
+  }
+  *base = mine;
+  // Never waits for a peer: the record (every rank's buffer) goes with the last rank's release.
+  *release = [record, self = weak_from_this()](void* p) mutable {
+    if (auto group = self.lock()) {
+      std::lock_guard<std::mutex> lock(group->mutex_);
+      group->by_base_.erase(p);
+    }
+    record.reset();
+  };
+  return Status::ok();
+}
+
+Status SharedGpuGroup::peer_bases(int rank, const void* base, std::vector<void*>* out) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = by_base_.find(base);
+  std::shared_ptr<Allocation> record = it == by_base_.end() ? nullptr : it->second.lock();
+  if (!record)
+    return invalid_argument("shared-GPU peer bases", "base", "an unknown address",
+                            "must be a live buffer of this group's symmetric_alloc (rank " + std::to_string(rank) + ")");
+  *out = record->bases;
+  return Status::ok();
+}
+
+int64_t SharedGpuGroup::num_live_allocations() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<const Allocation*> seen;
+  for (const auto& e : by_base_)
+    if (auto r = e.second.lock()) {
+      bool dup = false;
+      for (const Allocation* s : seen) dup |= s == r.get();
+      if (!dup) seen.push_back(r.get());
+    }
+  for (const auto& e : pending_) {
+    bool dup = false;
+    for (const Allocation* s : seen) dup |= s == e.second.get();
+    if (!dup) seen.push_back(e.second.get());
+  }
+  return static_cast<int64_t>(seen.size());
+}
+
+std::string SharedGpuRankComm::to_string() const {
+  std::ostringstream os;
+  os << "SharedGpuRankComm(rank=" << rank_ << ", size=" << group_->size() << ", device=cuda:" << group_->device()
+     << ", group=" << group_->id() << ", sm_budget=" << sm_budget() << ")";
+  return os.str();
+}
+
+Status SharedGpuRankComm::barrier(const char* stage, int64_t timeout_ms) {
+  return group_->host().barrier(rank_, stage, nullptr, timeout_ms > 0 ? timeout_ms : env_knobs().barrier_timeout_ms);
+}
+
+Status create_shared_gpu_group_with(int device, int size, int num_sms, SharedGpuMemory memory,
+                                    std::vector<std::shared_ptr<Communicator>>* ranks) {
+  if (!ranks) return invalid_argument("argument", "ranks", "null", "must point to a vector to receive the handles");
+  if (size < 1 || size > 8)
+    return invalid_argument("shared-GPU group", "size", std::to_string(size),
+                            "must be in [1, 8] (the EP transport reaches at most 8 ranks)");
+  if (num_sms < size)
+    return invalid_argument("shared-GPU group", "num_sms", std::to_string(num_sms),
+                            "must be at least size=" + std::to_string(size) + " (one SM per rank)");
+  if (!memory.alloc || !memory.free)
+    return invalid_argument("shared-GPU group", "memory", "incomplete", "needs both alloc and free");
+  auto group = std::make_shared<SharedGpuGroup>(device, size, num_sms, next_in_process_group_id(), std::move(memory));
+  ranks->clear();
+  for (int r = 0; r < size; ++r) ranks->push_back(std::make_shared<SharedGpuRankComm>(group, r));
+  return Status::ok();
+}
+
+Status create_shared_gpu_group(int device, int size, std::vector<std::shared_ptr<Communicator>>* ranks) {
+  int n = 0;
+  const cudaError_t err = cudaGetDeviceCount(&n);
+  if (err != cudaSuccess || n == 0) {
+    cudaGetLastError();
+    return Status(StatusCode::kUnavailable, std::string("shared-GPU group: no CUDA device (") +
+                                                (err != cudaSuccess ? cudaGetErrorString(err) : "count 0") + ")");
+  }
+  if (device < 0 || device >= n)
+    return invalid_argument("shared-GPU group", "device", std::to_string(device),
+                            "must be a CUDA ordinal in [0, " + std::to_string(n) + ")");
+  cudaDeviceProp prop{};
+  MEGAMOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  if (prop.major < 9)
+    return Status(StatusCode::kUnavailable, "shared-GPU group: cuda:" + std::to_string(device) + " (" + prop.name +
+                                                ") is sm_" + std::to_string(prop.major * 10 + prop.minor) +
+                                                "; the EP transport kernels need sm_90a (Hopper)");
+  return create_shared_gpu_group_with(device, size, prop.multiProcessorCount, SharedGpuMemory::cuda(), ranks);
+}
+}  // namespace megamoe

@@ -24,8 +24,10 @@
 #include <vector>
 
 #include "bench_model.h"
+#include "bench_harness.h"
 #include "bench_output.h"
 #include "commands.h"
+#include "forward_timing.h"
 #include "core/device.h"
 #include "megamoe/layer.h"
 #include "presets.h"
@@ -130,68 +132,54 @@ Status build_case(const MoeGeometry& g, const MoeConfig& c, uint64_t seed, const
 
 // A few more lockstep forwards with the layers' stage timing on; fills row->stages_us with, per
 // stage, the slowest rank's median. Leaves it empty for backends without stage timing (cpu).
-void collect_stage_times(const ProcessRanks& pr, RankGroup& group, std::vector<std::vector<std::unique_ptr<RankIo>>>& io,
-                         int64_t sets, int64_t samples, BenchRow* row) {
+void collect_stage_times(const ProcessRanks& pr, RankGroup& group, CaseIo& io, int64_t samples, BenchRow* row) {
   const int64_t R = static_cast<int64_t>(group.layers.size());
   if (samples <= 0 || !first_local_layer(group)->set_stage_timing(true)) return;  // same backend on every rank
   std::vector<std::vector<std::vector<double>>> us(static_cast<size_t>(R));  // [rank][stage][sample]
   std::vector<std::string> names;
-  RankBarrier barrier(pr, group);
-  std::atomic<bool> failed{false};
-  const Status st = run_on_local_ranks(pr, [&](int64_t r) -> Status {
-    MoeLayer* layer = group.layers[r].get();
-    Status rst = layer->set_stage_timing(true);
-    void* stream = nullptr;
-    if (rst) rst = create_stream(layer->device(), &stream);
-    for (int64_t it = 0; it < samples; ++it) {
-      // Cold L2 like the timed forwards; every rank runs every forward (they are collective), and
-      // all stop together after a failure (the flag is read after the same barrier).
-      if (rst) rst = flush_l2(layer->device(), stream);
-      if (rst) rst = synchronize(layer->device(), stream);
-      if (!rst) failed.store(true);
-      if (const Status b = barrier.wait(r); !b) {
-        rst = b;
-        break;
-      }
-      if (failed.load()) break;
-      if (rst) rst = io[r][it % sets]->forward(layer, stream);
-      if (rst) rst = layer->check_error(stream);
-      std::vector<MoeLayer::StageTime> t;
-      if (rst) rst = layer->last_stage_times(&t);
-      if (!rst) {
-        failed.store(true);
-        continue;
-      }
-      us[r].resize(t.size());
-      for (size_t i = 0; i < t.size(); ++i) us[r][i].push_back(t[i].us);
-      if (r == pr.first() && names.empty())
-        for (const auto& s : t) names.push_back(s.stage);
-    }
-    layer->set_stage_timing(false);
-    destroy_stream(layer->device(), stream);
-    return rst;
-  });
+  Status st = run_on_local_ranks(pr, [&](int64_t r) { return group.layers[r]->set_stage_timing(true); });
+  LockstepOptions o;
+  o.iters = samples;
+  o.after_forward = [&](int64_t r, int64_t) -> Status {
+    std::vector<MoeLayer::StageTime> t;
+    MEGAMOE_RETURN_IF_ERROR(group.layers[r]->last_stage_times(&t));
+    us[r].resize(t.size());
+    for (size_t i = 0; i < t.size(); ++i) us[r][i].push_back(t[i].us);
+    if (r == pr.first() && names.empty())
+      for (const auto& s : t) names.push_back(s.stage);
+    return Status::ok();
+  };
+  LockstepTimes times;
+  if (st) st = time_lockstep_forwards(pr, group, io, o, &times);
+  run_on_local_ranks(pr, [&](int64_t r) { return group.layers[r]->set_stage_timing(false); });
   if (!st) {
     std::fprintf(stderr, "[bench]   no stage breakdown: %s\n", st.message().c_str());
     return;
   }
   for (size_t i = 0; i < names.size(); ++i) {
     double slowest = 0;
-    for (int64_t r = 0; r < R; ++r) {
-      if (!pr.runs(r)) continue;
-      std::vector<double> v = us[r][i];
-      std::sort(v.begin(), v.end());
-      slowest = std::max(slowest, v[v.size() / 2]);
-    }
+    for (int64_t r = 0; r < R; ++r)
+      if (pr.runs(r)) slowest = std::max(slowest, summarize(us[r][i]).median);
     row->stages_us.emplace_back(names[i], slowest);
   }
+}
+
+// The row's rates and floor from its median and the case's model.
+void fill_rates(const ForwardModel& model, int64_t R, BenchRow* row) {
+  const double t = row->median_us * 1e-6;
+  row->tflops_per_rank = model.flops / static_cast<double>(R) / t / 1e12;
+  row->hbm_gbps_per_rank = model.weight_bytes / static_cast<double>(R) / t / 1e9;
+  row->nvlink_gbps_per_rank = model.nvlink_bytes / static_cast<double>(R) / t / 1e9;
+  row->floor_us = model.floor_s * 1e6;
+  row->floor_bound = model.bound;
+  row->time_over_floor = model.floor_s > 0 ? t / model.floor_s : 0;
 }
 
 // Times one case. Fills row.median_us etc., or row.error.
 void run_case(const MoeGeometry& g, const MoeConfig& c, uint64_t seed, const ProcessRanks& pr,
               const std::vector<reference::RankInputs>& inputs, int64_t tokens, int64_t sets, int64_t iters,
               int64_t warmup, KeptWeights* kept, BenchRow* row) {
-  const int64_t R = g.ep_size, H = g.hidden, k = g.top_k;
+  const int64_t R = g.ep_size, k = g.top_k;
   RankGroup group;
   Status st = build_case(g, c, seed, pr, kept, &group);
   if (!st) {
@@ -201,261 +189,225 @@ void run_case(const MoeGeometry& g, const MoeConfig& c, uint64_t seed, const Pro
   const MoeLayer* layer0 = first_local_layer(group);
   row->resolved = to_string(layer0->backend());
   row->on_gpu = layer0->device().kind == DeviceKind::kCuda;
-
-  // Input set s of rank r: tokens [s*T, (s+1)*T) of the rank's generated inputs.
-  std::vector<std::vector<std::unique_ptr<RankIo>>> io(static_cast<size_t>(R));
-  std::vector<std::vector<const int32_t*>> ids(static_cast<size_t>(R));
-  for (int64_t r = 0; r < R; ++r) {
-    const reference::RankInputs& in = inputs[r];
-    for (int64_t s = 0; s < sets; ++s) {
-      const int64_t t0 = s * tokens;
-      ids[r].push_back(in.topk_ids.data() + t0 * k);  // every rank's routing: the floor needs all
-      if (!pr.runs(r)) continue;
-      io[r].push_back(std::make_unique<RankIo>());
-      st = io[r][s]->stage(group.layers[r]->device(), tokens, H, k, in.x_bf16.data() + t0 * H,
-                           in.topk_ids.data() + t0 * k, in.topk_weights.data() + t0 * k);
-      if (!st) {
-        row->error = "rank " + std::to_string(r) + ": " + st.message();
-        return;
-      }
-    }
-  }
-  const ForwardModel model = model_forward(g, c, tokens, sets, ids);
-
-  const int64_t total = warmup + iters;
-  std::vector<std::vector<Clock::time_point>> start(R, std::vector<Clock::time_point>(total)),
-      end(R, std::vector<Clock::time_point>(total));
-  // GPU backends: each rank's forward timed by CUDA events on its stream (the host-side sync and
-  // error check after it stay out of the number); the cpu backend: the host clock.
-  std::vector<std::vector<double>> device_us(R, std::vector<double>(total, 0.0));
-  RankBarrier barrier(pr, group);
-  std::atomic<bool> failed{false};
-  const Clock::time_point began = Clock::now();
-  st = run_on_local_ranks(pr, [&](int64_t r) -> Status {
-    const Device dev = group.layers[r]->device();
-    void* stream = nullptr;
-    Status rst = create_stream(dev, &stream);
-    StreamTimer timer;
-    if (rst) rst = timer.init(dev);
-    Clock::time_point last_progress = Clock::now();
-    for (int64_t it = 0; it < total; ++it) {
-      // Launched, each process has its own flag: a failed peer shows up in this rank's next forward
-      // (a bounded transport wait), or megamoe launch stops the group when the peer exits.
-      Status b = barrier.wait(r);
-      if (!b) {
-        rst = b;
-        break;
-      }
-      if (failed.load()) break;  // every rank sees the same flag after the same barrier
-      if (rst) rst = flush_l2(dev, stream);
-      if (rst) rst = synchronize(dev, stream);
-      b = barrier.wait(r);  // every rank reaches it, failed or not (threads would wait otherwise)
-      if (rst) rst = b;
-      start[r][it] = Clock::now();
-      if (rst) rst = timer.start(stream);
-      if (rst) rst = io[r][it % sets]->forward(group.layers[r].get(), stream);
-      if (rst) rst = timer.stop(stream);
-      if (rst) rst = group.layers[r]->check_error(stream);  // synchronises; reports device-side failures
-      end[r][it] = Clock::now();
-      if (rst) rst = timer.elapsed_us(&device_us[r][it]);
-      if (!rst) failed.store(true);
-      if (r == pr.first() && std::chrono::duration<double>(end[r][it] - last_progress).count() > 2.0) {
-        last_progress = end[r][it];
-        std::fprintf(stderr, "[bench]   %s T=%lld: %lld/%lld forwards (%.0f s)\n", row->resolved.c_str(),
-                     static_cast<long long>(tokens), static_cast<long long>(it + 1), static_cast<long long>(total),
-                     std::chrono::duration<double>(end[r][it] - began).count());
-      }
-    }
-    destroy_stream(dev, stream);
-    if (!rst) return Status(rst.code(), "rank " + std::to_string(r) + " forward: " + rst.message());
-    return rst;
-  });
-  if (!st) {
+  CaseIo io;
+  if (st = stage_case_io(pr, group, inputs, tokens, sets, &io); !st) {
     row->error = st.message();
     return;
   }
-  std::vector<double> us;
-  for (int64_t it = warmup; it < total; ++it) {
-    if (row->on_gpu) {  // the slowest rank's device time (its kernels include the waits for peers)
-      double slowest = 0;  // launched: this process's rank (each process reports its own)
-      for (int64_t r = 0; r < R; ++r)
-        if (pr.runs(r)) slowest = std::max(slowest, device_us[r][it]);
-      us.push_back(slowest);
-      continue;
-    }
-    Clock::time_point first = start[0][it], last = end[0][it];
-    for (int64_t r = 1; r < R; ++r) {
-      first = std::min(first, start[r][it]);
-      last = std::max(last, end[r][it]);
-    }
-    us.push_back(std::chrono::duration<double, std::micro>(last - first).count());
+  // Every rank's routing of every set (the floor counts the experts all ranks hit).
+  std::vector<std::vector<const int32_t*>> ids(static_cast<size_t>(R));
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t s = 0; s < sets; ++s) ids[r].push_back(inputs[r].topk_ids.data() + s * tokens * k);
+  const ForwardModel model = model_forward(g, c, tokens, sets, ids);
+
+  LockstepOptions o;
+  o.warmup = warmup;
+  o.iters = iters;
+  const Clock::time_point began = Clock::now();
+  Clock::time_point last_progress = began;
+  o.progress = [&](int64_t done, int64_t total) {
+    const Clock::time_point now = Clock::now();
+    if (std::chrono::duration<double>(now - last_progress).count() <= 2.0) return;
+    last_progress = now;
+    std::fprintf(stderr, "[bench]   %s T=%lld: %lld/%lld forwards (%.0f s)\n", row->resolved.c_str(),
+                 static_cast<long long>(tokens), static_cast<long long>(done), static_cast<long long>(total),
+                 std::chrono::duration<double>(now - began).count());
+  };
+  LockstepTimes times;
+  if (st = time_lockstep_forwards(pr, group, io, o, &times); !st) {
+    row->error = st.message();
+    return;
   }
-  std::sort(us.begin(), us.end());
-  const size_t n = us.size();
-  row->median_us = n % 2 ? us[n / 2] : 0.5 * (us[n / 2 - 1] + us[n / 2]);
-  row->min_us = us.front();
-  row->max_us = us.back();
-  const double t = row->median_us * 1e-6;
-  row->tflops_per_rank = model.flops / static_cast<double>(R) / t / 1e12;
-  row->hbm_gbps_per_rank = model.weight_bytes / static_cast<double>(R) / t / 1e9;
-  row->nvlink_gbps_per_rank = model.nvlink_bytes / static_cast<double>(R) / t / 1e9;
-  row->floor_us = model.floor_s * 1e6;
-  row->floor_bound = model.bound;
-  row->time_over_floor = model.floor_s > 0 ? t / model.floor_s : 0;
-  if (row->on_gpu) collect_stage_times(pr, group, io, sets, std::min<int64_t>(iters, 10), row);
+  const Summary s = summarize(times.slowest_per_forward(/*sampled=*/false));
+  row->median_us = s.median;
+  row->min_us = s.min;
+  row->max_us = s.max;
+  fill_rates(model, R, row);
+  if (row->on_gpu) collect_stage_times(pr, group, io, std::min<int64_t>(iters, 10), row);
 }
 
-int run_bench(BenchOptions o) {
-  // The default run: no --preset.
-  const bool default_mode = o.layer.preset.empty();
+// What the flags ask for, checked: the cases (backend x tokens), the input sets and the generator.
+struct BenchPlan {
+  bool default_mode = false;  // no --preset
+  std::vector<Backend> backends;
+  std::vector<int64_t> tokens;
+  int64_t t_max = 0, sets = 0;       // the largest case; input sets (t_max * sets <= 2^20 tokens)
+  int64_t max_tokens_override = 0;   // --max-tokens, 0: each case's tokens
+  int64_t sets_flag = 4;
+  uint64_t seed = 1;
+  reference::Routing routing = reference::Routing::kUniform;
+  HostMemoryLimit limit;
+};
+
+// The default run (no --preset): deepseek-v3 on a CUDA machine, the tiny preset without one.
+void choose_default_run(BenchOptions* o) {
   std::string no_device_reason;
   const bool has_device = cuda_device_count(&no_device_reason) > 0;
-  if (default_mode) {
-    if (!has_device) {
-      if (o.backends.empty()) o.backends = "cpu";
-      if (o.backends == "cpu")
-        std::printf("%s: running the cpu backend on the tiny preset\n", no_device_reason.c_str());
-      else
-        std::printf("%s: running --backend %s on the tiny preset\n", no_device_reason.c_str(), o.backends.c_str());
-      o.layer.preset = "tiny";
-    } else {
-      o.layer.preset = "deepseek-v3";
-    }
+  if (has_device) {
+    o->layer.preset = "deepseek-v3";
+    return;
   }
-  if (o.backends.empty()) o.backends = "auto";
-  std::vector<Backend> backends;
-  for (const std::string& b : split_list(o.backends)) backends.push_back(parse_backend_flag("--backend", b));
-  const reference::Routing routing = parse_routing(o.routing);
-  const uint64_t seed = static_cast<uint64_t>(parse_int_flag("--seed", o.seed, 0, INT64_MAX));
-  const HostMemoryLimit limit = host_memory_limit(o.max_host_gb);
-  const int64_t sets_flag = parse_int_flag("--input-sets", o.input_sets, 1, 64);
-  // Validates the preset and flags before anything else runs.
-  (void)make_geometry(o.layer, 1);
-  (void)make_config(o.layer, Backend::kAuto);
+  if (o->backends.empty()) o->backends = "cpu";
+  if (o->backends == "cpu")
+    std::printf("%s: running the cpu backend on the tiny preset\n", no_device_reason.c_str());
+  else
+    std::printf("%s: running --backend %s on the tiny preset\n", no_device_reason.c_str(), o->backends.c_str());
+  o->layer.preset = "tiny";
+}
 
-  // Which backends the cases resolve to decides the default token list and iteration counts.
+// The token list: --tokens, else the default of the backends the cases resolve to.
+void choose_tokens(const BenchOptions& o, BenchPlan* plan, bool cpu_default) {
   auto any_on_cpu = [&](const std::string& tokens_text) {
-    for (Backend b : backends)
+    for (Backend b : plan->backends)
       for (int64_t t : parse_int_list_flag("--tokens", tokens_text, 1, 1 << 20))
         if (resolve(make_geometry(o.layer, t), make_config(o.layer, b)) == Backend::kCpu) return true;
     return false;
   };
-  std::string tokens_text = o.tokens.empty() ? (any_on_cpu(kGpuDefaultTokens) ? kCpuDefaultTokens : kGpuDefaultTokens)
-                                             : o.tokens;
-  std::vector<int64_t> token_list = parse_int_list_flag("--tokens", tokens_text, 1, 1 << 20);
-  const int64_t max_tokens_override =
-      o.layer.max_tokens.empty() ? 0 : parse_int_flag("--max-tokens", o.layer.max_tokens, 1, 1 << 20);
-  // The largest case and the input sets (t_max * sets tokens per rank stay within the 2^20 bound).
-  int64_t t_max = 0, sets = 0;
-  auto size_cases = [&] {
-    t_max = *std::max_element(token_list.begin(), token_list.end());
-    if (max_tokens_override && max_tokens_override < t_max)
-      throw ToolError(kExitUsage, "invalid value for --max-tokens: " + o.layer.max_tokens +
-                                      ", must be at least the largest --tokens value " + std::to_string(t_max));
-    sets = std::max<int64_t>(1, std::min<int64_t>(sets_flag, (1 << 20) / t_max));
-  };
-  size_cases();
+  const std::string text = !o.tokens.empty() ? o.tokens
+                           : cpu_default || any_on_cpu(kGpuDefaultTokens) ? kCpuDefaultTokens
+                                                                          : kGpuDefaultTokens;
+  plan->tokens = parse_int_list_flag("--tokens", text, 1, 1 << 20);
+  plan->t_max = *std::max_element(plan->tokens.begin(), plan->tokens.end());
+  if (plan->max_tokens_override && plan->max_tokens_override < plan->t_max)
+    throw ToolError(kExitUsage, "invalid value for --max-tokens: " + o.layer.max_tokens +
+                                    ", must be at least the largest --tokens value " + std::to_string(plan->t_max));
+  plan->sets = std::max<int64_t>(1, std::min<int64_t>(plan->sets_flag, (1 << 20) / plan->t_max));
+}
 
-  // Host memory: one case's layers at a time, each built from per-rank slices.
-  auto memory_for = [&](const std::string& preset, MoeGeometry* g_out = nullptr) {
-    LayerOptions l = o.layer;
-    l.preset = preset;
-    const MoeGeometry g = make_geometry(l, t_max * sets);
-    bool cpu = false;
-    for (Backend b : backends)
-      for (int64_t t : token_list) cpu = cpu || resolve(make_geometry(l, t), make_config(l, b)) == Backend::kCpu;
-    if (g_out) *g_out = g;
-    return [=](const MoeGeometry& gx) {
-      return estimate_host_memory(gx, make_config(l, Backend::kAuto), cpu ? Backend::kCpu : Backend::kMega,
-                                  t_max * sets, /*dequantised_copy=*/false);
-    };
+// Host memory of one case's layers at a time, each built from per-rank slices, for `preset`.
+std::function<HostMemoryEstimate(const MoeGeometry&)> host_memory_of(const BenchOptions& o, const BenchPlan& plan,
+                                                                     const std::string& preset, MoeGeometry* g_out) {
+  LayerOptions l = o.layer;
+  l.preset = preset;
+  *g_out = make_geometry(l, plan.t_max * plan.sets);
+  bool cpu = false;
+  for (Backend b : plan.backends)
+    for (int64_t t : plan.tokens) cpu = cpu || resolve(make_geometry(l, t), make_config(l, b)) == Backend::kCpu;
+  const int64_t tokens = plan.t_max * plan.sets;
+  return [l, cpu, tokens](const MoeGeometry& gx) {
+    return estimate_host_memory(gx, make_config(l, Backend::kAuto), cpu ? Backend::kCpu : Backend::kMega, tokens,
+                                /*dequantised_copy=*/false);
   };
+}
+
+// Refuses a run above the host-memory limit; the default run falls back to the tiny preset instead.
+void fit_host_memory(BenchOptions* o, BenchPlan* plan) {
   MoeGeometry g_mem;
-  std::function<HostMemoryEstimate(const MoeGeometry&)> estimate = memory_for(o.layer.preset, &g_mem);
+  auto estimate = host_memory_of(*o, *plan, o->layer.preset, &g_mem);
   HostMemoryEstimate mem = estimate(g_mem);
-  if (!fits_host_memory(mem, limit) && default_mode && o.layer.preset != "tiny") {
-    const BackendSelection sel = select_backend(make_geometry(o.layer, t_max), make_config(o.layer, Backend::kAuto));
+  if (!fits_host_memory(mem, plan->limit) && plan->default_mode && o->layer.preset != "tiny") {
+    const BackendSelection sel =
+        select_backend(make_geometry(o->layer, plan->t_max), make_config(o->layer, Backend::kAuto));
     std::printf("backend auto resolved to %s on %s (%s), which needs %s of host memory, above the limit of %s: "
                 "falling back to the tiny preset\n",
-                to_string(sel.backend), o.layer.preset.c_str(), sel.reason.c_str(), format_bytes(mem.bytes).c_str(),
-                format_bytes(limit.bytes).c_str());
-    o.layer.preset = "tiny";
-    if (o.tokens.empty()) {
-      tokens_text = kCpuDefaultTokens;
-      token_list = parse_int_list_flag("--tokens", tokens_text, 1, 1 << 20);
-      size_cases();
-    }
-    estimate = memory_for(o.layer.preset, &g_mem);
+                to_string(sel.backend), o->layer.preset.c_str(), sel.reason.c_str(), format_bytes(mem.bytes).c_str(),
+                format_bytes(plan->limit.bytes).c_str());
+    o->layer.preset = "tiny";
+    if (o->tokens.empty()) choose_tokens(*o, plan, /*cpu_default=*/true);
+    estimate = host_memory_of(*o, *plan, o->layer.preset, &g_mem);
     mem = estimate(g_mem);
   }
-  if (!fits_host_memory(mem, limit)) require_host_memory(mem, limit, o.layer.preset, experts_hint(g_mem, limit, estimate));
+  if (!fits_host_memory(mem, plan->limit))
+    require_host_memory(mem, plan->limit, o->layer.preset, experts_hint(g_mem, plan->limit, estimate));
+}
 
+BenchPlan plan_bench(BenchOptions* o) {
+  BenchPlan plan;
+  plan.default_mode = o->layer.preset.empty();
+  if (plan.default_mode) choose_default_run(o);
+  if (o->backends.empty()) o->backends = "auto";
+  for (const std::string& b : split_list(o->backends)) plan.backends.push_back(parse_backend_flag("--backend", b));
+  plan.routing = parse_routing(o->routing);
+  plan.seed = static_cast<uint64_t>(parse_int_flag("--seed", o->seed, 0, INT64_MAX));
+  plan.limit = host_memory_limit(o->max_host_gb);
+  plan.sets_flag = parse_int_flag("--input-sets", o->input_sets, 1, 64);
+  // Validates the preset and flags before anything else runs.
+  (void)make_geometry(o->layer, 1);
+  (void)make_config(o->layer, Backend::kAuto);
+  plan.max_tokens_override =
+      o->layer.max_tokens.empty() ? 0 : parse_int_flag("--max-tokens", o->layer.max_tokens, 1, 1 << 20);
+  choose_tokens(*o, &plan, /*cpu_default=*/false);
+  fit_host_memory(o, &plan);
+  return plan;
+}
+
+// The geometry of the case of `tokens` tokens per rank.
+MoeGeometry case_geometry(const BenchOptions& o, const BenchPlan& plan, int64_t tokens) {
+  return make_geometry(o.layer, plan.max_tokens_override ? plan.max_tokens_override : tokens);
+}
+
+// One row per (backend, tokens) case, in that order, with its iteration counts and command.
+std::vector<BenchRow> plan_rows(const BenchOptions& o, const BenchPlan& plan) {
   std::vector<BenchRow> rows;
-  for (Backend b : backends)
-    for (int64_t t : token_list) {
+  for (Backend b : plan.backends)
+    for (int64_t t : plan.tokens) {
       BenchRow row;
       row.backend = to_string(b);
       row.tokens = t;
-      row.resolved = to_string(resolve(make_geometry(o.layer, max_tokens_override ? max_tokens_override : t),
-                                       make_config(o.layer, b)));
+      const Backend resolved = resolve(case_geometry(o, plan, t), make_config(o.layer, b));
+      row.resolved = to_string(resolved);
+      row.iters = o.iters.empty() ? (resolved == Backend::kCpu ? 10 : 100) : parse_int_flag("--iters", o.iters, 1, 1000000);
+      row.warmup =
+          o.warmup.empty() ? (resolved == Backend::kCpu ? 2 : 10) : parse_int_flag("--warmup", o.warmup, 0, 1000000);
+      row.command = reproduce_command(o, o.layer.preset, b, t, row.iters, row.warmup, plan.sets);
       rows.push_back(row);
     }
-  const MoeGeometry g0 = make_geometry(o.layer, t_max);
-  const MoeConfig c0 = make_config(o.layer, Backend::kAuto);
-  BenchHeader header;
-  header.preset = o.layer.preset;
-  header.geometry = g0;
-  header.config = c0;
-  header.routing = o.routing;
-  header.sets = sets;
+  return rows;
+}
 
-  // One set of inputs for every case: each rank gets t_max * sets tokens, sliced into the input sets.
-  // The weights are generated per case and rank (build_case).
+// Every rank's inputs (also in a launched process: the floor counts the experts all ranks hit):
+// t_max * sets tokens per rank, sliced into the input sets by each case.
+std::vector<reference::RankInputs> generate_inputs(const MoeGeometry& g, const BenchPlan& plan) {
   std::fprintf(stderr, "[bench] generating %lld input sets of up to %lld tokens per rank\n",
-               static_cast<long long>(sets), static_cast<long long>(t_max));
-  const int64_t R = g0.ep_size;
-  bool all_on_gpu = true;
-  for (const BenchRow& row : rows) all_on_gpu = all_on_gpu && (row.resolved == "routed" || row.resolved == "mega");
-  ProcessRanks pr;
-  if (const Status st = process_ranks(R, all_on_gpu, &pr); !st)
-    throw ToolError(st.code() == StatusCode::kInvalidArgument ? kExitUsage : kExitUnavailable, st.message());
-  // Every rank's inputs, also in a launched process: the floor counts the experts all ranks hit.
+               static_cast<long long>(plan.sets), static_cast<long long>(plan.t_max));
+  const int64_t R = g.ep_size;
   std::vector<reference::RankInputs> inputs(static_cast<size_t>(R));
   const int input_threads = std::max<int>(1, reference::default_generate_threads() / static_cast<int>(R));
   const Status gen = run_on_ranks(R, [&](int64_t r) {
-    inputs[r] = reference::make_rank_inputs(g0, seed, r, t_max * sets, routing, input_threads);
+    inputs[r] = reference::make_rank_inputs(g, plan.seed, r, plan.t_max * plan.sets, plan.routing, input_threads);
     return Status::ok();
   });
   if (!gen) throw ToolError(kExitUnavailable, "generating the inputs: " + gen.message());
-  KeptWeights kept;
+  return inputs;
+}
 
-  header.any_cpu = false;
-  for (const BenchRow& row : rows) header.any_cpu = header.any_cpu || row.resolved == "cpu";
+int run_bench(BenchOptions o) {
+  const BenchPlan plan = plan_bench(&o);
+  std::vector<BenchRow> rows = plan_rows(o, plan);
+  BenchHeader header;
+  header.preset = o.layer.preset;
+  header.geometry = make_geometry(o.layer, plan.t_max);
+  header.config = make_config(o.layer, Backend::kAuto);
+  header.routing = o.routing;
+  header.sets = plan.sets;
+  bool all_on_gpu = true;
+  for (const BenchRow& row : rows) {
+    all_on_gpu = all_on_gpu && (row.resolved == "routed" || row.resolved == "mega");
+    header.any_cpu = header.any_cpu || row.resolved == "cpu";
+  }
+  ProcessRanks pr;
+  if (const Status st = process_ranks(header.geometry.ep_size, all_on_gpu, &pr); !st)
+    throw ToolError(st.code() == StatusCode::kInvalidArgument ? kExitUsage : kExitUnavailable, st.message());
+  const std::vector<reference::RankInputs> inputs = generate_inputs(header.geometry, plan);
+
   print_bench_header(header);
   if (pr.launched) std::printf("%s: times are this rank's (each process reports its own)\n", pr.describe().c_str());
   int exit_code = kExitOk;
+  KeptWeights kept;  // the weights are generated by the first case, per rank (build_case)
   for (size_t i = 0; i < rows.size(); ++i) {
     BenchRow& row = rows[i];
-    const Backend b = backends[i / token_list.size()];
-    const MoeGeometry g = make_geometry(o.layer, max_tokens_override ? max_tokens_override : row.tokens);
+    const Backend b = plan.backends[i / plan.tokens.size()];
+    const MoeGeometry g = case_geometry(o, plan, row.tokens);
     const MoeConfig c = make_config(o.layer, b);
-    const Backend resolved = resolve(g, c);
-    const int64_t iters = o.iters.empty() ? (resolved == Backend::kCpu ? 10 : 100)
-                                          : parse_int_flag("--iters", o.iters, 1, 1000000);
-    const int64_t warmup = o.warmup.empty() ? (resolved == Backend::kCpu ? 2 : 10)
-                                            : parse_int_flag("--warmup", o.warmup, 0, 1000000);
-    row.iters = iters;
-    row.warmup = warmup;
-    row.resolved = to_string(resolved);
-    row.command = reproduce_command(o, o.layer.preset, b, row.tokens, iters, warmup, sets);
     std::fprintf(stderr, "[bench] case %zu/%zu: backend %s, %lld tokens per rank, %lld + %lld forwards\n", i + 1,
-                 rows.size(), row.backend.c_str(), static_cast<long long>(row.tokens), static_cast<long long>(warmup),
-                 static_cast<long long>(iters));
+                 rows.size(), row.backend.c_str(), static_cast<long long>(row.tokens),
+                 static_cast<long long>(row.warmup), static_cast<long long>(row.iters));
     if (b == Backend::kMega || b == Backend::kRouted) {
       const Status gate = b == Backend::kMega ? mega_capability(g, c) : routed_capability(g, c);
       if (!gate) row.error = std::string("backend=") + to_string(b) + " is unavailable: " + gate.message();
     }
-    if (row.error.empty()) run_case(g, c, seed, pr, inputs, row.tokens, sets, iters, warmup, &kept, &row);
+    if (row.error.empty())
+      run_case(g, c, plan.seed, pr, inputs, row.tokens, plan.sets, row.iters, row.warmup, &kept, &row);
     if (!row.error.empty()) exit_code = kExitUnavailable;
     print_bench_row(row);
     std::fflush(stdout);

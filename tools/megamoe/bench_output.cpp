@@ -4,6 +4,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "bench_harness.h"
 #include "bench_model.h"
 #include "presets.h"
 
@@ -18,23 +19,68 @@ std::string backend_label(const BenchRow& r) {
   return r.backend == r.resolved || r.resolved.empty() ? r.backend : r.backend + "->" + r.resolved;
 }
 
-const char* kColumns[] = {"backend", "resolved", "tokens", "iters", "warmup", "median_us", "min_us", "max_us",
-                          "tflops_per_rank", "hbm_gbps_per_rank", "nvlink_gbps_per_rank", "floor_us",
-                          "floor_bound", "time_over_floor", "time_kind", "command", "error", "stages_us"};
-
 std::string time_kind(const BenchRow& r) {
   if (!r.error.empty()) return "";
   return r.on_gpu ? "gpu wall time" : "cpu wall time (this host)";
 }
 
-std::string csv_field(const std::string& s) {
-  if (s.find_first_of(",\"\n") == std::string::npos) return s;
-  std::string out = "\"";
-  for (char ch : s) out += ch == '"' ? std::string("\"\"") : std::string(1, ch);
-  return out + "\"";
+// The text row: the record's fields and the label (backend->resolved).
+const RowPrinter& row_printer() {
+  static const RowPrinter printer({{"label", "backend", -14},
+                                   {"tokens", "tokens", 7, "%lld"},
+                                   {"median_us", "median_us", 11, "%.1f"},
+                                   {"min_us", "min_us", 11, "%.1f"},
+                                   {"max_us", "max_us", 11, "%.1f"},
+                                   {"tflops_per_rank", "TFLOP/s", 9, "%.4g"},
+                                   {"hbm_gbps_per_rank", "HBM_GB/s", 9, "%.4g"},
+                                   {"nvlink_gbps_per_rank", "NVL_GB/s", 9, "%.4g"},
+                                   {"floor_us", "floor_us", 10, "%.3f"},
+                                   {"floor_bound", "bound", 6},
+                                   {"time_over_floor", "time/floor", 11, "%.4g"},
+                                   {"command", "command", 0, "%s", "  "}});
+  return printer;
+}
+
+// The CSV columns (docs/TOOL.md); stages_us as its text ("dispatch=31.2 ...").
+const std::vector<std::string> kCsvKeys = {"backend", "resolved", "tokens", "iters", "warmup", "median_us", "min_us",
+                                           "max_us", "tflops_per_rank", "hbm_gbps_per_rank", "nvlink_gbps_per_rank",
+                                           "floor_us", "floor_bound", "time_over_floor", "time_kind", "command",
+                                           "error", "stages_us"};
+
+// "dispatch=31.2 expert_pool=40.1 ..." (empty without a breakdown).
+std::string stages_text(const BenchRow& r) {
+  std::string out;
+  char buf[96];
+  for (const auto& st : r.stages_us) {
+    std::snprintf(buf, sizeof(buf), "%s%s=%.1f", out.empty() ? "" : " ", st.first.c_str(), st.second);
+    out += buf;
+  }
+  return out;
 }
 
 }  // namespace
+
+nlohmann::json bench_record(const BenchRow& r) {
+  nlohmann::json row = {{"backend", r.backend}, {"resolved", r.resolved}, {"tokens", r.tokens},
+                        {"iters", r.iters},     {"warmup", r.warmup},     {"command", r.command},
+                        {"time_kind", time_kind(r)}};
+  if (!r.error.empty()) {
+    row["error"] = r.error;
+    return row;
+  }
+  set_summary(&row, Summary{r.iters, r.median_us, r.min_us, r.max_us});
+  row["tflops_per_rank"] = r.tflops_per_rank;
+  row["hbm_gbps_per_rank"] = r.hbm_gbps_per_rank;
+  row["nvlink_gbps_per_rank"] = r.nvlink_gbps_per_rank;
+  set_floor(&row, r.median_us, r.floor_us, r.floor_bound);
+  if (!row.contains("time_over_floor")) row["time_over_floor"] = 0.0;
+  if (!r.stages_us.empty()) {
+    nlohmann::json stages = nlohmann::json::array();
+    for (const auto& st : r.stages_us) stages.push_back({{"stage", st.first}, {"us", st.second}});
+    row["stages_us"] = stages;
+  }
+  return row;
+}
 
 void print_bench_header(const BenchHeader& h) {
   const MoeGeometry& g = h.geometry;
@@ -59,19 +105,7 @@ void print_bench_header(const BenchHeader& h) {
   if (h.any_cpu)
     std::printf("NOTE: rows on the cpu backend are CPU wall time on this host, not GPU time; their floor is still "
                 "the H200's, so time/floor only says how far this CPU is from an H200\n");
-  std::printf("%-14s %7s %11s %11s %11s %9s %9s %9s %10s %6s %11s  %s\n", "backend", "tokens", "median_us", "min_us",
-              "max_us", "TFLOP/s", "HBM_GB/s", "NVL_GB/s", "floor_us", "bound", "time/floor", "command");
-}
-
-// "dispatch=31.2 expert_pool=40.1 ..." (empty without a breakdown).
-static std::string stages_text(const BenchRow& r) {
-  std::string out;
-  char buf[96];
-  for (const auto& st : r.stages_us) {
-    std::snprintf(buf, sizeof(buf), "%s%s=%.1f", out.empty() ? "" : " ", st.first.c_str(), st.second);
-    out += buf;
-  }
-  return out;
+  std::printf("%s\n", row_printer().header().c_str());
 }
 
 void print_bench_row(const BenchRow& r) {
@@ -80,15 +114,14 @@ void print_bench_row(const BenchRow& r) {
                 r.error.c_str(), r.command.c_str());
     return;
   }
-  std::printf("%-14s %7lld %11.1f %11.1f %11.1f %9.4g %9.4g %9.4g %10.3f %6s %11.4g  %s\n", backend_label(r).c_str(),
-              static_cast<long long>(r.tokens), r.median_us, r.min_us, r.max_us, r.tflops_per_rank,
-              r.hbm_gbps_per_rank, r.nvlink_gbps_per_rank, r.floor_us, r.floor_bound.c_str(), r.time_over_floor,
-              r.command.c_str());
+  nlohmann::json rec = bench_record(r);
+  rec["label"] = backend_label(r);
+  std::printf("%s\n", row_printer().row(rec).c_str());
   if (!r.stages_us.empty()) std::printf("%-14s %7s   stages, us (median of the slowest rank): %s\n", "", "",
                                         stages_text(r).c_str());
 }
 
-void write_bench_json(const std::string& path, const BenchHeader& h, const std::vector<BenchRow>& rows) {
+nlohmann::json bench_document(const BenchHeader& h, const std::vector<BenchRow>& rows) {
   const MoeGeometry& g = h.geometry;
   const MoeConfig& c = h.config;
   nlohmann::json j;
@@ -114,52 +147,23 @@ void write_bench_json(const std::string& path, const BenchHeader& h, const std::
                 {"rates", "per rank: sum over ranks / R / median time"},
                 {"floor", "max over ranks of max(hit weight bytes / HBM, FLOPs / GEMM peak, NVLink bytes / NVLink)"}};
   nlohmann::json out_rows = nlohmann::json::array();
-  for (const BenchRow& r : rows) {
-    nlohmann::json row = {{"backend", r.backend},   {"resolved", r.resolved}, {"tokens", r.tokens},
-                          {"iters", r.iters},       {"warmup", r.warmup},     {"command", r.command},
-                          {"time_kind", time_kind(r)}};
-    if (r.error.empty()) {
-      row["median_us"] = r.median_us;
-      row["min_us"] = r.min_us;
-      row["max_us"] = r.max_us;
-      row["tflops_per_rank"] = r.tflops_per_rank;
-      row["hbm_gbps_per_rank"] = r.hbm_gbps_per_rank;
-      row["nvlink_gbps_per_rank"] = r.nvlink_gbps_per_rank;
-      row["floor_us"] = r.floor_us;
-      row["floor_bound"] = r.floor_bound;
-      row["time_over_floor"] = r.time_over_floor;
-      if (!r.stages_us.empty()) {
-        nlohmann::json stages = nlohmann::json::array();
-        for (const auto& st : r.stages_us) stages.push_back({{"stage", st.first}, {"us", st.second}});
-        row["stages_us"] = stages;
-      }
-    } else {
-      row["error"] = r.error;
-    }
-    out_rows.push_back(row);
-  }
+  for (const BenchRow& r : rows) out_rows.push_back(bench_record(r));
   j["rows"] = out_rows;
-  std::ofstream f(path);
-  f << j.dump(2) << "\n";
-  f.close();
-  if (!f) throw ToolError(kExitIo, "cannot write --json file " + path);
+  return j;
+}
+
+void write_bench_json(const std::string& path, const BenchHeader& h, const std::vector<BenchRow>& rows) {
+  write_json_file(path, bench_document(h, rows));
 }
 
 void write_bench_csv(const std::string& path, const std::vector<BenchRow>& rows) {
-  std::ofstream f(path);
-  for (size_t i = 0; i < sizeof(kColumns) / sizeof(kColumns[0]); ++i) f << (i ? "," : "") << kColumns[i];
-  f << "\n";
+  std::vector<nlohmann::json> records;
   for (const BenchRow& r : rows) {
-    const bool ok = r.error.empty();
-    auto num = [&](double v) { return ok ? std::to_string(v) : std::string(); };
-    f << r.backend << "," << r.resolved << "," << r.tokens << "," << r.iters << "," << r.warmup << ","
-      << num(r.median_us) << "," << num(r.min_us) << "," << num(r.max_us) << "," << num(r.tflops_per_rank) << ","
-      << num(r.hbm_gbps_per_rank) << "," << num(r.nvlink_gbps_per_rank) << "," << num(r.floor_us) << ","
-      << (ok ? r.floor_bound : "") << "," << num(r.time_over_floor) << "," << csv_field(time_kind(r)) << ","
-      << csv_field(r.command) << "," << csv_field(r.error) << "," << csv_field(stages_text(r)) << "\n";
+    nlohmann::json rec = bench_record(r);
+    rec["stages_us"] = stages_text(r);  // as text in CSV
+    records.push_back(std::move(rec));
   }
-  f.close();
-  if (!f) throw ToolError(kExitIo, "cannot write --csv file " + path);
+  write_csv_file(path, kCsvKeys, records);
 }
 
 }  // namespace megamoe::tool

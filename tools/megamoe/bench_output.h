@@ -6,6 +6,8 @@
 #include <utility>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "megamoe/config.h"
 
 namespace megamoe::tool {
@@ -35,6 +37,11 @@ struct BenchHeader {
   int64_t sets = 0;
   bool any_cpu = false;  // some case runs on the cpu backend
 };
+
+// A row as the JSON record of --json (the text row and CSV print its fields).
+nlohmann::json bench_record(const BenchRow& row);
+// The whole --json document: the header's geometry, config and model, and the rows.
+nlohmann::json bench_document(const BenchHeader& h, const std::vector<BenchRow>& rows);
 
 void print_bench_header(const BenchHeader& h);
 void print_bench_row(const BenchRow& row);

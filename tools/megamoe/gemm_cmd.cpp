@@ -9,11 +9,6 @@
 // clean), median / min / max over --iters after --warmup launches; and, where libcupti can be opened,
 // the same launches' kernel time from the GPU's timestamps (kernel_timer.h: what PyTorch's profiler
 // and DeepGEMM's harness report; it leaves out the ~3 us of launch and teardown events include).
-#include "gemm_cmd.h"
-
-#include "kernel_timer.h"
-#include "presets.h"
-
 #include <CLI/CLI.hpp>
 #include <cublasLt.h>
 #include <cuda_runtime.h>
@@ -21,12 +16,16 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "bench_harness.h"
+#include "commands.h"
 #include "kernels/gemm/gemm_fill.h"
 #include "kernels/gemm/sm90_fp8_grouped_gemm.h"
+#include "presets.h"
 
 namespace megamoe::tool {
 namespace {
@@ -76,82 +75,6 @@ struct BenchOptions {
 
 void cuda_check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) fail(kExitUnavailable, std::string(what) + ": " + cudaGetErrorString(e));
-}
-
-std::vector<int64_t> parse_list(const std::string& flag, const std::string& text) {
-  std::vector<int64_t> v;
-  std::stringstream ss(text);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    try {
-      size_t pos = 0;
-      const long long x = std::stoll(item, &pos);
-      if (pos != item.size() || x < 1 || x > (1 << 20)) throw std::invalid_argument(item);
-      v.push_back(x);
-    } catch (const std::exception&) {
-      fail(kExitUsage, "invalid value for " + flag + ": '" + item + "', must be a comma-separated list of integers in [1, 1048576]");
-    }
-  }
-  if (v.empty()) fail(kExitUsage, "invalid value for " + flag + ": empty list");
-  return v;
-}
-
-struct Timing {
-  double med_us = 0, min_us = 0, max_us = 0;  // CUDA events around each launch
-  double kernel_med_us = 0, kernel_min_us = 0;  // GPU timestamps of the launch's kernels (0: not measured)
-};
-
-// What runs before every timed launch, outside the timed region.
-struct L2Flush {
-  void* buf = nullptr;
-  size_t bytes = 0;
-  bool read = false;  // read the buffer (clean L2) instead of writing it (dirty L2)
-  uint32_t* sink = nullptr;
-  void run(int i, cudaStream_t s) const {
-    if (read)
-      cuda_check(gemm::read_through(buf, int64_t(bytes), sink, s), "L2 flush (read)");
-    else
-      cuda_check(cudaMemsetAsync(buf, i & 0xFF, bytes, s), "L2 flush (memset)");
-  }
-};
-
-template <class Launch>
-Timing time_launches(Launch&& launch, const L2Flush& flush, int iters, int warmup, cudaStream_t s) {
-  for (int i = 0; i < warmup; ++i) launch();
-  cudaEvent_t e0, e1;
-  cuda_check(cudaEventCreate(&e0), "cudaEventCreate");
-  cuda_check(cudaEventCreate(&e1), "cudaEventCreate");
-  cuda_check(cudaStreamSynchronize(s), "warm-up launches");
-  KernelTimer* timer = KernelTimer::get();
-  const bool timed = timer != nullptr && timer->start();
-  std::vector<double> us;
-  for (int i = 0; i < iters; ++i) {
-    flush.run(i, s);
-    cuda_check(cudaEventRecord(e0, s), "cudaEventRecord");
-    launch();
-    cuda_check(cudaEventRecord(e1, s), "cudaEventRecord");
-    cuda_check(cudaEventSynchronize(e1), "cudaEventSynchronize");
-    float ms = 0;
-    cudaEventElapsedTime(&ms, e0, e1);
-    us.push_back(ms * 1e3);
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  std::sort(us.begin(), us.end());
-  Timing t{us[us.size() / 2], us.front(), us.back()};
-  if (timed) {
-    // Each timed launch follows its flush: the 256 MiB memset (a library's own memsets are launch
-    // spans), or the read kernel.
-    std::vector<double> k = launch_spans_us(timer->stop(), [&flush](const DeviceSpan& sp) {
-      return sp.memset ? sp.bytes >= flush.bytes : sp.name.find("read_kernel") != std::string::npos;
-    });
-    if (int(k.size()) == iters) {
-      std::sort(k.begin(), k.end());
-      t.kernel_med_us = k[k.size() / 2];
-      t.kernel_min_us = k.front();
-    }
-  }
-  return t;
 }
 
 // cuBLASLt dense fp8 GEMM D[M, N] = X[M, K] * W[N, K]^T (bf16 out), row-major views.
@@ -212,7 +135,7 @@ double pct(std::vector<double> v, double q) {
   return v[std::min(v.size() - 1, size_t(q * double(v.size() - 1) + 0.5))];
 }
 
-void trace_case(GroupedGemmArgs g, const L2Flush& flush, cudaStream_t s, double weight_bytes, const std::string& label,
+void trace_case(GroupedGemmArgs g, FlushMode flush, cudaStream_t s, double weight_bytes, const std::string& label,
                 std::ostream* json) {
   int sms = 0, dev = 0;
   cuda_check(cudaGetDevice(&dev), "cudaGetDevice");
@@ -224,7 +147,7 @@ void trace_case(GroupedGemmArgs g, const L2Flush& flush, cudaStream_t s, double 
   cuda_check(cudaMemset(dtrace, 0, words * 8), "cudaMemset(trace)");
   g.trace = dtrace;
   g.trace_max_tiles = kTraceTiles;
-  flush.run(0, s);
+  if (const Status fst = flush_l2(Device::cuda(dev), s, flush); !fst) fail(kExitUnavailable, fst.message());
   gemm::GemmTileConfig used;
   const Status st = gemm::launch_grouped_gemm(g, s, &used);
   if (!st.is_ok()) fail(kExitUnavailable, st.to_string());
@@ -289,59 +212,21 @@ void trace_case(GroupedGemmArgs g, const L2Flush& flush, cudaStream_t s, double 
   }
 }
 
-struct Row {
-  std::string model, fc, layout, tiles;
-  int64_t experts, tokens, n, k;
-  Timing ours, peer;
-  double tflops, weight_gbs, weight_gbs_kernel, peer_tflops, ratio, floor_us;
-  bool peer_ok;
-  std::string command;
+// One timed case: an FC of one model with E experts and T rows per expert, in one layout.
+struct GemmCase {
+  ModelShape model;
+  std::string fc;  // fc1, fc1+swiglu, fc2
+  GemmEpilogue epilogue = GemmEpilogue::kStoreBf16;
+  int64_t experts = 0, tokens = 0, n = 0, k = 0;
+  bool masked = false;
+  int64_t busy = 0;  // experts with rows (--empty-every leaves the others idle)
+  bool empty(int64_t e, int empty_every) const { return empty_every > 0 && (e + 1) % empty_every == 0; }
 };
 
-int run_bench_gemm(const BenchOptions& o) {
-  int ndev = 0;
-  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) fail(kExitUnavailable, "no CUDA device");
-  cudaDeviceProp prop;
-  cuda_check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
-  if (prop.major != 9) fail(kExitUnavailable, std::string("bench-gemm needs an sm_90 GPU, found ") + prop.name);
-  std::printf("# bench-gemm on %s (%d SMs); floor = max(weight bytes / %.1f TB/s, FLOPs / %.0f TFLOP/s); L2 flush: %s\n",
-              prop.name, prop.multiProcessorCount, kHbmBytesPerS / 1e12, kFp8FlopsPerS / 1e12,
-              o.flush == "read" ? "256 MiB read (clean)" : "256 MiB memset (dirty)");
-  if (KernelTimer::get() == nullptr)
-    std::printf("# kernel time (kern_us, wGB/s(k)): not measured: %s\n", KernelTimer::why_unavailable().c_str());
-  else
-    std::printf("# kern_us: median kernel time from the GPU's timestamps (CUPTI); wGB/s(k): weight bytes / kern_us\n");
-  std::printf("# %-13s %-10s %4s %5s %-10s %-22s %9s %8s %8s %8s %8s %9s | %9s %8s %8s %6s %10s\n", "model", "fc", "E",
-              "T/E", "layout", "tiles", "us(med)", "min", "TFLOP/s", "wGB/s", "kern_us", "wGB/s(k)", "cublas_us",
-              "kern_us", "TFLOP/s", "ratio", "time/floor");
-  cudaStream_t s;
-  cuda_check(cudaStreamCreate(&s), "cudaStreamCreate");
-  L2Flush flush;
-  flush.bytes = 256ull << 20;
-  flush.read = o.flush == "read";
-  cuda_check(cudaMalloc(&flush.buf, flush.bytes + 16), "cudaMalloc(flush)");
-  cuda_check(cudaMemset(flush.buf, 0x5A, flush.bytes + 16), "cudaMemset(flush)");
-  flush.sink = reinterpret_cast<uint32_t*>(static_cast<char*>(flush.buf) + flush.bytes);
-  int32_t* tile_counter = nullptr;  // the GEMM leaves it zero after each launch
-  cuda_check(cudaMalloc(&tile_counter, 2 * sizeof(int32_t)), "cudaMalloc(tile counter)");
-  cuda_check(cudaMemset(tile_counter, 0, 2 * sizeof(int32_t)), "cudaMemset(tile counter)");
-  CublasFp8* cublas = o.cublas ? new CublasFp8() : nullptr;
-  std::vector<Row> rows;
-  std::ofstream trace_json;
-  if (!o.trace.empty()) {
-    trace_json.open(o.trace);
-    if (!trace_json) fail(kExitIo, "cannot write --trace file '" + o.trace + "'");
-    trace_json << "[\n";
-  }
-  bool first_trace = true;
-
-  std::vector<std::string> models;
-  {
-    std::stringstream ss(o.presets);
-    std::string m;
-    while (std::getline(ss, m, ',')) models.push_back(m);
-  }
-  for (const std::string& mname : models) {
+// Every case the flags ask for: per model, per --experts, per --tokens, the FCs in order.
+std::vector<GemmCase> plan_gemm_cases(const BenchOptions& o) {
+  std::vector<GemmCase> cases;
+  for (const std::string& mname : split_list(o.presets)) {
     const ModelShape* ms = nullptr;
     for (const ModelShape& m : kModels)
       if (mname == m.name) ms = &m;
@@ -349,12 +234,11 @@ int run_bench_gemm(const BenchOptions& o) {
     ModelShape shape = *ms;
     if (o.hidden > 0) shape.hidden = o.hidden;
     if (o.intermediate > 0) shape.intermediate = o.intermediate;
-    ms = &shape;
-    const std::vector<int64_t> experts = parse_list("--experts", o.experts.empty() ? ms->experts : o.experts);
-    const std::vector<int64_t> tokens = parse_list("--tokens", o.tokens.empty() ? ms->tokens : o.tokens);
+    const std::vector<int64_t> experts =
+        parse_int_list_flag("--experts", o.experts.empty() ? ms->experts : o.experts, 1, 1 << 20);
+    const std::vector<int64_t> tokens = parse_int_list_flag("--tokens", o.tokens.empty() ? ms->tokens : o.tokens, 1, 1 << 20);
     for (int64_t E : experts)
       for (int64_t T : tokens) {
-        const bool masked = o.layout == "masked" || (o.layout == "auto" && T <= 32);
         std::vector<std::pair<std::string, GemmEpilogue>> fcs;
         if (o.fcs.find("fc1") != std::string::npos) {
           fcs.push_back({"fc1", GemmEpilogue::kStoreBf16});
@@ -362,173 +246,259 @@ int run_bench_gemm(const BenchOptions& o) {
         }
         if (o.fcs.find("fc2") != std::string::npos) fcs.push_back({"fc2", GemmEpilogue::kStoreBf16});
         for (const auto& fc : fcs) {
+          GemmCase c;
+          c.model = shape;
+          c.fc = fc.first;
+          c.epilogue = fc.second;
+          c.experts = E;
+          c.tokens = T;
           const bool is_fc1 = fc.first != "fc2";
-          const int64_t N = is_fc1 ? 2 * ms->intermediate : ms->hidden;
-          const int64_t K = is_fc1 ? ms->hidden : ms->intermediate;
-          const int64_t M = E * T;  // rows allocated
-          const auto empty = [&](int64_t e) { return o.empty_every > 0 && (e + 1) % o.empty_every == 0; };
-          int64_t busy = 0;  // experts with rows
-          for (int64_t e = 0; e < E; ++e) busy += empty(e) ? 0 : 1;
-          const int64_t M_real = busy * T;
-          const bool swiglu = fc.second == GemmEpilogue::kSwigluFp8;
-          // buffers
-          void *a = nullptr, *b = nullptr, *d = nullptr;
-          float *sa = nullptr, *sb = nullptr, *sd = nullptr;
-          int32_t* seg = nullptr;
-          cuda_check(cudaMalloc(&a, M * K), "cudaMalloc(A)");
-          cuda_check(cudaMalloc(&b, E * N * K), "cudaMalloc(B)");
-          cuda_check(cudaMalloc(&d, M * N * 2), "cudaMalloc(D)");
-          cuda_check(cudaMalloc(&sa, ((M + 3) / 4 * 4) * (K / 128) * 4 + 64), "cudaMalloc(SFA)");
-          cuda_check(cudaMalloc(&sb, E * (N / 128) * (K / 128) * 4), "cudaMalloc(SFB)");
-          cuda_check(cudaMalloc(&sd, ((M + 3) / 4 * 4) * (N / 256 + 1) * 4), "cudaMalloc(SFD)");
-          cuda_check(cudaMalloc(&seg, (E + 1) * 4), "cudaMalloc(segments)");
-          cuda_check(gemm::fill_random_e4m3(a, M * K, 1, s), "fill A");
-          cuda_check(gemm::fill_random_e4m3(b, E * N * K, 2, s), "fill B");
-          cuda_check(gemm::fill_random_f32(sa, ((M + 3) / 4 * 4) * (K / 128), 0.5f, 2.f, 3, s), "fill SFA");
-          cuda_check(gemm::fill_random_f32(sb, E * (N / 128) * (K / 128), 0.5f, 2.f, 4, s), "fill SFB");
-          std::vector<int32_t> hseg(E + 1);
-          for (int64_t e = 0, off = 0; e <= E; ++e) {  // masked: counts; contiguous: offsets
-            hseg[e] = int32_t(masked ? (e < E && !empty(e) ? T : 0) : off);
-            if (e < E && !empty(e)) off += T;
-          }
-          cuda_check(cudaMemcpy(seg, hseg.data(), (E + 1) * 4, cudaMemcpyHostToDevice), "copy segments");
-
-          GroupedGemmArgs g;
-          g.dtype = GemmDtype::kFp8Block;
-          g.layout = masked ? GroupedLayout::kMasked : GroupedLayout::kContiguous;
-          g.epilogue = fc.second;
-          g.num_experts = int32_t(E);
-          g.n = int32_t(N);
-          g.k = int32_t(K);
-          g.a = a;
-          g.m_rows = masked ? T : M;
-          g.a_scales = sa;
-          g.ld_a_scales = masked ? (T + 3) / 4 * 4 : (M + 3) / 4 * 4;
-          g.expert_offsets = masked ? nullptr : seg;
-          g.masked_counts = masked ? seg : nullptr;
-          g.b = b;
-          g.b_scales = sb;
-          g.d = d;
-          g.d_scales = swiglu ? sd : nullptr;
-          g.expected_m_per_expert = T;
-          g.tiles.block_m = o.block_m;
-          g.tiles.block_n = swiglu && o.block_n == 128 ? 0 : o.block_n;
-          g.tiles.num_sms = o.num_sms;
-          g.tiles.cluster = o.cluster;
-          g.tile_counter = tile_counter;
-          g.tile_order = o.schedule == "static"    ? gemm::GemmTileOrder::kRoundRobin
-                         : o.schedule == "dynamic" ? gemm::GemmTileOrder::kCounter
-                                                   : gemm::GemmTileOrder::kAuto;
-          g.weights_evict_first = o.weights_l2 == "evict-first";
-          uint64_t* probe_trace = nullptr;  // a probe runs in the traced kernel: every launch gets the buffer
-          if (o.probe != "none") {
-            const int64_t words = 1024 * gemm::kTraceWordsHeader + int64_t(kTraceTiles) * gemm::kTraceWordsPerTile;
-            cuda_check(cudaMalloc(&probe_trace, words * 8), "cudaMalloc(probe trace)");
-            g.trace = probe_trace;
-            g.trace_max_tiles = kTraceTiles;
-            g.probe = o.probe == "stream"        ? gemm::GemmProbe::kStream
-                      : o.probe == "no-epilogue" ? gemm::GemmProbe::kNoEpilogue
-                      : o.probe == "no-loads"    ? gemm::GemmProbe::kNoLoads
-                                                 : gemm::GemmProbe::kMathOnly;
-          }
-          gemm::GemmTileConfig used;
-          Status st = gemm::launch_grouped_gemm(g, s, &used);
-          if (!st.is_ok()) fail(kExitUnavailable, st.to_string());
-          cuda_check(cudaStreamSynchronize(s), "grouped GEMM run");
-          Row r;
-          r.model = ms->name;
-          r.fc = fc.first;
-          r.layout = std::string(masked ? "masked" : "contiguous") +
-                     (o.empty_every > 0 ? "/e" + std::to_string(o.empty_every) : "");
-          r.tiles = std::to_string(used.block_m) + "x" + std::to_string(used.block_n) +
-                    (used.cluster > 1 ? " x" + std::to_string(used.cluster) + " g" + std::to_string(used.grid) : "") + (used.round_robin ? " static" : "") +
-                    (o.probe != "none" ? " probe:" + o.probe : "");
-          r.experts = E;
-          r.tokens = T;
-          r.n = N;
-          r.k = K;
-          r.ours = time_launches([&] { (void)gemm::launch_grouped_gemm(g, s); }, flush, o.iters, o.warmup, s);
-          cuda_check(cudaGetLastError(), "grouped GEMM timing");
-          // the rows and weights the launch works on (idle experts excluded)
-          const double flops = 2.0 * double(M_real) * double(N) * double(K);
-          const double wbytes = double(busy) * double(N) * double(K);
-          r.tflops = flops / (r.ours.med_us * 1e-6) / 1e12;
-          r.weight_gbs = wbytes / (r.ours.med_us * 1e-6) / 1e9;
-          r.weight_gbs_kernel = r.ours.kernel_med_us > 0 ? wbytes / (r.ours.kernel_med_us * 1e-6) / 1e9 : 0;
-          r.floor_us = std::max(wbytes / kHbmBytesPerS, flops / kFp8FlopsPerS) * 1e6;
-          r.peer_ok = false;
-          r.peer_tflops = 0;
-          r.ratio = 0;
-          if (cublas != nullptr && !swiglu && M_real > 0) {  // no peer for a launch of idle experts only
-            bool ok = false;
-            cublas->run(a, b, d, M_real, N, K, s, &ok);
-            if (ok) {
-              r.peer = time_launches([&] { bool k2; cublas->run(a, b, d, M_real, N, K, s, &k2); }, flush, o.iters,
-                                     o.warmup, s);
-              r.peer_ok = true;
-              r.peer_tflops = flops / (r.peer.med_us * 1e-6) / 1e12;
-              r.ratio = r.tflops / r.peer_tflops;
-            }
-          }
-          std::ostringstream cmd;
-          cmd << "megamoe bench-gemm --preset " << ms->name;
-          if (o.hidden > 0) cmd << " --hidden " << o.hidden;
-          if (o.intermediate > 0) cmd << " --intermediate " << o.intermediate;
-          cmd << " --experts " << E << " --tokens " << T << " --fc "
-              << (is_fc1 ? "fc1" : "fc2") << " --layout " << (masked ? "masked" : "contiguous");
-          if (o.empty_every > 0) cmd << " --empty-every " << o.empty_every;
-          r.command = cmd.str();
-          std::printf("  %-13s %-10s %4lld %5lld %-10s %-22s %9.1f %8.1f %8.1f %8.0f %8.1f %9.0f | %9.1f %8.1f %8.1f %6.3f "
-                      "%10.2f   # %s\n",
-                      r.model.c_str(), r.fc.c_str(), (long long)E, (long long)T, r.layout.c_str(), r.tiles.c_str(),
-                      r.ours.med_us, r.ours.min_us, r.tflops, r.weight_gbs, r.ours.kernel_med_us, r.weight_gbs_kernel,
-                      r.peer_ok ? r.peer.med_us : 0.0, r.peer_ok ? r.peer.kernel_med_us : 0.0, r.peer_tflops, r.ratio,
-                      r.ours.med_us / r.floor_us, r.command.c_str());
-          std::fflush(stdout);
-          if (!o.trace.empty()) {
-            if (!first_trace) trace_json << ",\n";
-            first_trace = false;
-            trace_case(g, flush, s, wbytes, r.model + " " + r.fc + " " + std::to_string(E) + "x" + std::to_string(T),
-                       &trace_json);
-            std::fflush(stdout);
-          }
-          rows.push_back(r);
-          cudaFree(a);
-          cudaFree(b);
-          cudaFree(d);
-          cudaFree(sa);
-          cudaFree(sb);
-          cudaFree(sd);
-          cudaFree(seg);
-          cudaFree(probe_trace);
+          c.n = is_fc1 ? 2 * shape.intermediate : shape.hidden;
+          c.k = is_fc1 ? shape.hidden : shape.intermediate;
+          c.masked = o.layout == "masked" || (o.layout == "auto" && T <= 32);
+          for (int64_t e = 0; e < E; ++e) c.busy += c.empty(e, o.empty_every) ? 0 : 1;
+          cases.push_back(c);
         }
       }
   }
+  return cases;
+}
+
+// A case's device buffers, filled with random finite operands on the GPU; freed on destruction.
+struct GemmBuffers {
+  void *a = nullptr, *b = nullptr, *d = nullptr;
+  float *sa = nullptr, *sb = nullptr, *sd = nullptr;
+  int32_t* segments = nullptr;  // masked: counts; contiguous: offsets
+  uint64_t* probe_trace = nullptr;
+  GemmBuffers(const GemmCase& c, int empty_every, bool probe, cudaStream_t s) {
+    const int64_t E = c.experts, T = c.tokens, N = c.n, K = c.k, M = E * T, M4 = (M + 3) / 4 * 4;
+    cuda_check(cudaMalloc(&a, M * K), "cudaMalloc(A)");
+    cuda_check(cudaMalloc(&b, E * N * K), "cudaMalloc(B)");
+    cuda_check(cudaMalloc(&d, M * N * 2), "cudaMalloc(D)");
+    cuda_check(cudaMalloc(&sa, M4 * (K / 128) * 4 + 64), "cudaMalloc(SFA)");
+    cuda_check(cudaMalloc(&sb, E * (N / 128) * (K / 128) * 4), "cudaMalloc(SFB)");
+    cuda_check(cudaMalloc(&sd, M4 * (N / 256 + 1) * 4), "cudaMalloc(SFD)");
+    cuda_check(cudaMalloc(&segments, (E + 1) * 4), "cudaMalloc(segments)");
+    cuda_check(gemm::fill_random_e4m3(a, M * K, 1, s), "fill A");
+    cuda_check(gemm::fill_random_e4m3(b, E * N * K, 2, s), "fill B");
+    cuda_check(gemm::fill_random_f32(sa, M4 * (K / 128), 0.5f, 2.f, 3, s), "fill SFA");
+    cuda_check(gemm::fill_random_f32(sb, E * (N / 128) * (K / 128), 0.5f, 2.f, 4, s), "fill SFB");
+    std::vector<int32_t> hseg(E + 1);
+    for (int64_t e = 0, off = 0; e <= E; ++e) {
+      const bool rows = e < E && !c.empty(e, empty_every);
+      hseg[e] = int32_t(c.masked ? (rows ? T : 0) : off);
+      if (rows) off += T;
+    }
+    cuda_check(cudaMemcpy(segments, hseg.data(), (E + 1) * 4, cudaMemcpyHostToDevice), "copy segments");
+    if (probe) {  // a probe runs in the traced kernel: every launch gets the buffer
+      const int64_t words = 1024 * gemm::kTraceWordsHeader + int64_t(kTraceTiles) * gemm::kTraceWordsPerTile;
+      cuda_check(cudaMalloc(&probe_trace, words * 8), "cudaMalloc(probe trace)");
+    }
+  }
+  GemmBuffers(const GemmBuffers&) = delete;
+  GemmBuffers& operator=(const GemmBuffers&) = delete;
+  ~GemmBuffers() {
+    for (void* p : {a, b, d, static_cast<void*>(sa), static_cast<void*>(sb), static_cast<void*>(sd),
+                    static_cast<void*>(segments), static_cast<void*>(probe_trace)})
+      cudaFree(p);
+  }
+};
+
+// The grouped GEMM's arguments for a case on its buffers, with the tile, schedule and probe flags.
+GroupedGemmArgs gemm_args(const GemmCase& c, const GemmBuffers& buf, const BenchOptions& o, int32_t* tile_counter) {
+  const bool swiglu = c.epilogue == GemmEpilogue::kSwigluFp8;
+  const int64_t M = c.experts * c.tokens;
+  GroupedGemmArgs g;
+  g.dtype = GemmDtype::kFp8Block;
+  g.layout = c.masked ? GroupedLayout::kMasked : GroupedLayout::kContiguous;
+  g.epilogue = c.epilogue;
+  g.num_experts = int32_t(c.experts);
+  g.n = int32_t(c.n);
+  g.k = int32_t(c.k);
+  g.a = buf.a;
+  g.m_rows = c.masked ? c.tokens : M;
+  g.a_scales = buf.sa;
+  g.ld_a_scales = c.masked ? (c.tokens + 3) / 4 * 4 : (M + 3) / 4 * 4;
+  g.expert_offsets = c.masked ? nullptr : buf.segments;
+  g.masked_counts = c.masked ? buf.segments : nullptr;
+  g.b = buf.b;
+  g.b_scales = buf.sb;
+  g.d = buf.d;
+  g.d_scales = swiglu ? buf.sd : nullptr;
+  g.expected_m_per_expert = c.tokens;
+  g.tiles.block_m = o.block_m;
+  g.tiles.block_n = swiglu && o.block_n == 128 ? 0 : o.block_n;
+  g.tiles.num_sms = o.num_sms;
+  g.tiles.cluster = o.cluster;
+  g.tile_counter = tile_counter;
+  g.tile_order = o.schedule == "static"    ? gemm::GemmTileOrder::kRoundRobin
+                 : o.schedule == "dynamic" ? gemm::GemmTileOrder::kCounter
+                                           : gemm::GemmTileOrder::kAuto;
+  g.weights_evict_first = o.weights_l2 == "evict-first";
+  if (buf.probe_trace != nullptr) {
+    g.trace = buf.probe_trace;
+    g.trace_max_tiles = kTraceTiles;
+    g.probe = o.probe == "stream"        ? gemm::GemmProbe::kStream
+              : o.probe == "no-epilogue" ? gemm::GemmProbe::kNoEpilogue
+              : o.probe == "no-loads"    ? gemm::GemmProbe::kNoLoads
+                                         : gemm::GemmProbe::kMathOnly;
+  }
+  return g;
+}
+
+// The text row (stdout) of a case's record; the --json file holds the same records.
+const RowPrinter& gemm_printer() {
+  static const RowPrinter printer({{"model", "model", -13},
+                                   {"fc", "fc", -10},
+                                   {"experts", "E", 4, "%lld"},
+                                   {"tokens_per_expert", "T/E", 5, "%lld"},
+                                   {"layout", "layout", -10},
+                                   {"tiles", "tiles", -22},
+                                   {"us_median", "us(med)", 9, "%.1f"},
+                                   {"us_min", "min", 8, "%.1f"},
+                                   {"tflops", "TFLOP/s", 8, "%.1f"},
+                                   {"weight_gbs", "wGB/s", 8, "%.0f"},
+                                   {"kernel_us_median", "kern_us", 8, "%.1f"},
+                                   {"weight_gbs_kernel", "wGB/s(k)", 9, "%.0f"},
+                                   {"", "|"},
+                                   {"cublas_us", "cublas_us", 9, "%.1f"},
+                                   {"cublas_kernel_us", "kern_us", 8, "%.1f"},
+                                   {"cublas_tflops", "TFLOP/s", 8, "%.1f"},
+                                   {"ratio_to_cublas", "ratio", 6, "%.3f"},
+                                   {"time_over_floor", "time/floor", 10, "%.2f"}},
+                                  "  ", "# ");
+  return printer;
+}
+
+std::string gemm_command(const GemmCase& c, const BenchOptions& o) {
+  std::ostringstream cmd;
+  cmd << "megamoe bench-gemm --preset " << c.model.name;
+  if (o.hidden > 0) cmd << " --hidden " << o.hidden;
+  if (o.intermediate > 0) cmd << " --intermediate " << o.intermediate;
+  cmd << " --experts " << c.experts << " --tokens " << c.tokens << " --fc " << (c.fc == "fc2" ? "fc2" : "fc1")
+      << " --layout " << (c.masked ? "masked" : "contiguous");
+  if (o.empty_every > 0) cmd << " --empty-every " << o.empty_every;
+  return cmd.str();
+}
+
+// Times one case (ours, then the cuBLASLt peer of the same M_total x N x K where it applies) and
+// returns its record: tiles, times, rates, the floor and the command.
+nlohmann::json run_gemm_case(const GemmCase& c, const BenchOptions& o, GroupedGemmArgs* args_out, CublasFp8* cublas,
+                             FlushMode flush, int device, cudaStream_t s, int32_t* tile_counter,
+                             const GemmBuffers& buf) {
+  GroupedGemmArgs g = gemm_args(c, buf, o, tile_counter);
+  gemm::GemmTileConfig used;
+  Status st = gemm::launch_grouped_gemm(g, s, &used);
+  if (!st.is_ok()) fail(kExitUnavailable, st.to_string());
+  cuda_check(cudaStreamSynchronize(s), "grouped GEMM run");
+  const bool swiglu = c.epilogue == GemmEpilogue::kSwigluFp8;
+  const int64_t M_real = c.busy * c.tokens;
+  LaunchTiming ours, peer;
+  st = time_launches([&] { return gemm::launch_grouped_gemm(g, s); }, device, s, flush, o.iters, o.warmup, &ours);
+  if (!st.is_ok()) fail(kExitUnavailable, "grouped GEMM timing: " + st.to_string());
+  bool peer_ok = false;
+  if (cublas != nullptr && !swiglu && M_real > 0) {  // no peer for a launch of idle experts only
+    cublas->run(buf.a, buf.b, buf.d, M_real, c.n, c.k, s, &peer_ok);
+    if (peer_ok) {
+      st = time_launches(
+          [&] {
+            bool ok = false;
+            cublas->run(buf.a, buf.b, buf.d, M_real, c.n, c.k, s, &ok);
+            return ok ? Status::ok() : Status(StatusCode::kInternal, "cublasLtMatmul failed");
+          },
+          device, s, flush, o.iters, o.warmup, &peer);
+      if (!st.is_ok()) fail(kExitUnavailable, "cuBLASLt timing: " + st.to_string());
+    }
+  }
+  // the rows and weights the launch works on (idle experts excluded)
+  const double flops = 2.0 * double(M_real) * double(c.n) * double(c.k);
+  const double wbytes = double(c.busy) * double(c.n) * double(c.k);
+  const double t = ours.events.median * 1e-6;
+  nlohmann::json r;
+  r["model"] = c.model.name;
+  r["fc"] = c.fc;
+  r["experts"] = c.experts;
+  r["tokens_per_expert"] = c.tokens;
+  r["n"] = c.n;
+  r["k"] = c.k;
+  r["layout"] = std::string(c.masked ? "masked" : "contiguous") +
+                (o.empty_every > 0 ? "/e" + std::to_string(o.empty_every) : "");
+  r["tiles"] = std::to_string(used.block_m) + "x" + std::to_string(used.block_n) +
+               (used.cluster > 1 ? " x" + std::to_string(used.cluster) + " g" + std::to_string(used.grid) : "") +
+               (used.round_robin ? " static" : "") + (o.probe != "none" ? " probe:" + o.probe : "");
+  r["us_median"] = ours.events.median;
+  r["us_min"] = ours.events.min;
+  r["us_max"] = ours.events.max;
+  r["tflops"] = flops / t / 1e12;
+  r["weight_gbs"] = wbytes / t / 1e9;
+  r["kernel_us_median"] = ours.kernels.median;
+  r["kernel_us_min"] = ours.kernels.min;
+  r["weight_gbs_kernel"] = ours.kernels.median > 0 ? wbytes / (ours.kernels.median * 1e-6) / 1e9 : 0;
+  r["cublas_us"] = peer_ok ? peer.events.median : 0;
+  r["cublas_kernel_us"] = peer_ok ? peer.kernels.median : 0;
+  r["cublas_tflops"] = peer_ok ? flops / (peer.events.median * 1e-6) / 1e12 : 0;
+  r["ratio_to_cublas"] = peer_ok ? peer.events.median / ours.events.median : 0;
+  set_floor(&r, ours.events.median, std::max(wbytes / kHbmBytesPerS, flops / kFp8FlopsPerS) * 1e6);
+  r["command"] = gemm_command(c, o);
+  *args_out = g;
+  return r;
+}
+
+// The device (sm_90) and the table's header lines.
+int open_gemm_device(const BenchOptions& o) {
+  int ndev = 0;
+  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) fail(kExitUnavailable, "no CUDA device");
+  cudaDeviceProp prop;
+  cuda_check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+  if (prop.major != 9) fail(kExitUnavailable, std::string("bench-gemm needs an sm_90 GPU, found ") + prop.name);
+  std::printf("# bench-gemm on %s (%d SMs); floor = max(weight bytes / %.1f TB/s, FLOPs / %.0f TFLOP/s); L2 flush: %s\n",
+              prop.name, prop.multiProcessorCount, kHbmBytesPerS / 1e12, kFp8FlopsPerS / 1e12,
+              to_string(o.flush == "read" ? FlushMode::kRead : FlushMode::kMemset));
+  if (KernelTimer::get() == nullptr)
+    std::printf("# kernel time (kern_us, wGB/s(k)): not measured: %s\n", KernelTimer::why_unavailable().c_str());
+  else
+    std::printf("# kern_us: median kernel time from the GPU's timestamps (CUPTI); wGB/s(k): weight bytes / kern_us\n");
+  std::printf("%s\n", gemm_printer().header().c_str());
+  return 0;
+}
+
+int run_bench_gemm(const BenchOptions& o) {
+  const std::vector<GemmCase> cases = plan_gemm_cases(o);  // flags first, then the machine
+  const int device = open_gemm_device(o);
+  const FlushMode flush = o.flush == "read" ? FlushMode::kRead : FlushMode::kMemset;
+  cudaStream_t s;
+  cuda_check(cudaStreamCreate(&s), "cudaStreamCreate");
+  int32_t* tile_counter = nullptr;  // the GEMM leaves it zero after each launch
+  cuda_check(cudaMalloc(&tile_counter, 2 * sizeof(int32_t)), "cudaMalloc(tile counter)");
+  cuda_check(cudaMemset(tile_counter, 0, 2 * sizeof(int32_t)), "cudaMemset(tile counter)");
+  std::unique_ptr<CublasFp8> cublas = o.cublas ? std::make_unique<CublasFp8>() : nullptr;
+  std::ofstream trace_json;
+  if (!o.trace.empty()) {
+    trace_json.open(o.trace);
+    if (!trace_json) fail(kExitIo, "cannot write --trace file '" + o.trace + "'");
+    trace_json << "[\n";
+  }
+  nlohmann::json records = nlohmann::json::array();
+  for (const GemmCase& c : cases) {
+    const GemmBuffers buf(c, o.empty_every, o.probe != "none", s);
+    GroupedGemmArgs args;
+    const nlohmann::json r = run_gemm_case(c, o, &args, cublas.get(), flush, device, s, tile_counter, buf);
+    std::printf("%s   # %s\n", gemm_printer().row(r).c_str(), r["command"].get<std::string>().c_str());
+    std::fflush(stdout);
+    if (!o.trace.empty()) {
+      if (!records.empty()) trace_json << ",\n";
+      trace_case(args, flush, s, double(c.busy) * double(c.n) * double(c.k),
+                 c.model.name + std::string(" ") + c.fc + " " + std::to_string(c.experts) + "x" + std::to_string(c.tokens),
+                 &trace_json);
+      std::fflush(stdout);
+    }
+    records.push_back(r);
+  }
   if (trace_json.is_open()) trace_json << "\n]\n";
-  delete cublas;
-  cudaFree(flush.buf);
+  cublas.reset();
   cudaFree(tile_counter);
   cudaStreamDestroy(s);
-  if (!o.json.empty()) {
-    std::ofstream f(o.json);
-    if (!f) fail(kExitIo, "cannot write --json file '" + o.json + "'");
-    f << "[\n";
-    for (size_t i = 0; i < rows.size(); ++i) {
-      const Row& r = rows[i];
-      f << "  {\"model\": \"" << r.model << "\", \"fc\": \"" << r.fc << "\", \"experts\": " << r.experts
-        << ", \"tokens_per_expert\": " << r.tokens << ", \"n\": " << r.n << ", \"k\": " << r.k << ", \"layout\": \""
-        << r.layout << "\", \"tiles\": \"" << r.tiles << "\", \"us_median\": " << r.ours.med_us
-        << ", \"us_min\": " << r.ours.min_us << ", \"us_max\": " << r.ours.max_us << ", \"tflops\": " << r.tflops
-        << ", \"weight_gbs\": " << r.weight_gbs << ", \"kernel_us_median\": " << r.ours.kernel_med_us
-        << ", \"kernel_us_min\": " << r.ours.kernel_min_us << ", \"weight_gbs_kernel\": " << r.weight_gbs_kernel
-        << ", \"cublas_us\": " << (r.peer_ok ? r.peer.med_us : 0)
-        << ", \"cublas_kernel_us\": " << (r.peer_ok ? r.peer.kernel_med_us : 0)
-        << ", \"cublas_tflops\": " << r.peer_tflops << ", \"ratio_to_cublas\": " << r.ratio
-        << ", \"time_over_floor\": " << r.ours.med_us / r.floor_us << ", \"command\": \"" << r.command << "\"}"
-        << (i + 1 < rows.size() ? "," : "") << "\n";
-    }
-    f << "]\n";
-  }
+  if (!o.json.empty()) write_json_file(o.json, records);
   return kExitOk;
 }
 
@@ -592,22 +562,6 @@ CommandRun add_gemm_bench_command(CLI::App* app) {
   auto o = std::make_shared<BenchOptions>();
   add_flags(app, o.get());
   return [o] { return run_bench_gemm(*o); };
-}
-
-void register_gemm_commands(CLI::App& app) {
-  auto o = std::make_shared<BenchOptions>();
-  CLI::App* sub = add_flags(&app, o.get());
-  sub->callback([o] {
-    int rc = kExitOk;
-    try {
-      rc = run_bench_gemm(*o);
-    } catch (const ToolError& e) {
-      std::fflush(stdout);
-      std::fprintf(stderr, "megamoe bench-gemm: error: %s\n", e.what());
-      rc = e.code();
-    }
-    if (rc != kExitOk) throw CLI::RuntimeError(rc);
-  });
 }
 
 }  // namespace megamoe::tool

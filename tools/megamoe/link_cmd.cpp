@@ -16,6 +16,8 @@
 
 #include "comm/nccl_comm.h"
 #include "comm/nccl_window.h"
+#include "bench_harness.h"
+#include "bench_model.h"
 #include "commands.h"
 #include "kernels/transport/sm90_link_probe.h"
 #include "presets.h"
@@ -36,6 +38,7 @@ struct LinkOptions {
   int tma_warps = 4;          // tma: warps (one issuing lane each) per CTA, one CTA per SM
   int handshakes = 64;        // handshake paths: round trips per timed CUDA graph
   bool pdl = true;            // handshake paths: programmatic dependent launch, as the transport's small launches
+  std::string json, csv;
 };
 
 bool is_handshake(const std::string& path) { return path == "handshake" || path == "handshake-grid"; }
@@ -173,146 +176,169 @@ void run_path(const LinkOptions& o, const std::string& path, int rank, int devic
   cudaFree(bad);
 }
 
-int run_bench_link(const LinkOptions& o) {
+// The flags' rules that CLI11's checks do not cover; throws ToolError (kExitUsage).
+void check_link_flags(const LinkOptions& o) {
   for (const std::string& p : o.paths)
-    if (p != "store" && p != "staged" && p != "tma" && p != "pull" && p != "ce" && p != "ce-lsa" && !is_handshake(p)) {
-      std::fprintf(stderr,
-                   "megamoe bench-link: error: --paths: '%s' is not one of store, staged, tma, pull, ce, ce-lsa, "
-                   "handshake, handshake-grid\n",
-                   p.c_str());
-      return kExitUsage;
-    }
-  if (o.chunk % 16 != 0 || ((o.mib << 20) % o.chunk) != 0) {
-    std::fprintf(stderr, "megamoe bench-link: error: --chunk %d must be a multiple of 16 that divides --mib MiB\n", o.chunk);
-    return kExitUsage;
-  }
+    if (p != "store" && p != "staged" && p != "tma" && p != "pull" && p != "ce" && p != "ce-lsa" && !is_handshake(p))
+      throw ToolError(kExitUsage, "--paths: '" + p +
+                                      "' is not one of store, staged, tma, pull, ce, ce-lsa, handshake, handshake-grid");
+  if (o.chunk % 16 != 0 || ((o.mib << 20) % o.chunk) != 0)
+    throw ToolError(kExitUsage, "--chunk " + std::to_string(o.chunk) + " must be a multiple of 16 that divides --mib MiB");
   // Shared memory of the bulk paths: an H200 CTA gets at most 227 KiB.
   constexpr int kMaxSmem = 227 * 1024;
   const int staged_smem = kernels::link_probe_smem_bytes(kernels::LinkPath::kStaged, {1, o.staged_warps, o.chunk, 2});
   const int tma_smem = kernels::link_probe_smem_bytes(kernels::LinkPath::kTma, {1, o.tma_warps, o.chunk, o.stages});
   for (const std::string& p : o.paths) {
-    if (p == "staged" && staged_smem > kMaxSmem) {
-      std::fprintf(stderr,
-                   "megamoe bench-link: error: --staged-warps %d x 2 x --chunk %d = %d bytes of shared memory; must be "
-                   "<= %d (fewer warps or a smaller chunk)\n",
-                   o.staged_warps, o.chunk, staged_smem, kMaxSmem);
-      return kExitUsage;
-    }
-    if (p == "tma" && tma_smem > kMaxSmem) {
-      std::fprintf(stderr,
-                   "megamoe bench-link: error: --tma-warps %d x --stages %d x --chunk %d = %d bytes of shared memory; "
-                   "must be <= %d (fewer warps or stages, or a smaller chunk)\n",
-                   o.tma_warps, o.stages, o.chunk, tma_smem, kMaxSmem);
-      return kExitUsage;
-    }
+    if (p == "staged" && staged_smem > kMaxSmem)
+      throw ToolError(kExitUsage, "--staged-warps " + std::to_string(o.staged_warps) + " x 2 x --chunk " +
+                                      std::to_string(o.chunk) + " = " + std::to_string(staged_smem) +
+                                      " bytes of shared memory; must be <= " + std::to_string(kMaxSmem) +
+                                      " (fewer warps or a smaller chunk)");
+    if (p == "tma" && tma_smem > kMaxSmem)
+      throw ToolError(kExitUsage, "--tma-warps " + std::to_string(o.tma_warps) + " x --stages " +
+                                      std::to_string(o.stages) + " x --chunk " + std::to_string(o.chunk) + " = " +
+                                      std::to_string(tma_smem) + " bytes of shared memory; must be <= " +
+                                      std::to_string(kMaxSmem) + " (fewer warps or stages, or a smaller chunk)");
   }
-  // the flags first, then the machine
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count < 2) {
-    std::fprintf(stderr, "megamoe bench-link: error: needs 2 GPUs, found %d\n", count);
-    return kExitUnavailable;
-  }
+}
+
+// Both GPUs' symmetric windows (2 x --mib MiB each: the sent half, then the received half), the LSA
+// address of the peer's, and each GPU's SM count; released on destruction (collective).
+struct LinkWindows {
   std::vector<std::shared_ptr<Communicator>> comms;
-  Status st = create_nccl_group({0, 1}, &comms);
-  if (!st.is_ok()) {
-    std::fprintf(stderr, "megamoe bench-link: error: %s\n", st.to_string().c_str());
-    return 3;
+  std::vector<void*> base = {nullptr, nullptr}, lsa_peer = {nullptr, nullptr};
+  std::vector<std::function<void(void*)>> release = std::vector<std::function<void(void*)>>(2);
+  std::vector<int> sms = {132, 132};
+  int64_t bytes = 0;
+  int device(int r) const { return nccl_rank_of(comms[r].get())->device(); }
+  ~LinkWindows() {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r)
+      threads.emplace_back([this, r] {
+        if (!base[r] || !release[r]) return;
+        cudaSetDevice(device(r));
+        release[r](base[r]);
+      });
+    for (auto& t : threads) t.join();
   }
-  const int64_t bytes = 2 * (o.mib << 20);
-  std::vector<void*> base(2, nullptr), lsa_peer(2, nullptr);
-  std::vector<std::function<void(void*)>> release(2);
+};
+
+void open_link_windows(const LinkOptions& o, LinkWindows* w) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count < 2)
+    throw ToolError(kExitUnavailable, "needs 2 GPUs, found " + std::to_string(count));
+  Status st = create_nccl_group({0, 1}, &w->comms);
+  if (!st.is_ok()) throw ToolError(kExitUnavailable, st.to_string());
+  w->bytes = 2 * (o.mib << 20);
   std::vector<Status> status(2);
-  std::vector<int> sms(2, 132);
-  {
-    std::vector<std::thread> threads;
-    for (int r = 0; r < 2; ++r)
-      threads.emplace_back([&, r] {
-        NcclRankComm* nccl = nccl_rank_of(comms[r].get());
-        if (cudaSetDevice(nccl->device()) != cudaSuccess) {
-          status[r] = Status(StatusCode::kInternal, "cudaSetDevice failed");
-          return;
-        }
-        cudaDeviceGetAttribute(&sms[r], cudaDevAttrMultiProcessorCount, nccl->device());
-        status[r] = symmetric_alloc(std::dynamic_pointer_cast<NcclRankComm>(comms[r]), bytes, &base[r], &release[r]);
-        if (!status[r].is_ok()) return;
-        cudaError_t e = kernels::link_probe_peer_base(symmetric_window_of(base[r]), 1 - r, &lsa_peer[r]);
-        if (e == cudaSuccess) e = kernels::link_probe_fill(base[r], bytes / 2, r, nullptr);
-        if (e == cudaSuccess) e = cudaDeviceSynchronize();
-        if (e != cudaSuccess) status[r] = Status(StatusCode::kInternal, std::string("setup: ") + cudaGetErrorString(e));
-      });
-    for (auto& t : threads) t.join();
-  }
-  for (int r = 0; r < 2; ++r)
-    if (!status[r].is_ok()) {
-      std::fprintf(stderr, "megamoe bench-link: error: rank %d: %s\n", r, status[r].to_string().c_str());
-      return 3;
-    }
-  std::printf("# bench-link: 2 GPUs, %lld MiB per direction, both directions at once, %d launches after 1 warm-up\n",
-              static_cast<long long>(o.mib), o.iters);
-  std::printf("# %-7s %-34s %10s %10s %10s %10s  %s\n", "path", "shape", "us r0", "GB/s r0", "us r1", "GB/s r1", "check");
-  int rc = 0;
-  for (const std::string& path : o.paths) {
-    ThreadBarrier barrier(2);
-    std::vector<RankResult> res(2);
-    std::vector<std::thread> threads;
-    for (int r = 0; r < 2; ++r)
-      threads.emplace_back([&, r] {
-        if (is_handshake(path))
-          run_handshake(o, path, nccl_rank_of(comms[r].get())->device(), sms[r], static_cast<char*>(base[r]) + bytes,
-                        static_cast<char*>(lsa_peer[r]) + bytes, barrier, &res[r]);
-        else
-          run_path(o, path, r, nccl_rank_of(comms[r].get())->device(), sms[r], static_cast<char*>(base[r]),
-                   static_cast<char*>(lsa_peer[r]), static_cast<char*>(base[1 - r]),
-                   nccl_rank_of(comms[1 - r].get())->device(), barrier, &res[r]);
-      });
-    for (auto& t : threads) t.join();
-    std::string shape = path == "store" || path == "pull"
-                            ? std::to_string(o.store_ctas_per_sm) + " x 512 threads per SM"
-                        : path == "staged" ? std::to_string(o.staged_warps) + " warps per SM, " + std::to_string(o.chunk) + " B x 2"
-                        : path == "tma"    ? std::to_string(o.tma_warps) + " warps per SM, " + std::to_string(o.chunk) + " B x " +
-                                              std::to_string(o.stages)
-                        : path == "ce" ? "cudaMemcpyPeerAsync x " + std::to_string(o.ce_chunks)
-                        : path == "handshake"
-                            ? std::string("1 CTA, round trip, ") + (o.pdl ? "PDL" : "no PDL")
-                        : path == "handshake-grid"
-                            ? std::string("2 x 512 thr/SM, tickets, ") + (o.pdl ? "PDL" : "no PDL")
-                            : "cudaMemcpyAsync to the LSA VA x " + std::to_string(o.ce_chunks);
-    double us[2], gbs[2];
-    bool ok = true;
-    for (int r = 0; r < 2; ++r) {
-      if (!res[r].error.empty()) {
-        std::fprintf(stderr, "megamoe bench-link: %s, rank %d: %s\n", path.c_str(), r, res[r].error.c_str());
-        return 3;
-      }
-      std::vector<double> v = res[r].us;
-      std::sort(v.begin(), v.end());
-      us[r] = v[v.size() / 2];
-      gbs[r] = is_handshake(path) ? 0.0 : static_cast<double>(o.mib << 20) / (us[r] * 1e3);
-      ok = ok && res[r].bad == 0;
-    }
-    if (is_handshake(path) && !ok) {
-      std::printf("  %-7s %-34s %10.2f %10s %10.2f %10s  TIMEOUT (%llu / %llu round trips)\n", path.c_str(), shape.c_str(),
-                  us[0], "-", us[1], "-", res[0].bad + res[1].bad, 2ull * o.handshakes * (o.iters + 1));
-      rc = 1;
-      continue;
-    }
-    if (is_handshake(path)) {
-      std::printf("  %-7s %-34s %10.2f %10s %10.2f %10s  ok\n", path.c_str(), shape.c_str(), us[0], "-", us[1], "-");
-      std::fflush(stdout);
-      continue;
-    }
-    std::printf("  %-7s %-34s %10.1f %10.1f %10.1f %10.1f  %s\n", path.c_str(), shape.c_str(), us[0], gbs[0], us[1],
-                gbs[1], ok ? "ok" : "MISMATCH");
-    std::fflush(stdout);
-    if (!ok) rc = 1;
-  }
   std::vector<std::thread> threads;
   for (int r = 0; r < 2; ++r)
     threads.emplace_back([&, r] {
-      cudaSetDevice(nccl_rank_of(comms[r].get())->device());
-      release[r](base[r]);
+      NcclRankComm* nccl = nccl_rank_of(w->comms[r].get());
+      if (cudaSetDevice(nccl->device()) != cudaSuccess) {
+        status[r] = Status(StatusCode::kInternal, "cudaSetDevice failed");
+        return;
+      }
+      cudaDeviceGetAttribute(&w->sms[r], cudaDevAttrMultiProcessorCount, nccl->device());
+      status[r] = symmetric_alloc(std::dynamic_pointer_cast<NcclRankComm>(w->comms[r]), w->bytes, &w->base[r],
+                                  &w->release[r]);
+      if (!status[r].is_ok()) return;
+      cudaError_t e = kernels::link_probe_peer_base(symmetric_window_of(w->base[r]), 1 - r, &w->lsa_peer[r]);
+      if (e == cudaSuccess) e = kernels::link_probe_fill(w->base[r], w->bytes / 2, r, nullptr);
+      if (e == cudaSuccess) e = cudaDeviceSynchronize();
+      if (e != cudaSuccess) status[r] = Status(StatusCode::kInternal, std::string("setup: ") + cudaGetErrorString(e));
     });
   for (auto& t : threads) t.join();
+  for (int r = 0; r < 2; ++r)
+    if (!status[r].is_ok()) throw ToolError(kExitUnavailable, "rank " + std::to_string(r) + ": " + status[r].to_string());
+}
+
+std::string path_shape(const LinkOptions& o, const std::string& path) {
+  if (path == "store" || path == "pull") return std::to_string(o.store_ctas_per_sm) + " x 512 threads per SM";
+  if (path == "staged") return std::to_string(o.staged_warps) + " warps per SM, " + std::to_string(o.chunk) + " B x 2";
+  if (path == "tma")
+    return std::to_string(o.tma_warps) + " warps per SM, " + std::to_string(o.chunk) + " B x " + std::to_string(o.stages);
+  if (path == "ce") return "cudaMemcpyPeerAsync x " + std::to_string(o.ce_chunks);
+  if (path == "handshake") return std::string("1 CTA, round trip, ") + (o.pdl ? "PDL" : "no PDL");
+  if (path == "handshake-grid") return std::string("2 x 512 thr/SM, tickets, ") + (o.pdl ? "PDL" : "no PDL");
+  return "cudaMemcpyAsync to the LSA VA x " + std::to_string(o.ce_chunks);
+}
+
+// Runs one path on both GPUs at once and returns its record (per rank: median µs, GB/s; check).
+nlohmann::json run_link_path(const LinkOptions& o, const std::string& path, LinkWindows& w) {
+  ThreadBarrier barrier(2);
+  std::vector<RankResult> res(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r)
+    threads.emplace_back([&, r] {
+      if (is_handshake(path))
+        run_handshake(o, path, w.device(r), w.sms[r], static_cast<char*>(w.base[r]) + w.bytes,
+                      static_cast<char*>(w.lsa_peer[r]) + w.bytes, barrier, &res[r]);
+      else
+        run_path(o, path, r, w.device(r), w.sms[r], static_cast<char*>(w.base[r]), static_cast<char*>(w.lsa_peer[r]),
+                 static_cast<char*>(w.base[1 - r]), w.device(1 - r), barrier, &res[r]);
+    });
+  for (auto& t : threads) t.join();
+  nlohmann::json rec = {{"path", path}, {"shape", path_shape(o, path)}, {"mib", o.mib}, {"iters", o.iters}};
+  bool ok = true;
+  for (int r = 0; r < 2; ++r) {
+    if (!res[r].error.empty()) throw ToolError(kExitUnavailable, path + ", rank " + std::to_string(r) + ": " + res[r].error);
+    const std::string p = "r" + std::to_string(r) + "_";
+    const Summary s = summarize(res[r].us);
+    set_summary(&rec, s, p);
+    if (!is_handshake(path)) {
+      rec[p + "gbps"] = static_cast<double>(o.mib << 20) / (s.median * 1e3);
+      // Both directions at once: the copy engine's 395 GB/s per direction (DESIGN.md 6) is the floor.
+      set_floor(&rec, s.median, static_cast<double>(o.mib << 20) / kH200NvlinkBytesPerS * 1e6);
+    }
+    ok = ok && res[r].bad == 0;
+  }
+  if (ok) rec["check"] = "ok";
+  else if (is_handshake(path))
+    rec["check"] = "TIMEOUT (" + std::to_string(res[0].bad + res[1].bad) + " / " +
+                   std::to_string(2ull * o.handshakes * (o.iters + 1)) + " round trips)";
+  else
+    rec["check"] = "MISMATCH";
+  return rec;
+}
+
+const RowPrinter& link_printer() {
+  static const RowPrinter printer({{"path", "path", -7},
+                                   {"shape", "shape", -34},
+                                   {"r0_median_us", "us r0", 10, "%.2f"},
+                                   {"r0_gbps", "GB/s r0", 10, "%.1f"},
+                                   {"r1_median_us", "us r1", 10, "%.2f"},
+                                   {"r1_gbps", "GB/s r1", 10, "%.1f"},
+                                   {"time_over_floor", "time/floor", 10, "%.2f"},
+                                   {"check", "check", 0, "%s", "  "}},
+                                  "  ", "# ");
+  return printer;
+}
+
+int run_bench_link(const LinkOptions& o) {
+  check_link_flags(o);  // the flags first, then the machine
+  LinkWindows w;
+  open_link_windows(o, &w);
+  std::printf("# bench-link: 2 GPUs, %lld MiB per direction, both directions at once, %d launches after 1 warm-up; "
+              "time/floor: rank 1's time against --mib MiB at %.0f GB/s\n",
+              static_cast<long long>(o.mib), o.iters, kH200NvlinkBytesPerS / 1e9);
+  std::printf("%s\n", link_printer().header().c_str());
+  int rc = 0;
+  std::vector<nlohmann::json> records;
+  for (const std::string& path : o.paths) {
+    records.push_back(run_link_path(o, path, w));
+    std::printf("%s\n", link_printer().row(records.back()).c_str());
+    std::fflush(stdout);
+    if (records.back()["check"] != "ok") rc = 1;
+  }
+  if (!o.json.empty()) write_json_file(o.json, {{"tool", "megamoe bench-link"}, {"rows", records}});
+  if (!o.csv.empty()) {
+    std::vector<std::string> keys = {"path", "shape", "mib", "iters"};
+    for (const char* r : {"r0_", "r1_"})
+      for (const char* k : {"median_us", "min_us", "max_us", "gbps"}) keys.push_back(std::string(r) + k);
+    for (const char* k : {"floor_us", "time_over_floor", "check"}) keys.push_back(k);
+    write_csv_file(o.csv, keys, records);
+  }
   return rc;
 }
 
@@ -343,6 +369,8 @@ CommandRun add_link_bench_command(CLI::App* app) {
       ->capture_default_str()
       ->check(CLI::Range(1, 32));
   sub->add_option("--tma-warps", o->tma_warps, "tma: warps per CTA (one CTA per SM)")->capture_default_str()->check(CLI::Range(1, 32));
+  sub->add_option("--json", o->json, "write the rows as JSON to F")->type_name("F");
+  sub->add_option("--csv", o->csv, "write the rows as CSV to F")->type_name("F");
   return [o] { return run_bench_link(*o); };
 }
 

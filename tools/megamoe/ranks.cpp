@@ -23,7 +23,6 @@ namespace megamoe::tool {
 namespace {
 
 constexpr uint16_t kBf16Poison = 0x7FC1;  // a quiet bf16 NaN no rounding produces
-constexpr size_t kL2FlushBytes = size_t{256} << 20;
 
 bool is_cuda(Device d) { return d.kind == DeviceKind::kCuda; }
 
@@ -374,64 +373,6 @@ void destroy_stream(Device device, void* stream) {
 Status synchronize(Device device, void* stream) {
   if (!is_cuda(device)) return Status::ok();
   MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
-  return Status::ok();
-}
-
-Status flush_l2(Device device, void* stream) {
-  if (!is_cuda(device)) return Status::ok();
-  // One scratch buffer per device ordinal, kept for the life of the process.
-  static std::mutex mutex;
-  static std::vector<void*> scratch(64, nullptr);
-  void* buf = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    if (device.index < 0 || device.index >= 64) return Status::ok();
-    if (!scratch[device.index]) {
-      MEGAMOE_CUDA_CHECK(cudaSetDevice(device.index));
-      MEGAMOE_CUDA_CHECK(cudaMalloc(&scratch[device.index], kL2FlushBytes));
-    }
-    buf = scratch[device.index];
-  }
-  MEGAMOE_CUDA_CHECK(cudaMemsetAsync(buf, 0, kL2FlushBytes, static_cast<cudaStream_t>(stream)));
-  return Status::ok();
-}
-
-
-StreamTimer::~StreamTimer() {
-  if (start_) cudaEventDestroy(static_cast<cudaEvent_t>(start_));
-  if (stop_) cudaEventDestroy(static_cast<cudaEvent_t>(stop_));
-}
-
-Status StreamTimer::init(Device device) {
-  if (!is_cuda(device)) return Status::ok();
-  MEGAMOE_CUDA_CHECK(cudaSetDevice(device.index));
-  cudaEvent_t a = nullptr, b = nullptr;
-  MEGAMOE_CUDA_CHECK(cudaEventCreate(&a));
-  start_ = a;
-  MEGAMOE_CUDA_CHECK(cudaEventCreate(&b));
-  stop_ = b;
-  return Status::ok();
-}
-
-Status StreamTimer::start(void* stream) {
-  if (!start_) return Status::ok();
-  MEGAMOE_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(start_), static_cast<cudaStream_t>(stream)));
-  return Status::ok();
-}
-
-Status StreamTimer::stop(void* stream) {
-  if (!stop_) return Status::ok();
-  MEGAMOE_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(stop_), static_cast<cudaStream_t>(stream)));
-  return Status::ok();
-}
-
-Status StreamTimer::elapsed_us(double* us) const {
-  *us = 0;
-  if (!start_) return Status::ok();
-  float ms = 0;
-  MEGAMOE_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(stop_)));
-  MEGAMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(start_), static_cast<cudaEvent_t>(stop_)));
-  *us = 1000.0 * ms;
   return Status::ok();
 }
 

@@ -172,29 +172,10 @@ class RankIo {
   void* y_ = nullptr;
 };
 
-// Device time of the work between start() and stop() on a stream (CUDA events); on the cpu it
-// measures nothing (elapsed_us gives 0) and callers use the host clock.
-class StreamTimer {
- public:
-  StreamTimer() = default;
-  StreamTimer(const StreamTimer&) = delete;
-  StreamTimer& operator=(const StreamTimer&) = delete;
-  ~StreamTimer();
-  Status init(Device device);
-  Status start(void* stream);
-  Status stop(void* stream);
-  Status elapsed_us(double* us) const;  // waits for stop()
-
- private:
-  void* start_ = nullptr;
-  void* stop_ = nullptr;
-};
-
-// Stream helpers: a stream on a CUDA device (null for the cpu), synchronisation, and an L2 flush
-// (writes a 256 MiB scratch buffer, larger than any Hopper L2) between timed iterations.
+// Stream helpers: a stream on a CUDA device (null for the cpu) and its synchronisation. The L2
+// flush and the event timer are the bench harness's (bench_harness.h).
 Status create_stream(Device device, void** stream);
 void destroy_stream(Device device, void* stream);
 Status synchronize(Device device, void* stream);
-Status flush_l2(Device device, void* stream);
 
 }  // namespace megamoe::tool

@@ -1,5 +1,13 @@
-// megamoe launch / bench-transport (see transport_cmd.h).
-#include "transport_cmd.h"
+// `megamoe launch` and `megamoe bench-transport`, the EP transport's subcommands.
+//
+//   megamoe launch -n N -- <command...>     start N processes of <command> on this host, one per GPU,
+//                                           with MEGAMOE_RANK / MEGAMOE_WORLD_SIZE / MEGAMOE_LOCAL_RANK /
+//                                           MEGAMOE_NCCL_ID_FILE set; forwards the first failing exit
+//                                           code (128+signal for a signal) and stops the others.
+//   megamoe bench-transport [flags]         dispatch / combine µs and GB/s per direction beside an NCCL
+//                                           all-to-all of the same bytes (one process driving --ranks
+//                                           GPUs, or one rank per process under `megamoe launch`), with
+//                                           the NVLink floor; rows also as --json / --csv.
 
 #include <CLI/CLI.hpp>
 #include <cuda_runtime.h>
@@ -19,17 +27,20 @@
 #include <thread>
 #include <vector>
 
+#include "bench_harness.h"
+#include "bench_model.h"
 #include "comm/nccl_comm.h"
+#include "commands.h"
+#include "core/cuda_check.h"
 #include "core/env.h"
 #include "kernels/transport/ep_transport.h"
 #include "megamoe/comm.h"
 #include "megamoe/formats.h"
+#include "presets.h"
 #include "ranks.h"
 
 namespace megamoe::tool {
 namespace {
-
-int g_exit_code = -1;
 
 // ---------------------------------------------------------------------------------------------
 // launch
@@ -114,7 +125,7 @@ int run_launch(int n, const std::vector<std::string>& command) {
 
 struct BenchOptions {
   int ranks = 2;
-  std::vector<int64_t> tokens = {1, 8, 128, 512, 1024, 4096, 8192};
+  std::string tokens = "1,8,128,512,1024,4096,8192";
   int64_t hidden = 7168, experts = 256, top_k = 8;
   std::string dispatch = "fp8", combine = "bf16";
   std::string x_dtype = "bf16";  // dispatch input: bf16 (quantised in the kernel for an fp8 wire) or fp8 + scales
@@ -124,6 +135,7 @@ struct BenchOptions {
   int combine_groups = 0;                // EpTransportOptions::combine_groups
   bool owner_reduce = false;             // WorkspaceParams::owner_reduce: one combine row per (token, owner)
   uint32_t seed = 1;
+  std::string json, csv;
 };
 
 struct RankRouting {
@@ -153,24 +165,12 @@ RankRouting make_routing(const BenchOptions& o, int rank, int64_t T) {
   return r;
 }
 
-struct Stats {
-  double med = 0, min = 0, max = 0;
-};
-Stats stats_of(std::vector<double> v) {
-  Stats s;
-  if (v.empty()) return s;
-  std::sort(v.begin(), v.end());
-  s.med = v[v.size() / 2];
-  s.min = v.front();
-  s.max = v.back();
-  return s;
-}
-
+// One point's results on one rank (µs).
 struct PointResult {
-  Stats dispatch, combine, total, nccl_dispatch, nccl_combine;
+  Summary dispatch, combine, total, nccl_dispatch, nccl_combine;
   // Back-to-back forwards in one graph per rank (launch skew amortised over graph_iters forwards):
   // per-forward phase medians from event nodes, and whole-graph µs per forward / per dispatch.
-  Stats g_dispatch, g_pool, g_combine;
+  Summary g_dispatch, g_pool, g_combine;
   double g_forward_us = 0, g_dispatch_only_us = 0;
   // The same without event nodes (each costs a few us at small T): whole forwards, and dispatch +
   // pool build; combine = their difference, d+c = dispatch-only + that.
@@ -188,7 +188,6 @@ struct PointResult {
     }                                                                          \
   } while (0)
 
-// One rank's run of one point. `sync` is a host barrier across ranks (threads or processes).
 // The combine phase: one kernel (send_and_combine), or with --split-combine the two-kernel path that
 // backends whose FC2 epilogue writes the wire rows use (combine_send here standing in for it).
 Status combine_phase(const BenchOptions& o, EpTransport* tr, const TensorView& out, const TensorView& ids,
@@ -198,58 +197,68 @@ Status combine_phase(const BenchOptions& o, EpTransport* tr, const TensorView& o
   return tr->combine(ids, y, stream);
 }
 
-void bench_point(const BenchOptions& o, std::shared_ptr<Communicator> comm, int64_t T,
-                 const std::function<void()>& sync, bool /*host_barrier*/, PointResult* res) {
-  NcclRankComm* nccl = nccl_rank_of(comm.get());
-  const int rank = comm->rank(), R = comm->size();
-  MEGAMOE_RANK_CUDA(cudaSetDevice(nccl->device()));
-  EpTransportOptions opt;
-  WorkspaceParams& p = opt.params;
-  p.ep_size = R;
-  p.experts_per_rank = o.experts / R;
-  p.top_k = o.top_k;
-  p.hidden = o.hidden;
-  p.intermediate = 128;
-  p.max_tokens_per_rank = T;
-  opt.combine_groups = o.combine_groups;
-  p.dispatch_format = o.dispatch == "bf16" ? kWsBf16 : kWsFp8Block;
-  p.intermediate_format = kWsBf16;
-  p.combine_format = o.combine == "mxfp8" ? kWsMxfp8 : o.combine == "nvfp4" ? kWsNvfp4 : kWsBf16;
-  p.owner_reduce = o.owner_reduce ? 1 : 0;
+// One rank's transport, stream, buffers and byte counts for one point; released on destruction.
+struct TransportPoint {
   std::unique_ptr<EpTransport> tr;
-  BENCH_CHECK(EpTransport::create(comm, opt, &tr));
-  cudaStream_t stream;
-  MEGAMOE_RANK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  BENCH_CHECK(tr->warmup(stream));
-  const WorkspaceLayout& l = tr->layout();
-  const int64_t H = o.hidden, k = o.top_k, El = p.experts_per_rank;
+  cudaStream_t stream = nullptr;
+  NcclRankComm* nccl = nullptr;
+  int rank = 0, ranks = 1;
+  bool x_fp8 = false;
+  void *dx = nullptr, *dxs = nullptr, *dids = nullptr, *dw = nullptr, *dy = nullptr, *dout = nullptr,
+       *a2a_send = nullptr, *a2a_recv = nullptr;
+  TensorView vx, vxs, vids, vw, vy, vout;
+  // Bytes to / from each rank: dispatch rows, and the combine rows each owner sends back.
+  std::vector<size_t> disp_send, disp_recv, comb_send, comb_recv;
+  size_t max_a2a = 16;
+  std::vector<cudaEvent_t> events;  // 4
+  TransportPoint() = default;
+  TransportPoint(const TransportPoint&) = delete;
+  TransportPoint& operator=(const TransportPoint&) = delete;
+  ~TransportPoint() {
+    for (cudaEvent_t e : events) cudaEventDestroy(e);
+    for (void* q : {dx, dxs, dids, dw, dy, dout, a2a_send, a2a_recv}) cudaFree(q);
+  }
+  Status dispatch() { return tr->dispatch(vx, x_fp8 ? vxs : TensorView(), vids, vw, stream); }
+  // The NCCL all-to-all of the same bytes (ncclSend / ncclRecv per peer in one group).
+  ncclResult_t a2a(const std::vector<size_t>& send, const std::vector<size_t>& recv) {
+    ncclGroupStart();
+    for (int q = 0; q < ranks; ++q) {
+      if (send[q]) ncclSend(static_cast<char*>(a2a_send) + q * max_a2a, send[q], ncclUint8, q, nccl->nccl(), stream);
+      if (recv[q]) ncclRecv(static_cast<char*>(a2a_recv) + q * max_a2a, recv[q], ncclUint8, q, nccl->nccl(), stream);
+    }
+    return ncclGroupEnd();
+  }
+};
 
-  // Inputs: random bf16 x and routing (every rank derives every rank's routing: bytes per direction).
-  std::vector<RankRouting> routing;
-  for (int r = 0; r < R; ++r) routing.push_back(make_routing(o, r, T));
-  std::vector<uint16_t> x(T * H);
+// x for rank `rank`: random bf16 values; with --x fp8 also quantised here in 1x128 blocks (the kernel
+// copies codes and scales).
+void make_x(const BenchOptions& o, int rank, int64_t T, std::vector<uint16_t>* x, std::vector<uint8_t>* xq,
+            std::vector<float>* xs) {
+  const int64_t H = o.hidden;
+  x->resize(T * H);
   uint32_t lcg = 12345u + rank;
-  for (auto& v : x) {
+  for (auto& v : *x) {
     lcg = lcg * 1664525u + 1013904223u;
     v = fmt::float_to_bf16((static_cast<int32_t>(lcg >> 8) - (1 << 23)) * (1.f / (1 << 22)));
   }
-  // An fp8 input: x quantised here (1x128 blocks), the kernel copies codes and scales.
-  const bool x_fp8 = o.x_dtype == "fp8";
-  std::vector<uint8_t> xq;
-  std::vector<float> xs;
-  if (x_fp8) {
-    xq.resize(T * H);
-    xs.resize(T * H / 128);
-    std::vector<float> row(H);
-    for (int64_t t = 0; t < T; ++t) {
-      for (int64_t i = 0; i < H; ++i) row[i] = fmt::bf16_to_float(x[t * H + i]);
-      fmt::quantize_fp8_1x128(row.data(), H, &xq[t * H], &xs[t * H / 128], false);
-    }
+  if (o.x_dtype != "fp8") return;
+  xq->resize(T * H);
+  xs->resize(T * H / 128);
+  std::vector<float> row(H);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t i = 0; i < H; ++i) row[i] = fmt::bf16_to_float((*x)[t * H + i]);
+    fmt::quantize_fp8_1x128(row.data(), H, &(*xq)[t * H], &(*xs)[t * H / 128], false);
   }
-  void *dx, *dxs = nullptr, *dids, *dw, *dy, *dout, *a2a_send, *a2a_recv;
-  const int64_t row_bytes = H * ws_elem_bytes(p.dispatch_format) +
-                            (p.dispatch_format == kWsFp8Block ? H / 128 * 4 : 0) + l.meta_bytes;
-  // Bytes rank `src` sends to rank `dst`: dispatch rows, and the combine rows `dst` sends back to `src`.
+}
+
+// The bytes this rank sends to and receives from each peer (every rank derives every rank's routing).
+void count_bytes(const BenchOptions& o, const WorkspaceLayout& l, int64_t T, TransportPoint* pt) {
+  const int R = pt->ranks, rank = pt->rank;
+  const int64_t k = o.top_k, El = o.experts / R;
+  std::vector<RankRouting> routing;
+  for (int r = 0; r < R; ++r) routing.push_back(make_routing(o, r, T));
+  const int64_t row_bytes = o.hidden * ws_elem_bytes(l.params.dispatch_format) +
+                            (l.params.dispatch_format == kWsFp8Block ? o.hidden / 128 * 4 : 0) + l.meta_bytes;
   auto tokens_to = [&](int src, int dst) {
     int64_t n = 0;
     for (int64_t t = 0; t < T; ++t) {
@@ -264,67 +273,118 @@ void bench_point(const BenchOptions& o, std::shared_ptr<Communicator> comm, int6
     for (int64_t t = 0; t < T * k; ++t) n += routing[src].ids[t] / El == dst;
     return n;
   };
-  std::vector<size_t> disp_send(R), disp_recv(R), comb_send(R), comb_recv(R);
+  pt->disp_send.assign(R, 0);
+  pt->disp_recv.assign(R, 0);
+  pt->comb_send.assign(R, 0);
+  pt->comb_recv.assign(R, 0);
   for (int q = 0; q < R; ++q) {
-    disp_send[q] = q == rank ? 0 : tokens_to(rank, q) * row_bytes;
-    disp_recv[q] = q == rank ? 0 : tokens_to(q, rank) * row_bytes;
+    if (q == rank) continue;
+    pt->disp_send[q] = tokens_to(rank, q) * row_bytes;
+    pt->disp_recv[q] = tokens_to(q, rank) * row_bytes;
     // I own, q is the source: a row per (token, slot), or with the owner reduce per token
-    comb_send[q] = q == rank ? 0 : (o.owner_reduce ? tokens_to(q, rank) : pairs_to(q, rank)) * l.wire_row_bytes;
-    comb_recv[q] = q == rank ? 0 : (o.owner_reduce ? tokens_to(rank, q) : pairs_to(rank, q)) * l.wire_row_bytes;
+    pt->comb_send[q] = (o.owner_reduce ? tokens_to(q, rank) : pairs_to(q, rank)) * l.wire_row_bytes;
+    pt->comb_recv[q] = (o.owner_reduce ? tokens_to(rank, q) : pairs_to(rank, q)) * l.wire_row_bytes;
   }
-  size_t max_a2a = 16;
-  for (int q = 0; q < R; ++q) max_a2a = std::max({max_a2a, disp_send[q], disp_recv[q], comb_send[q], comb_recv[q]});
-  MEGAMOE_RANK_CUDA(cudaMalloc(&dx, std::max<int64_t>(T * H * 2, 16)));
-  MEGAMOE_RANK_CUDA(cudaMalloc(&dids, std::max<int64_t>(T * k * 4, 16)));
-  MEGAMOE_RANK_CUDA(cudaMalloc(&dw, std::max<int64_t>(T * k * 4, 16)));
-  MEGAMOE_RANK_CUDA(cudaMalloc(&dy, std::max<int64_t>(T * H * 2, 16)));
-  MEGAMOE_RANK_CUDA(cudaMalloc(&dout, std::max<int64_t>(l.pool_rows * H * 2, 16)));
-  MEGAMOE_RANK_CUDA(cudaMalloc(&a2a_send, max_a2a * R));
-  MEGAMOE_RANK_CUDA(cudaMalloc(&a2a_recv, max_a2a * R));
-  if (x_fp8) {
-    MEGAMOE_RANK_CUDA(cudaMalloc(&dxs, std::max<int64_t>(T * H / 128 * 4, 16)));
-    MEGAMOE_RANK_CUDA(cudaMemcpy(dx, xq.data(), T * H, cudaMemcpyHostToDevice));
-    MEGAMOE_RANK_CUDA(cudaMemcpy(dxs, xs.data(), T * H / 128 * 4, cudaMemcpyHostToDevice));
+  for (int q = 0; q < R; ++q)
+    pt->max_a2a = std::max({pt->max_a2a, pt->disp_send[q], pt->disp_recv[q], pt->comb_send[q], pt->comb_recv[q]});
+}
+
+// The transport of one point (max_tokens_per_rank = T) on this rank, its inputs on the device.
+Status setup_point(const BenchOptions& o, std::shared_ptr<Communicator> comm, int64_t T, TransportPoint* pt) {
+  pt->nccl = nccl_rank_of(comm.get());
+  pt->rank = comm->rank();
+  pt->ranks = comm->size();
+  MEGAMOE_CUDA_CHECK(cudaSetDevice(pt->nccl->device()));
+  EpTransportOptions opt;
+  WorkspaceParams& p = opt.params;
+  p.ep_size = pt->ranks;
+  p.experts_per_rank = o.experts / pt->ranks;
+  p.top_k = o.top_k;
+  p.hidden = o.hidden;
+  p.intermediate = 128;
+  p.max_tokens_per_rank = T;
+  opt.combine_groups = o.combine_groups;
+  p.dispatch_format = o.dispatch == "bf16" ? kWsBf16 : kWsFp8Block;
+  p.intermediate_format = kWsBf16;
+  p.combine_format = o.combine == "mxfp8" ? kWsMxfp8 : o.combine == "nvfp4" ? kWsNvfp4 : kWsBf16;
+  p.owner_reduce = o.owner_reduce ? 1 : 0;
+  MEGAMOE_RETURN_IF_ERROR(EpTransport::create(comm, opt, &pt->tr));
+  MEGAMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&pt->stream, cudaStreamNonBlocking));
+  MEGAMOE_RETURN_IF_ERROR(pt->tr->warmup(pt->stream));
+  const WorkspaceLayout& l = pt->tr->layout();
+  const int64_t H = o.hidden, k = o.top_k;
+  count_bytes(o, l, T, pt);
+  std::vector<uint16_t> x;
+  std::vector<uint8_t> xq;
+  std::vector<float> xs;
+  make_x(o, pt->rank, T, &x, &xq, &xs);
+  pt->x_fp8 = o.x_dtype == "fp8";
+  const RankRouting routing = make_routing(o, pt->rank, T);
+  const int R = pt->ranks;
+  MEGAMOE_CUDA_CHECK(cudaMalloc(&pt->dx, std::max<int64_t>(T * H * 2, 16)));
+  MEGAMOE_CUDA_CHECK(cudaMalloc(&pt->dids, std::max<int64_t>(T * k * 4, 16)));
+  MEGAMOE_CUDA_CHECK(cudaMalloc(&pt->dw, std::max<int64_t>(T * k * 4, 16)));
+  MEGAMOE_CUDA_CHECK(cudaMalloc(&pt->dy, std::max<int64_t>(T * H * 2, 16)));
+  MEGAMOE_CUDA_CHECK(cudaMalloc(&pt->dout, std::max<int64_t>(l.pool_rows * H * 2, 16)));
+  MEGAMOE_CUDA_CHECK(cudaMalloc(&pt->a2a_send, pt->max_a2a * R));
+  MEGAMOE_CUDA_CHECK(cudaMalloc(&pt->a2a_recv, pt->max_a2a * R));
+  if (pt->x_fp8) {
+    MEGAMOE_CUDA_CHECK(cudaMalloc(&pt->dxs, std::max<int64_t>(T * H / 128 * 4, 16)));
+    MEGAMOE_CUDA_CHECK(cudaMemcpy(pt->dx, xq.data(), T * H, cudaMemcpyHostToDevice));
+    MEGAMOE_CUDA_CHECK(cudaMemcpy(pt->dxs, xs.data(), T * H / 128 * 4, cudaMemcpyHostToDevice));
   } else {
-    MEGAMOE_RANK_CUDA(cudaMemcpy(dx, x.data(), T * H * 2, cudaMemcpyHostToDevice));
+    MEGAMOE_CUDA_CHECK(cudaMemcpy(pt->dx, x.data(), T * H * 2, cudaMemcpyHostToDevice));
   }
-  MEGAMOE_RANK_CUDA(cudaMemcpy(dids, routing[rank].ids.data(), T * k * 4, cudaMemcpyHostToDevice));
-  MEGAMOE_RANK_CUDA(cudaMemcpy(dw, routing[rank].weights.data(), T * k * 4, cudaMemcpyHostToDevice));
-  MEGAMOE_RANK_CUDA(cudaMemset(dout, 0x3C, l.pool_rows * H * 2));  // FC2 stand-in (values do not change bytes)
-  const Device dev = Device::cuda(nccl->device());
-  const TensorView vx(dx, x_fp8 ? DType::kFloat8E4M3 : DType::kBFloat16, {T, H}, dev),
-      vxs(dxs, DType::kFloat32, {T, H / 128}, dev), vids(dids, DType::kInt32, {T, k}, dev),
-      vw(dw, DType::kFloat32, {T, k}, dev), vy(dy, DType::kBFloat16, {T, H}, dev),
-      vout(dout, DType::kBFloat16, {l.pool_rows, H}, dev);
+  MEGAMOE_CUDA_CHECK(cudaMemcpy(pt->dids, routing.ids.data(), T * k * 4, cudaMemcpyHostToDevice));
+  MEGAMOE_CUDA_CHECK(cudaMemcpy(pt->dw, routing.weights.data(), T * k * 4, cudaMemcpyHostToDevice));
+  MEGAMOE_CUDA_CHECK(cudaMemset(pt->dout, 0x3C, l.pool_rows * H * 2));  // FC2 stand-in (values do not change bytes)
+  const Device dev = Device::cuda(pt->nccl->device());
+  pt->vx = TensorView(pt->dx, pt->x_fp8 ? DType::kFloat8E4M3 : DType::kBFloat16, {T, H}, dev);
+  pt->vxs = TensorView(pt->dxs, DType::kFloat32, {T, H / 128}, dev);
+  pt->vids = TensorView(pt->dids, DType::kInt32, {T, k}, dev);
+  pt->vw = TensorView(pt->dw, DType::kFloat32, {T, k}, dev);
+  pt->vy = TensorView(pt->dy, DType::kBFloat16, {T, H}, dev);
+  pt->vout = TensorView(pt->dout, DType::kBFloat16, {l.pool_rows, H}, dev);
+  pt->events.resize(4);
+  for (auto& e : pt->events) MEGAMOE_CUDA_CHECK(cudaEventCreate(&e));
+  return Status::ok();
+}
 
-  cudaEvent_t ev[4];
-  for (auto& e : ev) MEGAMOE_RANK_CUDA(cudaEventCreate(&e));
-  // The three phases of one forward, each a CUDA graph: dispatch | expert pool | combine (send + reduce).
-  cudaGraph_t graphs[3];
-  cudaGraphExec_t execs[3];
-  for (int phase = 0; phase < 3; ++phase) {
-    MEGAMOE_RANK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    Status cap;
-    if (phase == 0) cap = tr->dispatch(vx, x_fp8 ? vxs : TensorView(), vids, vw, stream);
-    if (phase == 1) cap = tr->build_expert_pool(stream);
-    if (phase == 2) {
-      cap = combine_phase(o, tr.get(), vout, vids, vy, stream);
-    }
-    MEGAMOE_RANK_CUDA(cudaStreamEndCapture(stream, &graphs[phase]));
-    BENCH_CHECK(cap);
-    MEGAMOE_RANK_CUDA(cudaGraphInstantiate(&execs[phase], graphs[phase], 0));
+// Owns instantiated CUDA graphs (and the graphs they came from) and destroys them.
+struct Graphs {
+  std::vector<cudaGraph_t> graphs;
+  std::vector<cudaGraphExec_t> execs;
+  ~Graphs() {
+    for (cudaGraphExec_t x : execs) cudaGraphExecDestroy(x);
+    for (cudaGraph_t g : graphs) cudaGraphDestroy(g);
   }
+  // Captures `body` on `stream` and instantiates it; returns its index.
+  Status capture(cudaStream_t stream, const std::function<Status()>& body, size_t* index) {
+    MEGAMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    const Status cap = body();
+    cudaGraph_t g = nullptr;
+    MEGAMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &g));
+    graphs.push_back(g);
+    MEGAMOE_RETURN_IF_ERROR(cap);
+    cudaGraphExec_t x = nullptr;
+    MEGAMOE_CUDA_CHECK(cudaGraphInstantiate(&x, g, 0));
+    execs.push_back(x);
+    *index = execs.size() - 1;
+    return Status::ok();
+  }
+};
 
-  auto a2a = [&](const std::vector<size_t>& send, const std::vector<size_t>& recv) {
-    ncclGroupStart();
-    for (int q = 0; q < R; ++q) {
-      if (send[q]) ncclSend(static_cast<char*>(a2a_send) + q * max_a2a, send[q], ncclUint8, q, nccl->nccl(), stream);
-      if (recv[q]) ncclRecv(static_cast<char*>(a2a_recv) + q * max_a2a, recv[q], ncclUint8, q, nccl->nccl(), stream);
-    }
-    return ncclGroupEnd();
-  };
-  // The stream waits on a host gate while the timed work is enqueued; the gate opens after every rank
-  // has enqueued (barrier), so neither host launch latency nor rank skew lands inside the events.
+// The phases of single forwards, each a CUDA graph (dispatch | expert pool | combine), and the NCCL
+// all-to-all of the same bytes. The stream waits on a host gate while the timed work is enqueued;
+// the gate opens after every rank has enqueued (barrier), so neither host launch latency nor rank
+// skew lands inside the events.
+void time_phases(const BenchOptions& o, TransportPoint& pt, const std::function<void()>& sync, PointResult* res) {
+  Graphs graphs;
+  size_t phase[3];
+  BENCH_CHECK(graphs.capture(pt.stream, [&] { return pt.dispatch(); }, &phase[0]));
+  BENCH_CHECK(graphs.capture(pt.stream, [&] { return pt.tr->build_expert_pool(pt.stream); }, &phase[1]));
+  BENCH_CHECK(graphs.capture(pt.stream, [&] { return combine_phase(o, pt.tr.get(), pt.vout, pt.vids, pt.vy, pt.stream); },
+                             &phase[2]));
   std::atomic<int> gate{0};
   // Bounded (2 s): a gate that never opens must not hang the benchmark.
   auto hold = [](void* g) {
@@ -333,34 +393,36 @@ void bench_point(const BenchOptions& o, std::shared_ptr<Communicator> comm, int6
            std::chrono::steady_clock::now() < until) {
     }
   };
+  const cudaStream_t stream = pt.stream;
+  cudaEvent_t* ev = pt.events.data();
   std::vector<double> td, tc, tt, nd, nc;
   for (int it = 0; it < o.warmup + o.iters; ++it) {
     gate.store(0);
     MEGAMOE_RANK_CUDA(cudaLaunchHostFunc(stream, hold, &gate));
     MEGAMOE_RANK_CUDA(cudaEventRecord(ev[0], stream));
-    MEGAMOE_RANK_CUDA(cudaGraphLaunch(execs[0], stream));
+    MEGAMOE_RANK_CUDA(cudaGraphLaunch(graphs.execs[phase[0]], stream));
     MEGAMOE_RANK_CUDA(cudaEventRecord(ev[1], stream));
-    MEGAMOE_RANK_CUDA(cudaGraphLaunch(execs[1], stream));
+    MEGAMOE_RANK_CUDA(cudaGraphLaunch(graphs.execs[phase[1]], stream));
     MEGAMOE_RANK_CUDA(cudaEventRecord(ev[2], stream));
-    MEGAMOE_RANK_CUDA(cudaGraphLaunch(execs[2], stream));
+    MEGAMOE_RANK_CUDA(cudaGraphLaunch(graphs.execs[phase[2]], stream));
     MEGAMOE_RANK_CUDA(cudaEventRecord(ev[3], stream));
     sync();
     gate.store(1, std::memory_order_release);
     MEGAMOE_RANK_CUDA(cudaStreamSynchronize(stream));
     float d = 0, c = 0;
-      MEGAMOE_RANK_CUDA(cudaEventElapsedTime(&d, ev[0], ev[1]));
+    MEGAMOE_RANK_CUDA(cudaEventElapsedTime(&d, ev[0], ev[1]));
     MEGAMOE_RANK_CUDA(cudaEventElapsedTime(&c, ev[2], ev[3]));
     // The NCCL all-to-all of the same bytes, each direction set on its own. Behind the gate only when
     // the barrier is a host one: an NCCL barrier on the same communicator would queue behind it.
     gate.store(0);
     sync();  // no gate: NCCL may queue its own host work behind it
     MEGAMOE_RANK_CUDA(cudaEventRecord(ev[0], stream));
-    if (a2a(disp_send, disp_recv) != ncclSuccess) {
+    if (pt.a2a(pt.disp_send, pt.disp_recv) != ncclSuccess) {
       res->error = "ncclSend/ncclRecv failed";
       return;
     }
     MEGAMOE_RANK_CUDA(cudaEventRecord(ev[1], stream));
-    if (a2a(comb_send, comb_recv) != ncclSuccess) {
+    if (pt.a2a(pt.comb_send, pt.comb_recv) != ncclSuccess) {
       res->error = "ncclSend/ncclRecv failed";
       return;
     }
@@ -378,124 +440,219 @@ void bench_point(const BenchOptions& o, std::shared_ptr<Communicator> comm, int6
       nc.push_back(n2 * 1e3);
     }
   }
-  BENCH_CHECK(tr->check_error(stream));
+  BENCH_CHECK(pt.tr->check_error(stream));
+  res->dispatch = summarize(td);
+  res->combine = summarize(tc);
+  res->total = summarize(tt);
+  res->nccl_dispatch = summarize(nd);
+  res->nccl_combine = summarize(nc);
+}
 
-  // Amortised: N forwards back to back in one graph per rank, and N dispatches back to back; every
-  // rank launches its graph right after a host barrier, so the launch skew between ranks is paid once
-  // per N forwards. Event nodes around each phase give per-forward phase times.
-  if (o.graph_iters > 0) {
-    const int N = o.graph_iters;
-    std::vector<cudaEvent_t> pe(4 * N);
-    for (auto& e : pe) MEGAMOE_RANK_CUDA(cudaEventCreate(&e));
-    cudaGraph_t gf = nullptr, gd = nullptr;
-    cudaGraphExec_t xf = nullptr, xd = nullptr;
-    MEGAMOE_RANK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    Status cap;
-    // External event nodes: they record timestamps when the graph runs (plain captured events do not).
-    for (int i = 0; i < N && cap.is_ok(); ++i) {
+// Amortised: N forwards back to back in one graph per rank, and N dispatches back to back; every
+// rank launches its graph right after a host barrier, so the launch skew between ranks is paid once
+// per N forwards. Event nodes around each phase give per-forward phase times.
+void time_amortised(const BenchOptions& o, TransportPoint& pt, const std::function<void()>& sync, PointResult* res) {
+  const int N = o.graph_iters;
+  const cudaStream_t stream = pt.stream;
+  std::vector<cudaEvent_t> pe(4 * N);
+  struct EventsGuard {
+    std::vector<cudaEvent_t>& v;
+    ~EventsGuard() {
+      for (cudaEvent_t e : v)
+        if (e) cudaEventDestroy(e);
+    }
+  } guard{pe};
+  for (auto& e : pe) MEGAMOE_RANK_CUDA(cudaEventCreate(&e));
+  Graphs graphs;
+  size_t forwards = 0, dispatches = 0, clean = 0, dispatch_pool = 0;
+  // External event nodes: they record timestamps when the graph runs (plain captured events do not).
+  BENCH_CHECK(graphs.capture(stream, [&]() -> Status {
+    for (int i = 0; i < N; ++i) {
       cudaEventRecordWithFlags(pe[4 * i], stream, cudaEventRecordExternal);
-      cap = tr->dispatch(vx, x_fp8 ? vxs : TensorView(), vids, vw, stream);
+      MEGAMOE_RETURN_IF_ERROR(pt.dispatch());
       cudaEventRecordWithFlags(pe[4 * i + 1], stream, cudaEventRecordExternal);
-      if (cap.is_ok()) cap = tr->build_expert_pool(stream);
+      MEGAMOE_RETURN_IF_ERROR(pt.tr->build_expert_pool(stream));
       cudaEventRecordWithFlags(pe[4 * i + 2], stream, cudaEventRecordExternal);
-      if (cap.is_ok()) cap = combine_phase(o, tr.get(), vout, vids, vy, stream);
+      MEGAMOE_RETURN_IF_ERROR(combine_phase(o, pt.tr.get(), pt.vout, pt.vids, pt.vy, stream));
       cudaEventRecordWithFlags(pe[4 * i + 3], stream, cudaEventRecordExternal);
     }
-    MEGAMOE_RANK_CUDA(cudaStreamEndCapture(stream, &gf));
-    BENCH_CHECK(cap);
-    MEGAMOE_RANK_CUDA(cudaGraphInstantiate(&xf, gf, 0));
-    MEGAMOE_RANK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    for (int i = 0; i < N && cap.is_ok(); ++i) cap = tr->dispatch(vx, x_fp8 ? vxs : TensorView(), vids, vw, stream);
-    MEGAMOE_RANK_CUDA(cudaStreamEndCapture(stream, &gd));
-    BENCH_CHECK(cap);
-    MEGAMOE_RANK_CUDA(cudaGraphInstantiate(&xd, gd, 0));
-    // Without event nodes: N forwards, and N x (dispatch + pool build).
-    cudaGraph_t gc = nullptr, gdp = nullptr;
-    cudaGraphExec_t xc = nullptr, xdp = nullptr;
-    for (int which = 0; which < 2; ++which) {
-      MEGAMOE_RANK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-      for (int i = 0; i < N && cap.is_ok(); ++i) {
-        cap = tr->dispatch(vx, x_fp8 ? vxs : TensorView(), vids, vw, stream);
-        if (cap.is_ok()) cap = tr->build_expert_pool(stream);
-        if (cap.is_ok() && which == 0) cap = combine_phase(o, tr.get(), vout, vids, vy, stream);
+    return Status::ok();
+  }, &forwards));
+  BENCH_CHECK(graphs.capture(stream, [&]() -> Status {
+    for (int i = 0; i < N; ++i) MEGAMOE_RETURN_IF_ERROR(pt.dispatch());
+    return Status::ok();
+  }, &dispatches));
+  // Without event nodes: N forwards, and N x (dispatch + pool build).
+  for (int which = 0; which < 2; ++which)
+    BENCH_CHECK(graphs.capture(stream, [&]() -> Status {
+      for (int i = 0; i < N; ++i) {
+        MEGAMOE_RETURN_IF_ERROR(pt.dispatch());
+        MEGAMOE_RETURN_IF_ERROR(pt.tr->build_expert_pool(stream));
+        if (which == 0) MEGAMOE_RETURN_IF_ERROR(combine_phase(o, pt.tr.get(), pt.vout, pt.vids, pt.vy, stream));
       }
-      MEGAMOE_RANK_CUDA(cudaStreamEndCapture(stream, which == 0 ? &gc : &gdp));
-      BENCH_CHECK(cap);
-      MEGAMOE_RANK_CUDA(cudaGraphInstantiate(which == 0 ? &xc : &xdp, which == 0 ? gc : gdp, 0));
+      return Status::ok();
+    }, which == 0 ? &clean : &dispatch_pool));
+  std::vector<double> fwd, disp_only, clean_fwd, disp_pool, gdisp, gpool, gcomb;
+  cudaEvent_t* ev = pt.events.data();
+  // One graph launched right after a host barrier; µs per forward (the barrier's skew paid once).
+  auto time_graph = [&](size_t x, std::vector<double>* out) -> bool {
+    sync();
+    if (cudaEventRecord(ev[0], stream) != cudaSuccess || cudaGraphLaunch(graphs.execs[x], stream) != cudaSuccess ||
+        cudaEventRecord(ev[1], stream) != cudaSuccess || cudaStreamSynchronize(stream) != cudaSuccess)
+      return false;
+    float ms = 0;
+    if (cudaEventElapsedTime(&ms, ev[0], ev[1]) != cudaSuccess) return false;
+    out->push_back(ms * 1e3 / N);
+    return true;
+  };
+  for (int rep = 0; rep < o.graph_reps + 1; ++rep) {  // the first rep warms up
+    if (!time_graph(forwards, &fwd) || !time_graph(dispatches, &disp_only) || !time_graph(clean, &clean_fwd) ||
+        !time_graph(dispatch_pool, &disp_pool)) {
+      res->error = std::string("amortised graphs: ") + cudaGetErrorString(cudaGetLastError());
+      return;
     }
-    std::vector<double> fwd, disp_only, clean_fwd, disp_pool, gdisp, gpool, gcomb;
-    // One graph launched right after a host barrier; µs per forward (the barrier's skew paid once).
-    auto time_graph = [&](cudaGraphExec_t x, std::vector<double>* out) -> bool {
-      sync();
-      if (cudaEventRecord(ev[0], stream) != cudaSuccess || cudaGraphLaunch(x, stream) != cudaSuccess ||
-          cudaEventRecord(ev[1], stream) != cudaSuccess || cudaStreamSynchronize(stream) != cudaSuccess)
-        return false;
-      float ms = 0;
-      if (cudaEventElapsedTime(&ms, ev[0], ev[1]) != cudaSuccess) return false;
-      out->push_back(ms * 1e3 / N);
-      return true;
-    };
-    for (int rep = 0; rep < o.graph_reps + 1; ++rep) {  // the first rep warms up
-      if (!time_graph(xf, &fwd) || !time_graph(xd, &disp_only) || !time_graph(xc, &clean_fwd) ||
-          !time_graph(xdp, &disp_pool)) {
-        res->error = std::string("amortised graphs: ") + cudaGetErrorString(cudaGetLastError());
-        return;
-      }
-      if (rep == 0) {
-        fwd.clear();
-        disp_only.clear();
-        clean_fwd.clear();
-        disp_pool.clear();
-        continue;
-      }
-      for (int i = 1; i < N; ++i) {  // forward 0 absorbs the launch skew
-        float a = 0, b = 0, c = 0;
-        if (cudaEventElapsedTime(&a, pe[4 * i], pe[4 * i + 1]) != cudaSuccess ||
-            cudaEventElapsedTime(&b, pe[4 * i + 1], pe[4 * i + 2]) != cudaSuccess ||
-            cudaEventElapsedTime(&c, pe[4 * i + 2], pe[4 * i + 3]) != cudaSuccess) {
-          cudaGetLastError();  // no phase times (event nodes not timed here): the totals remain
-          break;
-        }
-        gdisp.push_back(a * 1e3);
-        gpool.push_back(b * 1e3);
-        gcomb.push_back(c * 1e3);
-      }
+    if (rep == 0) {
+      fwd.clear();
+      disp_only.clear();
+      clean_fwd.clear();
+      disp_pool.clear();
+      continue;
     }
-    BENCH_CHECK(tr->check_error(stream));
-    res->g_forward_us = stats_of(fwd).med;
-    res->g_dispatch_only_us = stats_of(disp_only).med;
-    res->g_clean_forward_us = stats_of(clean_fwd).med;
-    res->g_dispatch_pool_us = stats_of(disp_pool).med;
-    res->g_dispatch = stats_of(gdisp);
-    res->g_pool = stats_of(gpool);
-    res->g_combine = stats_of(gcomb);
-    cudaGraphExecDestroy(xf);
-    cudaGraphExecDestroy(xd);
-    cudaGraphExecDestroy(xc);
-    cudaGraphExecDestroy(xdp);
-    cudaGraphDestroy(gf);
-    cudaGraphDestroy(gd);
-    cudaGraphDestroy(gc);
-    cudaGraphDestroy(gdp);
-    for (auto& e : pe) cudaEventDestroy(e);
+    for (int i = 1; i < N; ++i) {  // forward 0 absorbs the launch skew
+      float a = 0, b = 0, c = 0;
+      if (cudaEventElapsedTime(&a, pe[4 * i], pe[4 * i + 1]) != cudaSuccess ||
+          cudaEventElapsedTime(&b, pe[4 * i + 1], pe[4 * i + 2]) != cudaSuccess ||
+          cudaEventElapsedTime(&c, pe[4 * i + 2], pe[4 * i + 3]) != cudaSuccess) {
+        cudaGetLastError();  // no phase times (event nodes not timed here): the totals remain
+        break;
+      }
+      gdisp.push_back(a * 1e3);
+      gpool.push_back(b * 1e3);
+      gcomb.push_back(c * 1e3);
+    }
   }
+  BENCH_CHECK(pt.tr->check_error(stream));
+  res->g_forward_us = summarize(fwd).median;
+  res->g_dispatch_only_us = summarize(disp_only).median;
+  res->g_clean_forward_us = summarize(clean_fwd).median;
+  res->g_dispatch_pool_us = summarize(disp_pool).median;
+  res->g_dispatch = summarize(gdisp);
+  res->g_pool = summarize(gpool);
+  res->g_combine = summarize(gcomb);
+}
 
-  res->dispatch = stats_of(td);
-  res->combine = stats_of(tc);
-  res->total = stats_of(tt);
-  res->nccl_dispatch = stats_of(nd);
-  res->nccl_combine = stats_of(nc);
-  res->dispatch_bytes = static_cast<double>(*std::max_element(disp_send.begin(), disp_send.end()));
-  res->combine_bytes = static_cast<double>(*std::max_element(comb_send.begin(), comb_send.end()));
-  for (int phase = 0; phase < 3; ++phase) {
-    cudaGraphExecDestroy(execs[phase]);
-    cudaGraphDestroy(graphs[phase]);
+// One rank's run of one point. `sync` is a host barrier across ranks (threads or processes).
+void bench_point(const BenchOptions& o, std::shared_ptr<Communicator> comm, int64_t T,
+                 const std::function<void()>& sync, PointResult* res) {
+  TransportPoint pt;
+  if (const Status st = setup_point(o, comm, T, &pt); !st) res->error = "setup: " + st.to_string();
+  if (res->error.empty()) time_phases(o, pt, sync, res);
+  if (res->error.empty() && o.graph_iters > 0) time_amortised(o, pt, sync, res);
+  if (!pt.disp_send.empty()) {
+    res->dispatch_bytes = static_cast<double>(*std::max_element(pt.disp_send.begin(), pt.disp_send.end()));
+    res->combine_bytes = static_cast<double>(*std::max_element(pt.comb_send.begin(), pt.comb_send.end()));
   }
-  for (auto& e : ev) cudaEventDestroy(e);
-  for (void* q : {dx, dxs, dids, dw, dy, dout, a2a_send, a2a_recv}) cudaFree(q);
+  if (!res->error.empty()) {
+    // Releasing a transport is collective and its peers may be gone: it is left to the process's exit.
+    (void)pt.tr.release();
+    return;
+  }
   sync();
-  tr.reset();  // collective release
-  cudaStreamDestroy(stream);
+  pt.tr.reset();  // collective release
+  cudaStreamDestroy(pt.stream);
+  pt.stream = nullptr;
+}
+
+double gbps(double bytes, double us) { return us > 0 ? bytes / (us * 1e3) : 0.0; }
+
+// A point's record: every column of both text tables (the --json rows, and --csv by these keys).
+nlohmann::json point_record(int64_t T, const PointResult& r) {
+  nlohmann::json j;
+  j["tokens"] = T;
+  j["dispatch_bytes"] = r.dispatch_bytes;
+  j["combine_bytes"] = r.combine_bytes;
+  j["dispatch_us"] = summary_json(r.dispatch);
+  j["dispatch_gbps"] = gbps(r.dispatch_bytes, r.dispatch.median);
+  j["combine_us"] = summary_json(r.combine);
+  j["combine_gbps"] = gbps(r.combine_bytes, r.combine.median);
+  j["dispatch_combine_us"] = r.total.median;
+  j["nccl_dispatch_us"] = r.nccl_dispatch.median;
+  j["nccl_dispatch_gbps"] = gbps(r.dispatch_bytes, r.nccl_dispatch.median);
+  j["nccl_combine_us"] = r.nccl_combine.median;
+  j["nccl_combine_gbps"] = gbps(r.combine_bytes, r.nccl_combine.median);
+  // NVLink floor of one dispatch and one combine, back to back (DESIGN.md 6: 395 GB/s per direction)
+  set_floor(&j, r.total.median, (r.dispatch_bytes + r.combine_bytes) / kH200NvlinkBytesPerS * 1e6);
+  if (r.g_forward_us > 0) {
+    j["graph_dispatch_us"] = summary_json(r.g_dispatch);
+    j["graph_dispatch_gbps"] = gbps(r.dispatch_bytes, r.g_dispatch.median);
+    j["graph_pool_us"] = r.g_pool.median;
+    j["graph_combine_us"] = summary_json(r.g_combine);
+    j["graph_combine_gbps"] = gbps(r.combine_bytes, r.g_combine.median);
+    j["graph_dispatch_combine_us"] = r.g_dispatch.median + r.g_combine.median;
+    j["graph_forward_events_us"] = r.g_forward_us;  // with event nodes
+    j["graph_dispatch_only_us"] = r.g_dispatch_only_us;
+    j["graph_forward_us"] = r.g_clean_forward_us;  // F: no event nodes
+    j["graph_dispatch_pool_us"] = r.g_dispatch_pool_us;
+    const double c = r.g_clean_forward_us - r.g_dispatch_pool_us;
+    j["graph_clean_combine_us"] = c;
+    j["graph_clean_combine_gbps"] = gbps(r.combine_bytes, c);
+    j["graph_clean_dispatch_combine_us"] = r.g_dispatch_only_us + c;
+  }
+  return j;
+}
+
+// The text tables (their numbers, in this order, are what scripts/perf_refresh.py reads from a log).
+const RowPrinter& phase_printer() {
+  static const RowPrinter printer({{"tokens", "tokens", 8, "%lld"},
+                                   {"", "|"},
+                                   {"dispatch_us.median", "disp_med", 8, "%.1f"},
+                                   {"dispatch_us.min", "disp_min", 8, "%.1f"},
+                                   {"dispatch_us.max", "disp_max", 8, "%.1f"},
+                                   {"dispatch_gbps", "GB/s", 8, "%.1f"},
+                                   {"", "|"},
+                                   {"combine_us.median", "comb_med", 8, "%.1f"},
+                                   {"combine_us.min", "comb_min", 8, "%.1f"},
+                                   {"combine_us.max", "comb_max", 8, "%.1f"},
+                                   {"combine_gbps", "GB/s", 8, "%.1f"},
+                                   {"", "|"},
+                                   {"dispatch_combine_us", "d+c us", 9, "%.1f"},
+                                   {"", "|"},
+                                   {"nccl_dispatch_us", "nccl_d_us", 10, "%.1f"},
+                                   {"nccl_dispatch_gbps", "GB/s", 9, "%.1f"},
+                                   {"", "|"},
+                                   {"nccl_combine_us", "nccl_c_us", 10, "%.1f"},
+                                   {"nccl_combine_gbps", "GB/s", 9, "%.1f"}});
+  return printer;
+}
+
+const RowPrinter& graph_printer() {
+  static const RowPrinter printer({{"tokens", "tokens", 8, "%lld"},
+                                   {"", "|"},
+                                   {"graph_dispatch_us.median", "disp_med", 8, "%.1f"},
+                                   {"graph_dispatch_us.min", "disp_min", 8, "%.1f"},
+                                   {"graph_dispatch_us.max", "disp_max", 8, "%.1f"},
+                                   {"graph_dispatch_gbps", "GB/s", 8, "%.1f"},
+                                   {"", "|"},
+                                   {"graph_pool_us", "pool us", 9, "%.1f"},
+                                   {"", "|"},
+                                   {"graph_combine_us.median", "comb_med", 8, "%.1f"},
+                                   {"graph_combine_us.min", "comb_min", 8, "%.1f"},
+                                   {"graph_combine_us.max", "comb_max", 8, "%.1f"},
+                                   {"graph_combine_gbps", "GB/s", 8, "%.1f"},
+                                   {"", "|"},
+                                   {"graph_dispatch_combine_us", "d+c us", 9, "%.1f"},
+                                   {"", "|"},
+                                   {"graph_forward_events_us", "fwd us/N", 10, "%.1f"},
+                                   {"", "|"},
+                                   {"graph_dispatch_only_us", "disp-only/N", 12, "%.1f"},
+                                   {"", "||"},
+                                   {"graph_forward_us", "F us/N", 9, "%.1f"},
+                                   {"graph_dispatch_pool_us", "DP us/N", 9, "%.1f"},
+                                   {"graph_clean_combine_us", "c us", 9, "%.1f"},
+                                   {"", "|"},
+                                   {"graph_clean_combine_gbps", "c GB/s", 10, "%.1f"},
+                                   {"graph_clean_dispatch_combine_us", "d+c us", 9, "%.1f"}});
+  return printer;
 }
 
 void print_header(const BenchOptions& o, int R) {
@@ -504,131 +661,143 @@ void print_header(const BenchOptions& o, int R) {
               o.dispatch.c_str(), o.combine.c_str(), o.owner_reduce ? " owner-reduced" : "",
               o.split_combine ? "combine_send + combine" : "send_and_combine",
               o.iters);
+  std::printf("%s\n", phase_printer().header().c_str());
   std::fflush(stdout);
-  std::printf("%8s | %26s %8s | %26s %8s | %9s | %20s | %20s\n", "tokens", "dispatch us med/min/max", "GB/s",
-              "combine us med/min/max", "GB/s", "d+c us", "nccl a2a disp us GB/s", "nccl a2a comb us GB/s");
 }
 
-void print_graph_header() {
+void print_graph_table(const std::vector<nlohmann::json>& records) {
   std::printf("# amortised: graph of N back-to-back forwards per rank (dispatch | pool | combine), per-forward phase medians from event nodes (forward 0 excluded), and whole graphs / N\n");
   std::printf("# no-event columns: graphs without event nodes, / N: F = forwards, D = dispatches, DP = dispatch + pool; combine = F - DP, d+c = D + F - DP\n");
-  std::printf("%8s | %26s %8s | %9s | %26s %8s | %9s | %10s | %12s || %9s %9s %9s | %10s %9s\n", "tokens",
-              "dispatch us med/min/max", "GB/s", "pool us", "combine us med/min/max", "GB/s", "d+c us", "fwd us/N",
-              "disp-only us/N", "F us/N", "DP us/N", "c us", "c GB/s", "d+c us");
+  std::printf("%s\n", graph_printer().header().c_str());
+  for (const nlohmann::json& r : records) std::printf("%s\n", graph_printer().row(r).c_str());
   std::fflush(stdout);
 }
 
-void print_graph_row(int64_t T, const PointResult& r) {
-  auto gbs = [](double bytes, double us) { return us > 0 ? bytes / (us * 1e3) : 0.0; };
-  const double c = r.g_clean_forward_us - r.g_dispatch_pool_us;
-  std::printf("%8lld | %8.1f %8.1f %8.1f %8.1f | %9.1f | %8.1f %8.1f %8.1f %8.1f | %9.1f | %10.1f | %12.1f || %9.1f %9.1f %9.1f | %10.1f %9.1f\n",
-              static_cast<long long>(T), r.g_dispatch.med, r.g_dispatch.min, r.g_dispatch.max,
-              gbs(r.dispatch_bytes, r.g_dispatch.med), r.g_pool.med, r.g_combine.med, r.g_combine.min,
-              r.g_combine.max, gbs(r.combine_bytes, r.g_combine.med), r.g_dispatch.med + r.g_combine.med,
-              r.g_forward_us, r.g_dispatch_only_us, r.g_clean_forward_us, r.g_dispatch_pool_us, c,
-              gbs(r.combine_bytes, c), r.g_dispatch_only_us + c);
-  std::fflush(stdout);
+// The keys of the --csv file: every column of both tables, and the byte counts.
+std::vector<std::string> transport_csv_keys() {
+  std::vector<std::string> keys;
+  for (const RowPrinter* p : {&phase_printer(), &graph_printer()})
+    for (const Column& c : p->columns())
+      if (!c.key.empty() && std::find(keys.begin(), keys.end(), c.key) == keys.end()) keys.push_back(c.key);
+  for (const char* k : {"dispatch_bytes", "combine_bytes", "floor_us", "time_over_floor"}) keys.push_back(k);
+  return keys;
 }
 
-void print_row(int64_t T, const PointResult& r) {
-  auto gbs = [](double bytes, double us) { return us > 0 ? bytes / (us * 1e3) : 0.0; };
-  std::printf("%8lld | %8.1f %8.1f %8.1f %8.1f | %8.1f %8.1f %8.1f %8.1f | %9.1f | %10.1f %9.1f | %10.1f %9.1f\n",
-              static_cast<long long>(T), r.dispatch.med, r.dispatch.min, r.dispatch.max, gbs(r.dispatch_bytes, r.dispatch.med),
-              r.combine.med, r.combine.min, r.combine.max, gbs(r.combine_bytes, r.combine.med), r.total.med,
-              r.nccl_dispatch.med, gbs(r.dispatch_bytes, r.nccl_dispatch.med), r.nccl_combine.med,
-              gbs(r.combine_bytes, r.nccl_combine.med));
-  std::fflush(stdout);
-}
-
-int run_bench_transport(const BenchOptions& o) {
-  if (!env_knobs().rank.empty()) {  // one rank per process, under `megamoe launch`
-    NcclBootstrap b;
-    Status st = NcclBootstrap::from_env(&b);
-    std::shared_ptr<Communicator> comm;
-    if (st.is_ok()) st = create_nccl_rank(b, &comm);
-    if (!st.is_ok()) {
-      std::fprintf(stderr, "megamoe bench-transport: error: %s\n", st.to_string().c_str());
-      return 3;
+// Runs every point on this process's ranks and prints rank 0's rows; fills `records` with them.
+int run_points(const BenchOptions& o, const std::vector<int64_t>& tokens, int R, bool print,
+               const std::function<bool(int64_t T, std::vector<PointResult>* res)>& run_point,
+               std::vector<nlohmann::json>* records) {
+  if (print) print_header(o, R);
+  for (int64_t T : tokens) {
+    std::vector<PointResult> res;
+    if (!run_point(T, &res)) return kExitUnavailable;
+    records->push_back(point_record(T, res[0]));
+    if (print) {
+      std::printf("%s\n", phase_printer().row(records->back()).c_str());
+      std::fflush(stdout);
     }
-    NcclRankComm* nccl = nccl_rank_of(comm.get());
-    void* flag = nullptr;
-    cudaMalloc(&flag, 4);
-    cudaStream_t s;
-    cudaStreamCreate(&s);
-    auto sync = [&] {
-      const Status st = nccl_barrier(nccl->nccl(), flag, s, b.rank, "bench-transport barrier");
-      if (!st) std::fprintf(stderr, "megamoe bench-transport: rank %d: %s\n", b.rank, st.to_string().c_str());
-    };
-    if (b.rank == 0) print_header(o, b.world_size);
-    int rc = 0;
-    std::vector<std::pair<int64_t, PointResult>> rows;
-    for (int64_t T : o.tokens) {
-      PointResult r;
-      bench_point(o, comm, T, sync, false, &r);
-      if (!r.error.empty()) {
-        std::fprintf(stderr, "megamoe bench-transport: rank %d, tokens %lld: %s\n", b.rank, static_cast<long long>(T),
-                     r.error.c_str());
-        rc = 3;
-        break;
-      }
-      if (b.rank == 0) print_row(T, r);
-      rows.emplace_back(T, r);
-    }
-    if (b.rank == 0 && rc == 0 && o.graph_iters > 0) {
-      print_graph_header();
-      for (const auto& [T, r] : rows) print_graph_row(T, r);
-    }
-    cudaFree(flag);
-    return rc;
   }
+  if (print && o.graph_iters > 0) print_graph_table(*records);
+  return kExitOk;
+}
+
+// One rank per process, under `megamoe launch`.
+int run_launched_transport(const BenchOptions& o, const std::vector<int64_t>& tokens,
+                           std::vector<nlohmann::json>* records, bool* printed) {
+  NcclBootstrap b;
+  Status st = NcclBootstrap::from_env(&b);
+  std::shared_ptr<Communicator> comm;
+  if (st.is_ok()) st = create_nccl_rank(b, &comm);
+  if (!st.is_ok()) throw ToolError(kExitUnavailable, st.to_string());
+  NcclRankComm* nccl = nccl_rank_of(comm.get());
+  void* flag = nullptr;
+  cudaMalloc(&flag, 4);
+  cudaStream_t s;
+  cudaStreamCreate(&s);
+  auto sync = [&] {
+    const Status bst = nccl_barrier(nccl->nccl(), flag, s, b.rank, "bench-transport barrier");
+    if (!bst) std::fprintf(stderr, "megamoe bench-transport: rank %d: %s\n", b.rank, bst.to_string().c_str());
+  };
+  *printed = b.rank == 0;
+  const int rc = run_points(o, tokens, b.world_size, *printed, [&](int64_t T, std::vector<PointResult>* res) {
+    res->resize(1);
+    bench_point(o, comm, T, sync, &(*res)[0]);
+    if ((*res)[0].error.empty()) return true;
+    std::fprintf(stderr, "megamoe bench-transport: rank %d, tokens %lld: %s\n", b.rank, static_cast<long long>(T),
+                 (*res)[0].error.c_str());
+    return false;
+  }, records);
+  cudaFree(flag);
+  return rc;
+}
+
+// One process driving --ranks GPUs, a thread each.
+int run_threaded_transport(const BenchOptions& o, const std::vector<int64_t>& tokens,
+                           std::vector<nlohmann::json>* records) {
   std::vector<int> devices(o.ranks);
   for (int r = 0; r < o.ranks; ++r) devices[r] = r;
   std::vector<std::shared_ptr<Communicator>> comms;
   const Status st = create_nccl_group(devices, &comms);
-  if (!st.is_ok()) {
-    std::fprintf(stderr, "megamoe bench-transport: error: %s\n", st.to_string().c_str());
-    return 3;
-  }
-  print_header(o, o.ranks);
+  if (!st.is_ok()) throw ToolError(kExitUnavailable, st.to_string());
   ThreadBarrier barrier(o.ranks);
-  std::vector<std::pair<int64_t, PointResult>> rows;
-  for (int64_t T : o.tokens) {
-    std::vector<PointResult> res(o.ranks);
+  return run_points(o, tokens, o.ranks, true, [&](int64_t T, std::vector<PointResult>* res) {
+    res->assign(o.ranks, PointResult());
     std::vector<std::thread> threads;
     for (int r = 0; r < o.ranks; ++r)
-      threads.emplace_back([&, r] { bench_point(o, comms[r], T, [&] { barrier.wait(); }, true, &res[r]); });
+      threads.emplace_back([&, r] { bench_point(o, comms[r], T, [&] { barrier.wait(); }, &(*res)[r]); });
     for (auto& t : threads) t.join();
     for (int r = 0; r < o.ranks; ++r)
-      if (!res[r].error.empty()) {
+      if (!(*res)[r].error.empty()) {
         std::fprintf(stderr, "megamoe bench-transport: rank %d, tokens %lld: %s\n", r, static_cast<long long>(T),
-                     res[r].error.c_str());
-        return 3;
+                     (*res)[r].error.c_str());
+        return false;
       }
-    print_row(T, res[0]);
-    rows.emplace_back(T, res[0]);
+    return true;
+  }, records);
+}
+
+int run_bench_transport(const BenchOptions& o) {
+  const std::vector<int64_t> tokens = parse_int_list_flag("--tokens", o.tokens, 1, 65535);
+  std::vector<nlohmann::json> records;
+  bool writer = true;
+  const bool launched = !env_knobs().rank.empty();
+  const int ranks = launched ? std::atoi(env_knobs().world_size.c_str()) : o.ranks;
+  const int rc = launched ? run_launched_transport(o, tokens, &records, &writer)
+                          : run_threaded_transport(o, tokens, &records);
+  if (rc == kExitOk && writer) {
+    if (!o.json.empty()) {
+      nlohmann::json doc;
+      doc["tool"] = "megamoe bench-transport";
+      doc["config"] = {{"ranks", ranks},          {"hidden", o.hidden},       {"experts", o.experts},
+                       {"top_k", o.top_k},        {"dispatch", o.dispatch},   {"x", o.x_dtype},
+                       {"combine", o.combine},    {"owner_reduce", o.owner_reduce},
+                       {"split_combine", o.split_combine}, {"combine_groups", o.combine_groups},
+                       {"iters", o.iters},        {"warmup", o.warmup},       {"graph_iters", o.graph_iters}};
+      doc["rows"] = records;
+      write_json_file(o.json, doc);
+    }
+    if (!o.csv.empty()) write_csv_file(o.csv, transport_csv_keys(), records);
   }
-  if (o.graph_iters > 0) {
-    print_graph_header();
-    for (const auto& [T, r] : rows) print_graph_row(T, r);
-  }
-  return 0;
+  return rc;
 }
 
 }  // namespace
 
-void register_transport_commands(CLI::App& app) {
-  auto* launch = app.add_subcommand("launch", "start N processes of a command, one per GPU, as NCCL ranks");
+CommandRun add_launch_command(CLI::App* app) {
+  auto* launch = app->add_subcommand("launch", "start N processes of a command, one per GPU, as NCCL ranks");
   auto n = std::make_shared<int>(2);
   auto command = std::make_shared<std::vector<std::string>>();
   launch->add_option("-n,--nproc", *n, "number of ranks (processes)")->capture_default_str();
   launch->add_option("command", *command, "the command and its arguments (after --)")->required();
-  launch->callback([n, command] { g_exit_code = run_launch(*n, *command); });
+  return [n, command] { return run_launch(*n, *command); };
+}
 
-  auto* bench = app.add_subcommand("bench-transport",
+CommandRun add_transport_bench_command(CLI::App* app) {
+  auto* bench = app->add_subcommand("bench-transport",
                                    "EP transport dispatch/combine µs and GB/s beside an NCCL all-to-all of the same bytes");
   auto o = std::make_shared<BenchOptions>();
   bench->add_option("--ranks", o->ranks, "GPUs driven by this process (ignored under megamoe launch)")->capture_default_str();
-  bench->add_option("--tokens", o->tokens, "tokens per rank, a list")->delimiter(',');
+  bench->add_option("--tokens", o->tokens, "tokens per rank, comma-separated")->capture_default_str();
   bench->add_option("--hidden", o->hidden)->capture_default_str();
   bench->add_option("--experts", o->experts)->capture_default_str();
   bench->add_option("--topk", o->top_k)->capture_default_str();
@@ -657,13 +826,9 @@ void register_transport_commands(CLI::App& app) {
                   "owner rank) instead of one per (token, slot)");
   bench->add_flag("--split-combine", o->split_combine,
                   "combine as two kernels (combine_send, then combine) instead of one send_and_combine kernel");
-  bench->callback([o] { g_exit_code = run_bench_transport(*o); });
-}
-
-bool transport_command_result(int* exit_code) {
-  if (g_exit_code < 0) return false;
-  if (exit_code) *exit_code = g_exit_code;
-  return true;
+  bench->add_option("--json", o->json, "write the rows as JSON to F")->type_name("F");
+  bench->add_option("--csv", o->csv, "write the rows as CSV to F")->type_name("F");
+  return [o] { return run_bench_transport(*o); };
 }
 
 }  // namespace megamoe::tool

@@ -32,6 +32,8 @@
 //   fp8 1x128 / 128x128  e4m3 element, fp32 scale s = fp8_block_scale(block amax): value = code * s.
 //                        1x128 for activations, 128x128 for weights (DeepSeek-V3 checkpoints).
 //   mxfp8                e4m3 element, e8m0 scale per 32 (OCP MX rule, see mxfp8_scale_code).
+//   mxfp4                e2m1 element, e8m0 scale per 32 (OCP MX rule, see mxfp4_scale_code), two
+//                        elements per byte as nvfp4: value = e2m1 * 2^(code - 127).
 //   nvfp4                e2m1 element, e4m3 scale per 16, fp32 global scale per tensor (per expert
 //                        matrix for weights): value = e2m1 * (e4m3 scale * global scale).
 // Block amax is taken over the finite elements only: an infinite element encodes as the saturated
@@ -55,6 +57,7 @@ constexpr float kE4M3Max = 448.f;
 constexpr float kE2M1Max = 6.f;
 constexpr int kFp8BlockSize = 128;  // 1x128 (activations) and 128x128 (weights)
 constexpr int kMxfp8BlockSize = 32;
+constexpr int kMxfp4BlockSize = 32;
 constexpr int kNvfp4BlockSize = 16;
 // The smallest normal fp32, 2^-126: fp32 scales are clamped up to it so they are never subnormal.
 constexpr float kMinNormalFp32 = 1.17549435082228750797e-38f;
@@ -254,6 +257,20 @@ MEGAMOE_FMT_HD uint8_t mxfp8_scale_code(float amax) {
   return static_cast<uint8_t>(code < 0 ? 0 : code);
 }
 
+// e8m0 code of the shared scale of an mxfp4 block (OCP MX v1.0, section 6.3, emax of e2m1 = 2):
+//   X = 2^(floor(log2(amax)) - 2), code = floor(log2(amax)) - 2 + 127 clamped to [0, 254]; the
+//   elements are e2m1(x / X) with saturation, so |x| / X in (6, 8) clamps to 6 (relative error up to
+//   1/4): the spec's rule. amax == 0 (or negative) gives 127; NaN gives 0xFF; +inf gives 254. Finite
+//   amax gives codes in [0, 252].
+MEGAMOE_FMT_HD uint8_t mxfp4_scale_code(float amax) {
+  if (amax != amax) return 0xFFu;
+  if (!(amax > 0.f)) return 127u;
+  const uint32_t a = float_as_bits(amax);
+  if (a >= 0x7F800000u) return 254u;
+  const int32_t code = static_cast<int32_t>(a >> 23) - 2;
+  return static_cast<uint8_t>(code < 0 ? 0 : code);
+}
+
 // fp32 global scale of an nvfp4 tensor: amax / (448 * 6), so that the largest block scale
 // (block amax / 6) / global fits e4m3. amax == 0 (or negative / NaN) gives 1; clamped up to 2^-126.
 MEGAMOE_FMT_HD float nvfp4_global_scale(float amax) {
@@ -334,6 +351,29 @@ MEGAMOE_FMT_HD void quantize_mxfp8(const float* x, int64_t n, uint8_t* q, uint8_
 
 MEGAMOE_FMT_HD void dequantize_mxfp8(const uint8_t* q, const uint8_t* scales, int64_t n, float* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = mul_rn(e4m3_to_float(q[i]), e8m0_to_float(scales[i / kMxfp8BlockSize]));
+}
+
+// mxfp4: packed[n / 2] (element 2i in the low nibble of byte i), scales[n / 32] e8m0
+// (mxfp4_scale_code of each block's amax); value = e2m1 * 2^(code - 127).
+MEGAMOE_FMT_HD void quantize_mxfp4(const float* x, int64_t n, uint8_t* packed, uint8_t* scales) {
+  for (int64_t b = 0; b < n / kMxfp4BlockSize; ++b) {
+    const float* xb = x + b * kMxfp4BlockSize;
+    const uint8_t code = mxfp4_scale_code(amax_finite(xb, kMxfp4BlockSize));
+    scales[b] = code;
+    const float s = e8m0_to_float(code);
+    for (int i = 0; i < kMxfp4BlockSize; i += 2) {
+      const uint8_t lo = float_to_e2m1(div_rn(xb[i], s));
+      const uint8_t hi = float_to_e2m1(div_rn(xb[i + 1], s));
+      packed[(b * kMxfp4BlockSize + i) / 2] = static_cast<uint8_t>(lo | (hi << 4));
+    }
+  }
+}
+
+MEGAMOE_FMT_HD void dequantize_mxfp4(const uint8_t* packed, const uint8_t* scales, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t code = static_cast<uint8_t>((packed[i / 2] >> ((i & 1) * 4)) & 0xFu);
+    out[i] = mul_rn(e2m1_to_float(code), e8m0_to_float(scales[i / kMxfp4BlockSize]));
+  }
 }
 
 // nvfp4 block scale code: e4m3((block_amax / 6) / global_scale).

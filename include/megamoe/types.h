@@ -33,6 +33,7 @@ enum class WeightFormat : int32_t {
   kFp8Block,  // e4m3 + fp32 scale per 128x128 block (DeepSeek-V3 checkpoint format)
   kMxfp8,     // e4m3 + e8m0 scale per 1x32 along K (OCP MX)
   kNvfp4,     // e2m1 + e4m3 scale per 1x16 along K + fp32 global scale
+  kMxfp4,     // e2m1 + e8m0 scale per 1x32 along K (OCP MX)
 };
 
 // Activation format on the dispatch wire and into FC1.

@@ -5,11 +5,20 @@
 //   [r*E_local, (r+1)*E_local)), on the host.
 //   w13 [E_local, 2I, H]: rows [0, I) are the gate projection, rows [I, 2I) the up projection.
 //   w2  [E_local, H, I].
-//   Accepted sources: fp32 or bf16 (no scales), or a DeepSeek-V3 checkpoint: e4m3 with fp32
-//   `weight_scale_inv` per 128x128 block (w13_scale [E_local, 2I/128, H/128], w2_scale
-//   [E_local, H/128, I/128]); the value is code * scale.
+//   Accepted sources (megamoe/checkpoint.h loads each from the checkpoints that ship them):
+//   - fp32 or bf16, no scales;
+//   - fp8-block (DeepSeek-V3): e4m3 with fp32 `weight_scale_inv` per 128x128 block (w13_scale
+//     [E_local, 2I/128, H/128], w2_scale [E_local, H/128, I/128]); value = code * scale;
+//   - nvfp4 (ModelOpt): float4_e2m1x2 w13 [E_local, 2I, H/2] (packed bytes, element 2i in the low
+//     nibble), e4m3 scales per 1x16 along K (w13_scale [E_local, 2I, H/16]), fp32 global scale per
+//     expert matrix (w13_global_scale [E_local], the checkpoint's `weight_scale_2`; gate and up share
+//     it); value = e2m1 * e4m3 scale * global scale;
+//   - mxfp4 (OCP MX): float4_e2m1x2 as nvfp4, e8m0 scales per 1x32 along K (w13_scale
+//     [E_local, 2I, H/32]), no global scale; value = e2m1 * 2^(code - 127).
+//   w2 and its scales likewise with [E_local, H, I]. Scales must be finite and >= 0 (no NaN code).
 // - prepare_weights() converts them to config.weight_format (quantising where needed, with the
-//   rounding of megamoe/formats.h). An fp8-block source prepared as fp8-block is kept bit for bit.
+//   rounding of megamoe/formats.h). A source prepared in its own format (fp8-block, nvfp4, mxfp4)
+//   is kept bit for bit, scales included.
 // - A QuantizedTensor holds [E_local, N, K] with K the reduction dimension; its scales follow the
 //   format's block shape along (N, K).
 #pragma once
@@ -24,9 +33,11 @@ namespace megamoe {
 
 struct MoeWeights {
   TensorView w13;
-  TensorView w13_scale;  // only for an e4m3 source
+  TensorView w13_scale;         // fp8-block, nvfp4 and mxfp4 sources
   TensorView w2;
-  TensorView w2_scale;   // only for an e4m3 source
+  TensorView w2_scale;          // fp8-block, nvfp4 and mxfp4 sources
+  TensorView w13_global_scale;  // nvfp4 sources only: fp32 [E_local]
+  TensorView w2_global_scale;   // nvfp4 sources only: fp32 [E_local]
 };
 
 struct QuantizedTensor {
@@ -34,8 +45,8 @@ struct QuantizedTensor {
   int64_t num_experts = 0, rows = 0, cols = 0;  // [E_local, N, K]
   // Element data, packed: bf16 (2 B), e4m3 (1 B) or two e2m1 per byte (row-major, low nibble first).
   std::vector<uint8_t> data;
-  // Block scales: fp8-block fp32 [E, N/128, K/128]; mxfp8 e8m0 [E, N, K/32]; nvfp4 e4m3 [E, N, K/16];
-  // empty for bf16.
+  // Block scales: fp8-block fp32 [E, N/128, K/128]; mxfp8 and mxfp4 e8m0 [E, N, K/32]; nvfp4 e4m3
+  // [E, N, K/16]; empty for bf16.
   std::vector<uint8_t> scales;
   // nvfp4 only: fp32 global scale per expert [E].
   std::vector<float> global_scales;

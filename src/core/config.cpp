@@ -93,9 +93,9 @@ std::string Knobs::to_string() const {
 Status MoeConfig::validate() const {
   if (static_cast<int>(backend) < 0 || static_cast<int>(backend) > static_cast<int>(Backend::kCpu))
     return invalid_argument("config", "backend", str(static_cast<int>(backend)), "must be auto, mega, routed or cpu");
-  if (static_cast<int>(weight_format) < 0 || static_cast<int>(weight_format) > static_cast<int>(WeightFormat::kNvfp4))
+  if (static_cast<int>(weight_format) < 0 || static_cast<int>(weight_format) > static_cast<int>(WeightFormat::kMxfp4))
     return invalid_argument("config", "weight_format", str(static_cast<int>(weight_format)),
-                            "must be bf16, fp8-block, mxfp8 or nvfp4");
+                            "must be bf16, fp8-block, mxfp8, nvfp4 or mxfp4");
   if (static_cast<int>(dispatch_format) < 0 ||
       static_cast<int>(dispatch_format) > static_cast<int>(DispatchFormat::kFp8Block))
     return invalid_argument("config", "dispatch_format", str(static_cast<int>(dispatch_format)),

@@ -34,6 +34,7 @@ const char* to_string(WeightFormat v) {
     case WeightFormat::kFp8Block: return "fp8-block";
     case WeightFormat::kMxfp8: return "mxfp8";
     case WeightFormat::kNvfp4: return "nvfp4";
+    case WeightFormat::kMxfp4: return "mxfp4";
   }
   return "unknown";
 }
@@ -86,7 +87,7 @@ Status parse_enum(const char* field, const std::string& s, int count, E* out) {
 
 Status parse_backend(const std::string& s, Backend* out) { return parse_enum("backend", s, 4, out); }
 Status parse_weight_format(const std::string& s, WeightFormat* out) {
-  return parse_enum("weight_format", s, 4, out);
+  return parse_enum("weight_format", s, 5, out);
 }
 Status parse_dispatch_format(const std::string& s, DispatchFormat* out) {
   return parse_enum("dispatch_format", s, 2, out);

@@ -3,16 +3,18 @@
 //
 // Conversion works on 128-row slabs of one expert matrix, so the fp32 scratch is 128 x K floats per
 // worker whatever the expert size:
-//   source slab -> fp32 (fp32: copy; bf16: widen; e4m3: code * 128x128 scale)
-//               -> target (bf16: RNE; fp8-block: quantize_fp8_128x128; mxfp8 / nvfp4: per-row blocks
-//                  along K, which never straddle a row because K % 128 == 0).
+//   source slab -> fp32 (fp32: copy; bf16: widen; e4m3: code * 128x128 scale; nvfp4 / mxfp4: the
+//                  formats.h dequantiser)
+//               -> target (bf16: RNE; fp8-block: quantize_fp8_128x128; mxfp8 / nvfp4 / mxfp4:
+//                  per-row blocks along K, which never straddle a row because K % 128 == 0).
 // nvfp4 takes two passes per expert: the expert's amax (its global scale) first, then the blocks.
-// An e4m3 source prepared as fp8-block is copied byte for byte, scales included (config.pow2_scales
-// applies only to scales this file computes).
+// A source prepared in its own format (e4m3 as fp8-block, nvfp4, mxfp4) is copied byte for byte,
+// scales included (config.pow2_scales applies only to scales this file computes).
 #include "megamoe/weights.h"
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <new>
 #include <sstream>
@@ -46,17 +48,6 @@ std::string strides_string(const TensorView& v) {
   return shape_string(std::vector<int64_t>(v.strides.begin(), v.strides.begin() + std::max(v.ndim, 0)));
 }
 
-// One source matrix stack: w13 [E, 2I, H] or w2 [E, H, I], with its optional 128x128 scales.
-struct SourceSpec {
-  const char* name;        // "w13"
-  const char* scale_name;  // "w13_scale"
-  const char* dims;        // "[E_local, 2I, H]"
-  const char* scale_dims;  // "[E_local, 2I/128, H/128]"
-  const TensorView* data;
-  const TensorView* scale;
-  int64_t num_experts, rows, cols;
-};
-
 Status check_view_basics(const TensorView& v, const std::string& name, const std::vector<int64_t>& want,
                          const std::string& dims) {
   if (v.device.kind != DeviceKind::kCpu)
@@ -72,6 +63,114 @@ Status check_view_basics(const TensorView& v, const std::string& name, const std
   return Status::ok();
 }
 
+// One source matrix stack: w13 [E, 2I, H] or w2 [E, H, I], with its optional scales.
+struct SourceSpec {
+  const char* name;        // "w13"
+  const char* scale_name;  // "w13_scale"
+  const char* dims;        // "[E_local, 2I, H]"
+  const char* scale_dims;  // "[E_local, 2I/128, H/128]"
+  const TensorView* data;
+  const TensorView* scale;
+  const TensorView* global;  // nvfp4 only
+  int64_t num_experts, rows, cols;
+};
+
+// What a validated source holds.
+enum class SourceKind { kFloat, kFp8Block, kNvfp4, kMxfp4 };
+
+SourceKind source_kind(const SourceSpec& s) {
+  switch (s.data->dtype) {
+    case DType::kFloat8E4M3: return SourceKind::kFp8Block;
+    case DType::kFloat4E2M1x2:
+      return s.scale->dtype == DType::kFloat8E4M3 ? SourceKind::kNvfp4 : SourceKind::kMxfp4;
+    default: return SourceKind::kFloat;
+  }
+}
+
+// The weight format a source kind is kept in bit for bit, if any.
+bool kept_as_is(SourceKind kind, WeightFormat format) {
+  return (kind == SourceKind::kFp8Block && format == WeightFormat::kFp8Block) ||
+         (kind == SourceKind::kNvfp4 && format == WeightFormat::kNvfp4) ||
+         (kind == SourceKind::kMxfp4 && format == WeightFormat::kMxfp4);
+}
+
+std::string index_string(int64_t i, const std::vector<int64_t>& shape) {
+  std::string out;
+  for (size_t d = shape.size(); d-- > 0;) {
+    out = std::to_string(i % shape[d]) + (out.empty() ? "" : ", ") + out;
+    i /= shape[d];
+  }
+  return "[" + out + "]";
+}
+
+// Every code of an nvfp4 (e4m3) or mxfp4 (e8m0) scale tensor must decode to a finite value >= 0.
+Status check_fp4_scale_codes(const TensorView& scale, const std::string& scale_name, const std::vector<int64_t>& shape,
+                             bool e8m0) {
+  const uint8_t* p = scale.ptr<const uint8_t>();
+  const int64_t n = scale.numel();
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t c = p[i];
+    const bool bad = e8m0 ? c == 0xFFu : ((c & 0x7Fu) == 0x7Fu || ((c & 0x80u) != 0 && c != 0x80u));
+    if (bad) {
+      char hex[8];
+      std::snprintf(hex, sizeof(hex), "0x%02X", c);
+      return invalid_argument("weights", scale_name + index_string(i, shape), hex,
+                              e8m0 ? "an e8m0 scale code must not be 0xFF (NaN)"
+                                   : "an e4m3 block scale must be finite and >= 0 (not NaN, not negative)");
+    }
+  }
+  return Status::ok();
+}
+
+Status validate_fp4_source(const SourceSpec& s) {
+  const std::string name = s.name, scale_name = s.scale_name;
+  const std::string global_name = name + "_global_scale";
+  const TensorView& scale = *s.scale;
+  const std::vector<int64_t> want = {s.num_experts, s.rows, s.cols / 2};
+  const std::string dims = std::string(s.dims);
+  const std::string last_dim_over = dims.substr(0, dims.size() - 1) + "/";  // "[E_local, 2I, H/"
+  MEGAMOE_RETURN_IF_ERROR(check_view_basics(*s.data, name, want, last_dim_over + "2] (packed bytes)"));
+  if (!scale.present())
+    return invalid_argument("weights", scale_name, "absent",
+                            "a float4_e2m1x2 " + name + " needs its block scales: float8_e4m3 per 1x16 (nvfp4) or "
+                                "float8_e8m0 per 1x32 (mxfp4) along K");
+  if (scale.dtype != DType::kFloat8E4M3 && scale.dtype != DType::kFloat8E8M0)
+    return invalid_argument("weights", scale_name + ".dtype", to_string(scale.dtype),
+                            "a float4_e2m1x2 " + name + " takes float8_e4m3 scales per 1x16 (nvfp4) or float8_e8m0 "
+                                "per 1x32 (mxfp4)");
+  const bool nvfp4 = scale.dtype == DType::kFloat8E4M3;
+  const int64_t block = nvfp4 ? fmt::kNvfp4BlockSize : fmt::kMxfp4BlockSize;
+  const std::vector<int64_t> want_scale = {s.num_experts, s.rows, s.cols / block};
+  const std::string scale_dims = last_dim_over + std::to_string(block) + "]";
+  MEGAMOE_RETURN_IF_ERROR(check_view_basics(scale, scale_name, want_scale, scale_dims));
+  MEGAMOE_RETURN_IF_ERROR(check_fp4_scale_codes(scale, scale_name, want_scale, !nvfp4));
+  const TensorView& global = *s.global;
+  if (!nvfp4) {
+    if (global.present())
+      return invalid_argument("weights", global_name, global.to_string(),
+                              "only an nvfp4 source has a global scale; leave it absent for mxfp4");
+    return Status::ok();
+  }
+  const std::vector<int64_t> want_global = {s.num_experts};
+  if (!global.present())
+    return invalid_argument("weights", global_name, "absent",
+                            "an nvfp4 " + name + " needs its fp32 global scale per expert (weight_scale_2) [E_local] = " +
+                                shape_string(want_global));
+  if (global.dtype != DType::kFloat32)
+    return invalid_argument("weights", global_name + ".dtype", to_string(global.dtype), "must be float32");
+  MEGAMOE_RETURN_IF_ERROR(check_view_basics(global, global_name, want_global, "[E_local]"));
+  const float* g = global.ptr<const float>();
+  for (int64_t e = 0; e < s.num_experts; ++e) {
+    if (!(g[e] > 0.f) || std::isinf(g[e])) {
+      std::ostringstream value;
+      value << g[e];
+      return invalid_argument("weights", global_name + "[" + std::to_string(e) + "]", value.str(),
+                              "an nvfp4 global scale must be finite and > 0");
+    }
+  }
+  return Status::ok();
+}
+
 Status validate_source(const SourceSpec& s) {
   const std::string name = s.name, scale_name = s.scale_name;
   const std::vector<int64_t> want = {s.num_experts, s.rows, s.cols};
@@ -79,9 +178,16 @@ Status validate_source(const SourceSpec& s) {
     return invalid_argument("weights", name, "absent",
                             std::string("must view this rank's experts ") + s.dims + " = " + shape_string(want));
   const DType dtype = s.data->dtype;
-  if (dtype != DType::kFloat32 && dtype != DType::kBFloat16 && dtype != DType::kFloat8E4M3)
+  if (dtype != DType::kFloat32 && dtype != DType::kBFloat16 && dtype != DType::kFloat8E4M3 &&
+      dtype != DType::kFloat4E2M1x2)
     return invalid_argument("weights", name + ".dtype", to_string(dtype),
-                            "must be float32, bfloat16, or float8_e4m3 with 128x128 fp32 scales in " + scale_name);
+                            "must be float32, bfloat16, float8_e4m3 with 128x128 fp32 scales in " + scale_name +
+                                ", or float4_e2m1x2 with nvfp4 / mxfp4 scales");
+  if (dtype == DType::kFloat4E2M1x2) return validate_fp4_source(s);
+  if (s.global->present())
+    return invalid_argument("weights", name + "_global_scale", s.global->to_string(),
+                            "only an nvfp4 (float4_e2m1x2) " + name + " has a global scale; leave it absent for " +
+                                to_string(dtype));
   MEGAMOE_RETURN_IF_ERROR(check_view_basics(*s.data, name, want, s.dims));
 
   const TensorView& scale = *s.scale;
@@ -130,6 +236,15 @@ void load_slab(const SourceSpec& s, int64_t e, int64_t r0, float* out) {
       for (int64_t i = 0; i < n; ++i) out[i] = fmt::bf16_to_float(src[i]);
       break;
     }
+    case DType::kFloat4E2M1x2: {  // nvfp4 or mxfp4, validated
+      const uint8_t* packed = s.data->ptr<const uint8_t>() + offset / 2;
+      if (s.scale->dtype == DType::kFloat8E4M3)
+        fmt::dequantize_nvfp4(packed, s.scale->ptr<const uint8_t>() + offset / fmt::kNvfp4BlockSize,
+                              s.global->ptr<const float>()[e], n, out);
+      else
+        fmt::dequantize_mxfp4(packed, s.scale->ptr<const uint8_t>() + offset / fmt::kMxfp4BlockSize, n, out);
+      break;
+    }
     default: {  // kFloat8E4M3, validated
       const int64_t scale_cols = s.cols / fmt::kFp8BlockSize;
       const float* scales =
@@ -168,6 +283,9 @@ void store_slab(const float* slab, int64_t e, int64_t r0, bool pow2, QuantizedTe
     case WeightFormat::kNvfp4:
       fmt::quantize_nvfp4(slab, n, t->global_scales[e], t->data.data() + elem / 2,
                           t->scales.data() + elem / fmt::kNvfp4BlockSize);
+      break;
+    case WeightFormat::kMxfp4:
+      fmt::quantize_mxfp4(slab, n, t->data.data() + elem / 2, t->scales.data() + elem / fmt::kMxfp4BlockSize);
       break;
   }
 }
@@ -211,7 +329,6 @@ void convert(const SourceSpec& s, WeightFormat format, bool pow2, QuantizedTenso
   t.num_experts = s.num_experts;
   t.rows = s.rows;
   t.cols = s.cols;
-  const int64_t numel = s.num_experts * s.rows * s.cols;
   t.data.assign(static_cast<size_t>(s.num_experts * t.data_bytes_per_expert()), 0);
   int64_t num_scales = 1;
   for (int64_t d : t.scale_shape()) num_scales *= d;
@@ -219,10 +336,13 @@ void convert(const SourceSpec& s, WeightFormat format, bool pow2, QuantizedTenso
                   0);
   t.global_scales.assign(format == WeightFormat::kNvfp4 ? static_cast<size_t>(s.num_experts) : 0, 1.f);
 
-  if (s.data->dtype == DType::kFloat8E4M3 && format == WeightFormat::kFp8Block) {
-    // DeepSeek-V3 checkpoint kept as is: same codes, same weight_scale_inv bits.
-    std::memcpy(t.data.data(), s.data->data, static_cast<size_t>(numel));
+  if (kept_as_is(source_kind(s), format)) {
+    // A checkpoint kept as is: same codes, same scale bits (weight_scale_inv, e4m3 / e8m0 block
+    // scales, the nvfp4 global scales).
+    std::memcpy(t.data.data(), s.data->data, t.data.size());
     std::memcpy(t.scales.data(), s.scale->data, t.scales.size());
+    if (format == WeightFormat::kNvfp4)
+      std::memcpy(t.global_scales.data(), s.global->data, sizeof(float) * static_cast<size_t>(s.num_experts));
     return;
   }
 
@@ -254,7 +374,8 @@ DType QuantizedTensor::data_dtype() const {
     case WeightFormat::kBf16: return DType::kBFloat16;
     case WeightFormat::kFp8Block:
     case WeightFormat::kMxfp8: return DType::kFloat8E4M3;
-    case WeightFormat::kNvfp4: return DType::kFloat4E2M1x2;
+    case WeightFormat::kNvfp4:
+    case WeightFormat::kMxfp4: return DType::kFloat4E2M1x2;
   }
   return DType::kUInt8;
 }
@@ -264,7 +385,8 @@ DType QuantizedTensor::scale_dtype() const {
   switch (format) {
     case WeightFormat::kBf16:
     case WeightFormat::kFp8Block: return DType::kFloat32;
-    case WeightFormat::kMxfp8: return DType::kFloat8E8M0;
+    case WeightFormat::kMxfp8:
+    case WeightFormat::kMxfp4: return DType::kFloat8E8M0;
     case WeightFormat::kNvfp4: return DType::kFloat8E4M3;
   }
   return DType::kUInt8;
@@ -276,6 +398,7 @@ std::vector<int64_t> QuantizedTensor::scale_shape() const {
     case WeightFormat::kFp8Block: return {num_experts, rows / fmt::kFp8BlockSize, cols / fmt::kFp8BlockSize};
     case WeightFormat::kMxfp8: return {num_experts, rows, cols / fmt::kMxfp8BlockSize};
     case WeightFormat::kNvfp4: return {num_experts, rows, cols / fmt::kNvfp4BlockSize};
+    case WeightFormat::kMxfp4: return {num_experts, rows, cols / fmt::kMxfp4BlockSize};
   }
   return {};
 }
@@ -286,7 +409,8 @@ int64_t QuantizedTensor::data_bytes_per_expert() const {
     case WeightFormat::kBf16: return 2 * n;
     case WeightFormat::kFp8Block:
     case WeightFormat::kMxfp8: return n;
-    case WeightFormat::kNvfp4: return n / 2;
+    case WeightFormat::kNvfp4:
+    case WeightFormat::kMxfp4: return n / 2;
   }
   return 0;
 }
@@ -323,6 +447,9 @@ void QuantizedTensor::dequantize_expert(int64_t expert, float* out) const {
     case WeightFormat::kNvfp4:
       fmt::dequantize_nvfp4(data_e, scales.data() + expert * (n / fmt::kNvfp4BlockSize), global_scales[expert], n, out);
       break;
+    case WeightFormat::kMxfp4:
+      fmt::dequantize_mxfp4(data_e, scales.data() + expert * (n / fmt::kMxfp4BlockSize), n, out);
+      break;
   }
 }
 
@@ -333,12 +460,12 @@ Status prepare_weights(const MoeGeometry& geometry, const MoeConfig& config, con
   MEGAMOE_RETURN_IF_ERROR(config.validate(geometry));
   const int64_t num_local = geometry.experts_per_rank();
   const int64_t hidden = geometry.hidden, inter = geometry.intermediate;
-  const SourceSpec w13{"w13",       "w13_scale",       "[E_local, 2I, H]", "[E_local, 2I/128, H/128]",
-                       &source.w13, &source.w13_scale, num_local,          2 * inter,
-                       hidden};
-  const SourceSpec w2{"w2",       "w2_scale",       "[E_local, H, I]", "[E_local, H/128, I/128]",
-                      &source.w2, &source.w2_scale, num_local,         hidden,
-                      inter};
+  const SourceSpec w13{"w13",       "w13_scale",       "[E_local, 2I, H]",       "[E_local, 2I/128, H/128]",
+                       &source.w13, &source.w13_scale, &source.w13_global_scale, num_local,
+                       2 * inter,   hidden};
+  const SourceSpec w2{"w2",       "w2_scale",       "[E_local, H, I]",       "[E_local, H/128, I/128]",
+                      &source.w2, &source.w2_scale, &source.w2_global_scale, num_local,
+                      hidden,     inter};
   MEGAMOE_RETURN_IF_ERROR(validate_source(w13));
   MEGAMOE_RETURN_IF_ERROR(validate_source(w2));
 

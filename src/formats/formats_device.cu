@@ -141,6 +141,28 @@ __global__ void quantize_nvfp4_kernel(const float* x, int64_t num_blocks, float 
   }
 }
 
+// mxfp4. Warp task = one block of 32; lane l holds element l.
+__global__ void quantize_mxfp4_kernel(const float* x, int64_t num_blocks, uint8_t* packed, uint8_t* scales) {
+  const int lane = threadIdx.x % 32;
+  const int64_t first = blockIdx.x * int64_t(kWarpsPerCta) + threadIdx.x / 32;
+  for (int64_t blk = first; blk < num_blocks; blk += int64_t(gridDim.x) * kWarpsPerCta) {
+    const int64_t idx = blk * kMxfp4BlockSize + lane;
+    const float v = x[idx];
+    const uint8_t scale_code = mxfp4_scale_code(group_max<32>(finite_abs(v)));
+    const uint8_t code = float_to_e2m1(div_rn(v, e8m0_to_float(scale_code)));
+    const uint8_t next = static_cast<uint8_t>(__shfl_down_sync(kFullMask, static_cast<unsigned>(code), 1));
+    if (lane == 0) scales[blk] = scale_code;
+    if (lane % 2 == 0) packed[idx / 2] = static_cast<uint8_t>(code | (next << 4));
+  }
+}
+
+__global__ void dequantize_mxfp4_kernel(const uint8_t* packed, const uint8_t* scales, int64_t n, float* out) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const uint8_t code = static_cast<uint8_t>((packed[i / 2] >> ((i & 1) * 4)) & 0xFu);
+    out[i] = mul_rn(e2m1_to_float(code), e8m0_to_float(scales[i / kMxfp4BlockSize]));
+  }
+}
+
 __global__ void dequantize_fp8_1x128_kernel(const uint8_t* q, const float* scales, int64_t n, float* out) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     out[i] = mul_rn(e4m3_to_float(q[i]), scales[i / kFp8BlockSize]);
@@ -251,6 +273,21 @@ cudaError_t dequantize_nvfp4(const uint8_t* packed, const uint8_t* scales, float
   if (bad_size(n, kNvfp4BlockSize) || (n > 0 && (!packed || !scales || !out))) return cudaErrorInvalidValue;
   if (n == 0) return cudaSuccess;
   dequantize_nvfp4_kernel<<<ctas_for(n, kThreads), kThreads, 0, stream>>>(packed, scales, global_scale, n, out);
+  return cudaGetLastError();
+}
+
+cudaError_t quantize_mxfp4(const float* x, int64_t n, uint8_t* packed, uint8_t* scales, cudaStream_t stream) {
+  if (bad_size(n, kMxfp4BlockSize) || (n > 0 && (!x || !packed || !scales))) return cudaErrorInvalidValue;
+  if (n == 0) return cudaSuccess;
+  const int64_t num_blocks = n / kMxfp4BlockSize;
+  quantize_mxfp4_kernel<<<ctas_for(num_blocks, kWarpsPerCta), kThreads, 0, stream>>>(x, num_blocks, packed, scales);
+  return cudaGetLastError();
+}
+
+cudaError_t dequantize_mxfp4(const uint8_t* packed, const uint8_t* scales, int64_t n, float* out, cudaStream_t stream) {
+  if (bad_size(n, kMxfp4BlockSize) || (n > 0 && (!packed || !scales || !out))) return cudaErrorInvalidValue;
+  if (n == 0) return cudaSuccess;
+  dequantize_mxfp4_kernel<<<ctas_for(n, kThreads), kThreads, 0, stream>>>(packed, scales, n, out);
   return cudaGetLastError();
 }
 

@@ -56,6 +56,10 @@ cudaError_t quantize_nvfp4(const float* x, int64_t n, float global_scale, uint8_
 cudaError_t dequantize_nvfp4(const uint8_t* packed, const uint8_t* scales, float global_scale, int64_t n, float* out,
                              cudaStream_t stream);
 
+// mxfp4: packed[n / 2] (element 2i in the low nibble), scales[n / 32] e8m0. One warp per block.
+cudaError_t quantize_mxfp4(const float* x, int64_t n, uint8_t* packed, uint8_t* scales, cudaStream_t stream);
+cudaError_t dequantize_mxfp4(const uint8_t* packed, const uint8_t* scales, int64_t n, float* out, cudaStream_t stream);
+
 }  // namespace device
 }  // namespace fmt
 }  // namespace megamoe

@@ -171,6 +171,7 @@ INSTANTIATE_TEST_SUITE_P(
                    config(WeightFormat::kFp8Block, DispatchFormat::kFp8Block, CombineDtype::kBf16, false, true)},
         FormatCase{"W_mxfp8_D_fp8_C_bf16", config(WeightFormat::kMxfp8, DispatchFormat::kFp8Block, CombineDtype::kBf16)},
         FormatCase{"W_nvfp4_D_fp8_C_bf16", config(WeightFormat::kNvfp4, DispatchFormat::kFp8Block, CombineDtype::kBf16)},
+        FormatCase{"W_mxfp4_D_fp8_C_bf16", config(WeightFormat::kMxfp4, DispatchFormat::kFp8Block, CombineDtype::kBf16)},
         FormatCase{"W_nvfp4_D_fp8_C_nvfp4",
                    config(WeightFormat::kNvfp4, DispatchFormat::kFp8Block, CombineDtype::kNvfp4)},
         FormatCase{"W_bf16_D_bf16_C_bf16_OwnerReduce",

@@ -375,6 +375,33 @@ TEST(Formats, Mxfp8ScaleCode_OcpRule) {
   }
 }
 
+TEST(Formats, Mxfp4ScaleCode_OcpRule) {
+  EXPECT_EQ(fmt::mxfp4_scale_code(0.f), 127);
+  EXPECT_EQ(fmt::mxfp4_scale_code(kNaN), 0xFF);
+  EXPECT_EQ(fmt::mxfp4_scale_code(kInf), 254);
+  EXPECT_EQ(fmt::mxfp4_scale_code(4.f), 127);  // floor(log2 4) - 2 = 0
+  EXPECT_EQ(fmt::mxfp4_scale_code(std::nextafter(4.f, 0.f)), 126);
+  EXPECT_EQ(fmt::mxfp4_scale_code(7.99f), 127);
+  EXPECT_EQ(fmt::mxfp4_scale_code(1.f), 125);
+  EXPECT_EQ(fmt::mxfp4_scale_code(float_of(1u)), 0);  // clamped
+  EXPECT_EQ(fmt::mxfp4_scale_code(float_of(0x7F7FFFFFu)), 127 + 127 - 2);
+  std::mt19937 rng(12u);
+  std::uniform_real_distribution<double> log2_dist(-140.0, 127.9);
+  for (int i = 0; i < 200000; ++i) {
+    const float amax = static_cast<float>(std::exp2(log2_dist(rng)));
+    if (amax == 0.f) continue;
+    int exp;
+    std::frexp(static_cast<double>(amax), &exp);
+    const int want = std::min(254, std::max(0, (exp - 1) - 2 + 127));
+    ASSERT_EQ(fmt::mxfp4_scale_code(amax), want) << amax;
+    if (want > 0) {  // the block's largest element lands in [4, 8) before saturation
+      const double t = amax / static_cast<double>(fmt::e8m0_to_float(static_cast<uint8_t>(want)));
+      ASSERT_GE(t, 4.0);
+      ASSERT_LT(t, 8.0);
+    }
+  }
+}
+
 TEST(Formats, Nvfp4GlobalScale_Rule) {
   EXPECT_EQ(fmt::nvfp4_global_scale(0.f), 1.f);
   EXPECT_EQ(fmt::nvfp4_global_scale(2688.f), 1.f);
@@ -599,6 +626,34 @@ TEST(Formats, Nvfp4_RoundTripWithinBound) {
   }
 }
 
+TEST(Formats, Mxfp4_RoundTripWithinBound) {
+  const int64_t n = 32 * 8192;
+  for (Dist dist : {Dist::kNormal, Dist::kHeavy}) {
+    const std::string what = std::string("mxfp4 ") + dist_name(dist);
+    const std::vector<float> x = random_data(n, dist, 4343u, 32);
+    std::vector<uint8_t> packed(n / 2, 0xAA), scales(n / 32, 0xAA);
+    std::vector<float> out(n, kNaN);
+    fmt::quantize_mxfp4(x.data(), n, packed.data(), scales.data());
+    fmt::dequantize_mxfp4(packed.data(), scales.data(), n, out.data());
+    ErrorStats st;
+    for (int64_t b = 0; b < n / 32; ++b) {
+      int exp;
+      std::frexp(block_amax(&x[b * 32], 32), &exp);
+      ASSERT_EQ(scales[b], std::min(254, std::max(0, (exp - 1) - 2 + 127))) << what << " block " << b;
+      const double d = std::ldexp(1.0, scales[b] - 127);
+      for (int i = 0; i < 32; ++i) {
+        st.add(kE2M1Format, x[b * 32 + i], d, out[b * 32 + i]);
+        // Each element is the nearest e2m1 value of x / d (saturated at 6) times d, exactly.
+        const uint8_t code = static_cast<uint8_t>((packed[(b * 32 + i) / 2] >> (((b * 32 + i) & 1) * 4)) & 0xF);
+        ASSERT_EQ(code, fmt::float_to_e2m1(static_cast<float>(x[b * 32 + i] / d))) << what << " " << b << " " << i;
+        ASSERT_EQ(out[b * 32 + i], static_cast<float>(fmt::e2m1_to_float(code) * d));
+      }
+    }
+    st.print(what);
+    st.expect_within(what);
+  }
+}
+
 TEST(Formats, BlockCodecs_NonFiniteZeroAndPacking) {
   // A block with inf / NaN: the scale comes from the finite elements; inf saturates, NaN stays NaN.
   std::vector<float> x(128);
@@ -640,6 +695,19 @@ TEST(Formats, BlockCodecs_NonFiniteZeroAndPacking) {
   fmt::dequantize_nvfp4(packed, &nv_scale, 1.f, 16, back);
   EXPECT_EQ(back[1], -6.f);
   EXPECT_EQ(back[11], 2.f);  // 2.5 ties to 2
+  // mxfp4 packing is nvfp4's: amax 6 -> code 127 + floor(log2 6) - 2 = 127 (X = 1), the same codes
+  // for the first 16 elements; NaN -> +6, +-inf -> +-6.
+  float v32[32] = {};
+  std::copy(v, v + 16, v32);
+  uint8_t mx_packed[16], mx_scale4 = 0;
+  fmt::quantize_mxfp4(v32, 32, mx_packed, &mx_scale4);
+  EXPECT_EQ(mx_scale4, 127);
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(mx_packed[i], want[i]) << "mxfp4 byte " << i;
+  for (int i = 8; i < 16; ++i) EXPECT_EQ(mx_packed[i], 0) << "mxfp4 byte " << i;
+  float mx_back[32];
+  fmt::dequantize_mxfp4(mx_packed, &mx_scale4, 32, mx_back);
+  EXPECT_EQ(mx_back[1], -6.f);
+  EXPECT_EQ(mx_back[12], 6.f);
   // An nvfp4 block far below the global amax whose scale encodes to 0 stores zeros.
   const float tiny[16] = {1e-9f, -1e-9f};
   fmt::quantize_nvfp4(tiny, 16, 1.f, packed, &nv_scale);

@@ -188,6 +188,10 @@ TEST(Validation, ParsersNameAcceptedValues) {
   WeightFormat w;
   EXPECT_TRUE(parse_weight_format("nvfp4", &w).is_ok());
   EXPECT_EQ(w, WeightFormat::kNvfp4);
+  EXPECT_TRUE(parse_weight_format("mxfp4", &w).is_ok());
+  EXPECT_EQ(w, WeightFormat::kMxfp4);
+  st = parse_weight_format("fp4", &w);
+  EXPECT_NE(st.message().find("bf16, fp8-block, mxfp8, nvfp4, mxfp4"), std::string::npos) << st.message();
   CombineDtype d;
   EXPECT_FALSE(parse_combine_dtype("fp8", &d).is_ok());
 }

@@ -1,9 +1,10 @@
 // Tests of prepare_weights() and QuantizedTensor (megamoe/weights.h): every source dtype (fp32,
-// bf16, DeepSeek-V3 e4m3 + 128x128 scales) into every weight format, checked three ways:
+// bf16, DeepSeek-V3 e4m3 + 128x128 scales, nvfp4, mxfp4) into every weight format, checked three ways:
 // - layout: data, scales and global scales equal, byte for byte, the formats.h codec applied to
 //   each expert's source values (catches expert order, row/column and scale-index mistakes);
 // - values: dequantize() is within the format's error bound of the source;
-// - an e4m3 source prepared as fp8-block keeps its bytes and scales bit for bit.
+// - a source prepared in its own format (e4m3 as fp8-block, nvfp4, mxfp4) keeps its bytes and
+//   scales bit for bit.
 // Bad sources must fail with messages that name the field, its value and the rule.
 #include <gtest/gtest.h>
 
@@ -42,8 +43,23 @@ MoeGeometry test_geometry() {
   return g;
 }
 
-enum class Source { kFp32, kBf16, kFp8 };
-const char* source_name(Source s) { return s == Source::kFp32 ? "Fp32" : (s == Source::kBf16 ? "Bf16" : "Fp8"); }
+enum class Source { kFp32, kBf16, kFp8, kNvfp4, kMxfp4 };
+const char* source_name(Source s) {
+  switch (s) {
+    case Source::kFp32: return "Fp32";
+    case Source::kBf16: return "Bf16";
+    case Source::kFp8: return "Fp8";
+    case Source::kNvfp4: return "Nvfp4";
+    case Source::kMxfp4: return "Mxfp4";
+  }
+  return "?";
+}
+
+// The format a source is kept in bit for bit, if any.
+bool kept_as_is(Source s, WeightFormat f) {
+  return (s == Source::kFp8 && f == WeightFormat::kFp8Block) || (s == Source::kNvfp4 && f == WeightFormat::kNvfp4) ||
+         (s == Source::kMxfp4 && f == WeightFormat::kMxfp4);
+}
 
 // One stack [E, N, K] of a source, owning its storage, with its values as fp32.
 struct SourceStack {
@@ -53,7 +69,9 @@ struct SourceStack {
   std::vector<uint16_t> bf16;    // kBf16 storage
   std::vector<uint8_t> fp8;      // kFp8 storage
   std::vector<float> fp8_scale;  // kFp8 weight_scale_inv [E, N/128, K/128]
-  TensorView data, scale;
+  std::vector<uint8_t> fp4, fp4_scale;  // kNvfp4 / kMxfp4: packed e2m1 [E, N, K/2], e4m3 [E, N, K/16] or e8m0 [E, N, K/32]
+  std::vector<float> fp4_global;        // kNvfp4 [E]
+  TensorView data, scale, global;
 };
 
 // Expert e is N(0, 1) * 2^(e - 1): the experts differ in magnitude (so per-expert scales differ).
@@ -94,6 +112,28 @@ SourceStack make_stack(Source src, int64_t experts, int64_t rows, int64_t cols, 
       s.scale = TensorView(s.fp8_scale.data(), DType::kFloat32, {experts, rows / 128, cols / 128});
       break;
     }
+    case Source::kNvfp4:
+    case Source::kMxfp4: {
+      const bool nv = src == Source::kNvfp4;
+      const int64_t block = nv ? 16 : 32;
+      s.fp4.resize(n / 2);
+      s.fp4_scale.resize(n / block);
+      for (int64_t e = 0; e < experts; ++e) {
+        if (nv) {
+          const float g = fmt::nvfp4_global_scale(fmt::amax_finite(&raw[e * per], per));
+          s.fp4_global.push_back(g);
+          fmt::quantize_nvfp4(&raw[e * per], per, g, &s.fp4[e * per / 2], &s.fp4_scale[e * per / block]);
+          fmt::dequantize_nvfp4(&s.fp4[e * per / 2], &s.fp4_scale[e * per / block], g, per, &s.values[e * per]);
+        } else {
+          fmt::quantize_mxfp4(&raw[e * per], per, &s.fp4[e * per / 2], &s.fp4_scale[e * per / block]);
+          fmt::dequantize_mxfp4(&s.fp4[e * per / 2], &s.fp4_scale[e * per / block], per, &s.values[e * per]);
+        }
+      }
+      s.data = TensorView(s.fp4.data(), DType::kFloat4E2M1x2, {experts, rows, cols / 2});
+      s.scale = TensorView(s.fp4_scale.data(), nv ? DType::kFloat8E4M3 : DType::kFloat8E8M0, {experts, rows, cols / block});
+      if (nv) s.global = TensorView(s.fp4_global.data(), DType::kFloat32, {experts});
+      break;
+    }
   }
   return s;
 }
@@ -106,12 +146,19 @@ std::vector<uint8_t> as_bytes(const std::vector<T>& v) {
 }
 
 // The expected QuantizedTensor, built expert by expert with the formats.h codecs.
-QuantizedTensor expected_tensor(const SourceStack& s, WeightFormat format, bool pow2, bool fp8_source) {
+QuantizedTensor expected_tensor(const SourceStack& s, WeightFormat format, bool pow2, bool fp8_source,
+                                bool fp4_kept = false) {
   QuantizedTensor t;
   t.format = format;
   t.num_experts = s.experts;
   t.rows = s.rows;
   t.cols = s.cols;
+  if (fp4_kept) {
+    t.data = s.fp4;
+    t.scales = s.fp4_scale;
+    t.global_scales = s.fp4_global;
+    return t;
+  }
   const int64_t per = s.rows * s.cols, n = s.experts * per;
   switch (format) {
     case WeightFormat::kBf16: {
@@ -148,6 +195,11 @@ QuantizedTensor expected_tensor(const SourceStack& s, WeightFormat format, bool 
         fmt::quantize_nvfp4(&s.values[e * per], per, g, &t.data[e * per / 2], &t.scales[e * per / 16]);
       }
       break;
+    case WeightFormat::kMxfp4:
+      t.data.resize(n / 2);
+      t.scales.resize(n / 32);
+      fmt::quantize_mxfp4(s.values.data(), n, t.data.data(), t.scales.data());
+      break;
   }
   return t;
 }
@@ -158,13 +210,15 @@ QuantizedTensor expected_tensor(const SourceStack& s, WeightFormat format, bool 
 //     elements (|x| < 2^-6 s) err by <= 2^-10 s, negligible against the block amax's 448 s;
 //   mxfp8: as e4m3, plus the OCP saturation of |x| / X in (448, 512): < 1/8 relative;
 //   nvfp4: e2m1 normal range < 2^-2 relative; saturation where the e4m3 block scale rounded down
-//     (< 2^-4 relative); N(0, 1) experts keep every block scale in e4m3's normal range.
+//     (< 2^-4 relative); N(0, 1) experts keep every block scale in e4m3's normal range;
+//   mxfp4: e2m1 normal range < 2^-2 relative, plus the OCP saturation of |x| / X in (6, 8): < 1/4.
 double format_bound(WeightFormat f) {
   switch (f) {
     case WeightFormat::kBf16: return std::ldexp(1.0, -9);
     case WeightFormat::kFp8Block: return std::ldexp(1.0, -4);
     case WeightFormat::kMxfp8: return std::ldexp(1.0, -3);
     case WeightFormat::kNvfp4: return std::ldexp(1.0, -2);
+    case WeightFormat::kMxfp4: return std::ldexp(1.0, -2);
   }
   return 0;
 }
@@ -195,7 +249,8 @@ void check_tensor(const char* name, const QuantizedTensor& got, const SourceStac
   EXPECT_EQ(got.rows, s.rows) << what;
   EXPECT_EQ(got.cols, s.cols) << what;
   const int64_t per = s.rows * s.cols;
-  const int64_t elem_bytes_x2 = c.format == WeightFormat::kBf16 ? 4 : (c.format == WeightFormat::kNvfp4 ? 1 : 2);
+  const bool fp4 = c.format == WeightFormat::kNvfp4 || c.format == WeightFormat::kMxfp4;
+  const int64_t elem_bytes_x2 = c.format == WeightFormat::kBf16 ? 4 : (fp4 ? 1 : 2);
   EXPECT_EQ(got.data_bytes_per_expert(), per * elem_bytes_x2 / 2) << what;
   EXPECT_EQ(static_cast<int64_t>(got.data.size()), s.experts * got.data_bytes_per_expert()) << what;
   int64_t num_scales = 0;
@@ -220,18 +275,30 @@ void check_tensor(const char* name, const QuantizedTensor& got, const SourceStac
       want_shape = {s.experts, s.rows, s.cols / 16};
       num_scales = s.experts * s.rows * (s.cols / 16);
       break;
+    case WeightFormat::kMxfp4:
+      EXPECT_EQ(got.data_dtype(), DType::kFloat4E2M1x2);
+      EXPECT_EQ(got.scale_dtype(), DType::kFloat8E8M0);
+      want_shape = {s.experts, s.rows, s.cols / 32};
+      num_scales = s.experts * s.rows * (s.cols / 32);
+      break;
   }
   EXPECT_EQ(got.scale_shape(), want_shape) << what;
   EXPECT_EQ(static_cast<int64_t>(got.scales.size()), num_scales) << what;
   EXPECT_EQ(got.global_scales.size(), c.format == WeightFormat::kNvfp4 ? static_cast<size_t>(s.experts) : 0u) << what;
 
-  const QuantizedTensor want = expected_tensor(s, c.format, c.pow2, c.source == Source::kFp8);
+  const bool fp4_kept = kept_as_is(c.source, c.format) && c.source != Source::kFp8;
+  const QuantizedTensor want = expected_tensor(s, c.format, c.pow2, c.source == Source::kFp8, fp4_kept);
   EXPECT_TRUE(got.data == want.data) << what << ": data differs from the formats.h codec";
   EXPECT_TRUE(got.scales == want.scales) << what << ": scales differ from the formats.h codec";
   EXPECT_EQ(got.global_scales, want.global_scales) << what;
   if (c.source == Source::kFp8 && c.format == WeightFormat::kFp8Block) {
     EXPECT_TRUE(got.data == s.fp8) << what << ": fp8 -> fp8-block must keep the codes bit for bit";
     EXPECT_TRUE(got.scales == as_bytes(s.fp8_scale)) << what << ": and the weight_scale_inv bits";
+  }
+  if (fp4_kept) {
+    EXPECT_TRUE(got.data == s.fp4) << what << ": an fp4 source in its own format keeps its codes bit for bit";
+    EXPECT_TRUE(got.scales == s.fp4_scale) << what << ": and its block scales";
+    EXPECT_EQ(got.global_scales, s.fp4_global) << what << ": and its global scales";
   }
   if (c.format == WeightFormat::kFp8Block && c.pow2 && c.source != Source::kFp8) {
     std::vector<float> sc(got.scales.size() / 4);
@@ -270,6 +337,8 @@ TEST_P(PrepareWeights, LayoutAndErrorBound) {
   src.w13_scale = w13.scale;
   src.w2 = w2.data;
   src.w2_scale = w2.scale;
+  src.w13_global_scale = w13.global;
+  src.w2_global_scale = w2.global;
   PreparedWeights out;
   const Status st = prepare_weights(g, config, src, &out);
   ASSERT_TRUE(st.is_ok()) << st.to_string();
@@ -280,12 +349,13 @@ TEST_P(PrepareWeights, LayoutAndErrorBound) {
 
 std::vector<Case> all_cases() {
   std::vector<Case> cases;
-  for (Source s : {Source::kFp32, Source::kBf16, Source::kFp8}) {
+  for (Source s : {Source::kFp32, Source::kBf16, Source::kFp8, Source::kNvfp4, Source::kMxfp4}) {
     cases.push_back({s, WeightFormat::kBf16, false});
     cases.push_back({s, WeightFormat::kFp8Block, false});
     cases.push_back({s, WeightFormat::kFp8Block, true});
     cases.push_back({s, WeightFormat::kMxfp8, false});
     cases.push_back({s, WeightFormat::kNvfp4, false});
+    cases.push_back({s, WeightFormat::kMxfp4, false});
   }
   return cases;
 }
@@ -348,7 +418,7 @@ TEST_F(BadSourceFixture, W2DType) {
   src.w2.dtype = DType::kInt32;
   const std::string m = fail();
   EXPECT_CONTAINS(m, "w2.dtype=int32");
-  EXPECT_CONTAINS(m, "float32, bfloat16, or float8_e4m3");
+  EXPECT_CONTAINS(m, "float32, bfloat16, float8_e4m3");
 }
 
 TEST_F(BadSourceFixture, Fp8WithoutScale) {
@@ -411,6 +481,82 @@ TEST_F(BadSourceFixture, InvalidGeometryAndNullOut) {
   const Status st = prepare_weights(g, config, src, nullptr);
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
   EXPECT_CONTAINS(st.message(), "out=null");
+}
+
+}  // namespace
+}  // namespace megamoe
+
+namespace megamoe {
+namespace {
+
+// Bad fp4 sources: scales and global scales checked like the fp8 ones.
+struct BadFp4SourceFixture : ::testing::Test {
+  MoeGeometry g = test_geometry();
+  MoeConfig config;
+  SourceStack w13 = make_stack(Source::kNvfp4, 3, 768, 256, 1u);
+  SourceStack w2 = make_stack(Source::kMxfp4, 3, 256, 384, 2u);
+  MoeWeights src;
+  PreparedWeights out;
+  void SetUp() override {
+    config.weight_format = WeightFormat::kNvfp4;
+    src.w13 = w13.data;
+    src.w13_scale = w13.scale;
+    src.w13_global_scale = w13.global;
+    src.w2 = w2.data;
+    src.w2_scale = w2.scale;
+    const Status st = prepare_weights(g, config, src, &out);
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+  }
+  std::string fail() {
+    const Status st = prepare_weights(g, config, src, &out);
+    EXPECT_FALSE(st.is_ok());
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+    return st.message();
+  }
+};
+
+TEST_F(BadFp4SourceFixture, PackedShapeNamesHalfK) {
+  src.w2 = TensorView(w2.fp4.data(), DType::kFloat4E2M1x2, {3, 256, 384});  // elements, not packed bytes
+  EXPECT_CONTAINS(fail(), "w2.shape=[3, 256, 384], must be [E_local, H, I/2] (packed bytes) = [3, 256, 192]");
+}
+
+TEST_F(BadFp4SourceFixture, MissingOrWrongScales) {
+  src.w13_scale = TensorView();
+  EXPECT_CONTAINS(fail(), "w13_scale=absent, a float4_e2m1x2 w13 needs its block scales");
+  src.w13_scale = w13.scale;
+  src.w13_scale.dtype = DType::kFloat32;
+  EXPECT_CONTAINS(fail(), "w13_scale.dtype=float32");
+  src.w13_scale = w13.scale;
+  src.w13_scale.dtype = DType::kFloat8E8M0;  // mxfp4 scales of the wrong shape
+  EXPECT_CONTAINS(fail(), "w13_scale.shape=[3, 768, 16], must be [E_local, 2I, H/32] = [3, 768, 8]");
+}
+
+TEST_F(BadFp4SourceFixture, GlobalScaleRules) {
+  src.w13_global_scale = TensorView();
+  EXPECT_CONTAINS(fail(), "w13_global_scale=absent, an nvfp4 w13 needs its fp32 global scale");
+  src.w13_global_scale = w13.global;
+  w13.fp4_global[2] = 0.f;
+  EXPECT_CONTAINS(fail(), "w13_global_scale[2]=0, an nvfp4 global scale must be finite and > 0");
+  w13.fp4_global[2] = 1.f;
+  src.w2_global_scale = w13.global;  // mxfp4 has none
+  EXPECT_CONTAINS(fail(), "only an nvfp4 source has a global scale");
+}
+
+TEST_F(BadFp4SourceFixture, NanScaleCodes) {
+  w13.fp4_scale[1 * 768 * 16 + 5 * 16 + 3] = 0xFF;  // e4m3 -NaN at [1, 5, 3]
+  EXPECT_CONTAINS(fail(), "w13_scale[1, 5, 3]=0xFF, an e4m3 block scale must be finite and >= 0");
+  w13.fp4_scale[1 * 768 * 16 + 5 * 16 + 3] = 0xB8;  // -1.0
+  EXPECT_CONTAINS(fail(), "w13_scale[1, 5, 3]=0xB8");
+  w13.fp4_scale[1 * 768 * 16 + 5 * 16 + 3] = 0x38;
+  w2.fp4_scale[7] = 0xFF;
+  EXPECT_CONTAINS(fail(), "w2_scale[0, 0, 7]=0xFF, an e8m0 scale code must not be 0xFF (NaN)");
+}
+
+TEST_F(BadFp4SourceFixture, GlobalScaleOnAnFp8Source) {
+  SourceStack f = make_stack(Source::kFp8, 3, 768, 256, 3u);
+  src.w13 = f.data;
+  src.w13_scale = f.scale;
+  EXPECT_CONTAINS(fail(), "w13_global_scale=float32[3] on cpu, only an nvfp4 (float4_e2m1x2) w13 has a global scale");
 }
 
 }  // namespace

@@ -395,6 +395,25 @@ TEST(FormatsDevice, Nvfp4_BitExact) {
   EXPECT_EQ(count_bit_differences(out.to_host(), ho), 0);
 }
 
+TEST(FormatsDevice, Mxfp4_BitExact) {
+  REQUIRE_SM90();
+  const int64_t n = 32 * 16387;
+  const std::vector<float> x = block_inputs(n + 96, 8u);
+  DeviceBuffer<float> dx(std::vector<float>(x.begin(), x.begin() + n));
+  DeviceBuffer<uint8_t> packed(n / 2), scales(n / 32);
+  DeviceBuffer<float> out(n);
+  CUDA_OK(fmt::device::quantize_mxfp4(dx.ptr, n, packed.ptr, scales.ptr, nullptr));
+  CUDA_OK(fmt::device::dequantize_mxfp4(packed.ptr, scales.ptr, n, out.ptr, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  std::vector<uint8_t> hp(n / 2), hs(n / 32);
+  std::vector<float> ho(n);
+  fmt::quantize_mxfp4(x.data(), n, hp.data(), hs.data());
+  fmt::dequantize_mxfp4(hp.data(), hs.data(), n, ho.data());
+  EXPECT_EQ(count_bit_differences(packed.to_host(), hp), 0);
+  EXPECT_EQ(count_bit_differences(scales.to_host(), hs), 0);
+  EXPECT_EQ(count_bit_differences(out.to_host(), ho), 0);
+}
+
 TEST(FormatsDevice, LaunchersRejectBadSizes) {
   REQUIRE_SM90();
   DeviceBuffer<float> x(256), s(8);

@@ -41,6 +41,10 @@ void quantised_files(const std::string& prefix, WeightFormat format, int64_t E, 
       out->push_back({prefix + "_scale.npy", "|u1", {E, N, K / 16}, "e4m3 scale codes per 1x16 along K"});
       out->push_back({prefix + "_global_scale.npy", "<f4", {E}, "fp32 global scale per expert"});
       break;
+    case WeightFormat::kMxfp4:
+      out->push_back({prefix + "_q.npy", "|u1", {E, N, K / 2}, "packed e2m1 codes of " + src + " (low nibble first)"});
+      out->push_back({prefix + "_scale.npy", "|u1", {E, N, K / 32}, "e8m0 scale codes per 1x32 along K"});
+      break;
   }
 }
 

@@ -47,7 +47,7 @@ void add_layer_options(CLI::App* app, LayerOptions* o, bool with_pow2_scales) {
   app->add_option("--max-tokens", o->max_tokens,
                   "max_tokens_per_rank of the layer (default: the --tokens value, per rank)")
       ->type_name("T");
-  app->add_option("--weight-format", o->weight_format, "bf16 | fp8-block | mxfp8 | nvfp4")
+  app->add_option("--weight-format", o->weight_format, "bf16 | fp8-block | mxfp8 | nvfp4 | mxfp4")
       ->type_name("F")
       ->default_str(o->weight_format);
   app->add_option("--dispatch-format", o->dispatch_format, "bf16 | fp8-block")
@@ -161,7 +161,7 @@ MoeConfig make_config(const LayerOptions& o, Backend backend) {
   c.backend = backend;
   if (!parse_weight_format(o.weight_format, &c.weight_format))
     throw ToolError(kExitUsage, "invalid value for --weight-format: '" + o.weight_format +
-                                    "', must be bf16, fp8-block, mxfp8 or nvfp4");
+                                    "', must be bf16, fp8-block, mxfp8, nvfp4 or mxfp4");
   if (!parse_dispatch_format(o.dispatch_format, &c.dispatch_format))
     throw ToolError(kExitUsage,
                     "invalid value for --dispatch-format: '" + o.dispatch_format + "', must be bf16 or fp8-block");
@@ -208,6 +208,7 @@ int64_t prepared_bytes_per_expert(WeightFormat format, int64_t hidden, int64_t i
       return elems + 4 * ((2 * intermediate / 128) * (hidden / 128) + (hidden / 128) * (intermediate / 128));
     case WeightFormat::kMxfp8: return elems + elems / 32;                 // e8m0 per 1x32
     case WeightFormat::kNvfp4: return elems / 2 + elems / 16 + 2 * 4;     // e4m3 per 1x16 + 2 global
+    case WeightFormat::kMxfp4: return elems / 2 + elems / 32;             // e8m0 per 1x32
   }
   return 2 * elems;
 }

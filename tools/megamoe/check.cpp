@@ -1,6 +1,8 @@
 // `megamoe check`: one forward per rank against the float64 reference, computed on the dequantised
 // weights the layer computes with and on x as the layer consumed it; per-rank and overall rel-L2 and
 // max abs error against the bound of the configuration's error model; PASS/FAIL (exit 1 on FAIL).
+// The weights are a preset's random ones, or (--checkpoint DIR --layer L) layer L of a checkpoint as
+// it ships, each rank loading its own experts, in the checkpoint's format unless --weight-format says.
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cmath>
@@ -13,6 +15,7 @@
 
 #include "commands.h"
 #include "dump.h"
+#include "megamoe/checkpoint.h"
 #include "megamoe/formats.h"
 #include "megamoe/layer.h"
 #include "presets.h"
@@ -31,8 +34,28 @@ struct CheckOptions {
   std::string routing = "uniform";
   std::string seed = "1";
   std::string dump;
+  std::string checkpoint;  // --checkpoint DIR
+  std::string layer_index;  // --layer L
+  bool weight_format_given = false;
   MaxHostGbOption max_host_gb;
 };
+
+// A checkpoint's status as a tool error: a file that cannot be read is an i/o failure, anything
+// else a refused input.
+ToolError checkpoint_error(const Status& st) {
+  return ToolError(st.code() == StatusCode::kIoError ? kExitIo : kExitUsage, st.message());
+}
+
+// Rank r's experts of layer `layer` of the checkpoint in `dir`, loaded on rank r's thread.
+RankWeightsFn checkpoint_weights(const std::string& dir, int64_t layer, const MoeGeometry& g) {
+  return [dir, layer, g](int64_t r, RankWeights* out) -> Status {
+    CheckpointExperts ex;
+    MEGAMOE_RETURN_IF_ERROR(load_checkpoint_experts(dir, layer, g.ep_size, r, g.max_tokens_per_rank, &ex));
+    out->views = ex.weights;
+    out->storage = ex.storage;
+    return Status::ok();
+  };
+}
 
 reference::Routing parse_routing(const std::string& s) {
   if (s == "uniform") return reference::Routing::kUniform;
@@ -92,13 +115,45 @@ int run_check(const CheckOptions& o) {
   const uint64_t seed = static_cast<uint64_t>(parse_int_flag("--seed", o.seed, 0, INT64_MAX));
   const reference::Routing routing = parse_routing(o.routing);
   const HostMemoryLimit limit = host_memory_limit(o.max_host_gb);
-  const MoeGeometry g = make_geometry(o.layer, max_tokens);
-  const MoeConfig c = make_config(o.layer, backend);
+  const bool from_checkpoint = !o.checkpoint.empty();
+  if (from_checkpoint == !o.layer.preset.empty())
+    throw ToolError(kExitUsage, from_checkpoint ? "--preset and --checkpoint exclude each other (the checkpoint's "
+                                                  "config.json gives the geometry)"
+                                                : "one of --preset P or --checkpoint DIR is required");
+  if (from_checkpoint && (o.layer_index.empty() || !o.layer.experts.empty() || o.layer.pad))
+    throw ToolError(kExitUsage, o.layer_index.empty() ? "--checkpoint needs --layer L (the MoE layer to load)"
+                                                      : "--experts and --pad do not apply to --checkpoint (its "
+                                                        "config.json gives the geometry)");
+  if (!from_checkpoint && !o.layer_index.empty()) throw ToolError(kExitUsage, "--layer needs --checkpoint DIR");
+  MoeGeometry g;
+  MoeConfig c;
+  int64_t layer = 0;
+  CheckpointLayerInfo ckpt;
+  if (from_checkpoint) {
+    layer = parse_int_flag("--layer", o.layer_index, 0, 1 << 20);
+    if (const Status st = probe_checkpoint_layer(o.checkpoint, layer, &ckpt); !st) throw checkpoint_error(st);
+    g = ckpt.config.geometry(parse_int_flag("--ep", o.layer.ep, 1, 4096), 0, max_tokens);
+    if (const Status st = g.validate(); !st)
+      throw ToolError(kExitUsage, st.message() + " (geometry from " + o.checkpoint + "/config.json)");
+    LayerOptions lo = o.layer;
+    if (!o.weight_format_given) lo.weight_format = to_string(ckpt.format);
+    c = make_config(lo, backend);
+  } else {
+    g = make_geometry(o.layer, max_tokens);
+    c = make_config(o.layer, backend);
+  }
   if (const Status st = c.validate(g); !st) throw ToolError(kExitUsage, st.message());
   const int64_t R = g.ep_size, H = g.hidden, I = g.intermediate, E = g.num_experts, k = g.top_k;
 
-  std::printf("megamoe check: preset %s%s, backend %s\n  %s\n  %s\n", o.layer.preset.c_str(),
-              o.layer.pad ? " (padded)" : "", to_string(backend), g.to_string().c_str(), c.to_string().c_str());
+  if (from_checkpoint)
+    std::printf("megamoe check: checkpoint %s, layer %lld, %s, backend %s\n  %s\n  %s\n", o.checkpoint.c_str(),
+                static_cast<long long>(layer), to_string(ckpt.layout), to_string(backend), g.to_string().c_str(),
+                c.to_string().c_str());
+  else
+    std::printf("megamoe check: preset %s%s, backend %s\n  %s\n  %s\n", o.layer.preset.c_str(),
+                o.layer.pad ? " (padded)" : "", to_string(backend), g.to_string().c_str(), c.to_string().c_str());
+  const RankWeightsFn weights_of =
+      from_checkpoint ? checkpoint_weights(o.checkpoint, layer, g) : generated_weights(g, seed);
   std::printf("  routing %s, seed %llu, %lld tokens on each of %lld ranks\n", o.routing.c_str(),
               static_cast<unsigned long long>(seed), static_cast<long long>(tokens), static_cast<long long>(R));
 
@@ -147,11 +202,20 @@ int run_check(const CheckOptions& o) {
   });
   if (!st) throw ToolError(kExitUnavailable, "generating the inputs: " + st.message());
   RankGroup group;
-  std::fprintf(stderr, "[check] building %lld layer(s): each rank generates its %s fp32 slice, then prepares %s\n",
-               static_cast<long long>(R), format_bytes(fp32_weight_bytes(g) / R).c_str(), to_string(c.weight_format));
+  if (from_checkpoint)
+    std::fprintf(stderr, "[check] building %lld layer(s): each rank loads its experts of layer %lld, then prepares %s\n",
+                 static_cast<long long>(R), static_cast<long long>(layer), to_string(c.weight_format));
+  else
+    std::fprintf(stderr, "[check] building %lld layer(s): each rank generates its %s fp32 slice, then prepares %s\n",
+                 static_cast<long long>(R), format_bytes(fp32_weight_bytes(g) / R).c_str(), to_string(c.weight_format));
   BuildTimes times;
-  st = build_group(g, c, generated_weights(g, seed), &group, &times, &pr);
-  if (!st) throw ToolError(kExitUnavailable, st.message());
+  st = build_group(g, c, weights_of, &group, &times, &pr);
+  if (!st) {
+    if (from_checkpoint && st.code() != StatusCode::kUnavailable && st.code() != StatusCode::kCudaError &&
+        st.code() != StatusCode::kNcclError)
+      throw checkpoint_error(st);
+    throw ToolError(kExitUnavailable, st.message());
+  }
   std::fprintf(stderr, "[check] layers built: source weights %.2f s, create (prepare + upload) %.2f s, warmup %.2f s\n",
                times.source_s, times.create_s, times.warmup_s);
   const MoeLayer* layer0 = first_local_layer(group);
@@ -196,7 +260,7 @@ int run_check(const CheckOptions& o) {
       pw = &group.layers[r]->prepared_weights();
     } else {
       RankWeights source;
-      MEGAMOE_RETURN_IF_ERROR(generated_weights(g, seed)(r, &source));
+      MEGAMOE_RETURN_IF_ERROR(weights_of(r, &source));
       MEGAMOE_RETURN_IF_ERROR(prepare_weights(g.for_rank(r), c, source.views, &elsewhere));
       pw = &elsewhere;
     }
@@ -266,6 +330,7 @@ int run_check(const CheckOptions& o) {
     nlohmann::json meta;
     meta["tool"] = "megamoe check";
     meta["preset"] = o.layer.preset;
+    if (from_checkpoint) meta["checkpoint"] = {{"dir", o.checkpoint}, {"layer", layer}, {"layout", to_string(ckpt.layout)}};
     meta["padded"] = o.layer.pad;
     meta["geometry"] = {{"hidden", H}, {"intermediate", I}, {"num_experts", E}, {"top_k", k}, {"ep_size", R},
                         {"max_tokens_per_rank", g.max_tokens_per_rank}};
@@ -307,7 +372,11 @@ CommandRun add_check_command(CLI::App* app) {
   auto o = std::make_shared<CheckOptions>();
   CLI::App* sub = app->add_subcommand("check", "one forward per rank against the float64 reference; exit 1 when "
                                                 "the error is above the bound");
-  sub->add_option("--preset", o->layer.preset, "model preset: " + preset_names())->type_name("P")->required();
+  sub->add_option("--preset", o->layer.preset, "model preset: " + preset_names() + " (or --checkpoint)")->type_name("P");
+  sub->add_option("--checkpoint", o->checkpoint,
+                  "a Hugging Face checkpoint directory (config.json, *.safetensors): check layer --layer of it")
+      ->type_name("DIR");
+  sub->add_option("--layer", o->layer_index, "the MoE layer of --checkpoint")->type_name("L");
   sub->add_option("--backend", o->backend, "auto | mega | routed | cpu")->type_name("B")->required();
   sub->add_option("--tokens", o->tokens, "tokens on each rank")->type_name("T")->default_str(o->tokens);
   sub->add_option("--routing", o->routing, "uniform | single-expert | dropped")
@@ -318,7 +387,11 @@ CommandRun add_check_command(CLI::App* app) {
       ->type_name("DIR");
   add_max_host_gb_option(sub, &o->max_host_gb);
   add_layer_options(sub, &o->layer, /*with_pow2_scales=*/true);
-  return [o] { return run_check(*o); };
+  CLI::Option* weight_format = sub->get_option("--weight-format");
+  return [o, weight_format] {
+    o->weight_format_given = weight_format->count() > 0;
+    return run_check(*o);
+  };
 }
 
 }  // namespace megamoe::tool

@@ -23,8 +23,8 @@
 #   gemm-ab                `bench-gemm --no-cublas` of each BINS binary for each line of BENCH,
 #                          ROUNDS (2) times; @OUT@ @ROUND@ @BIN@ substituted, "VAR=v -- args" lines
 #   gemm-matrix [matrix] [alone]   the GEMM against its targets (read floor, matrix, shapes alone)
-#   transport [tests|bench|perf|all]   the EP transport: its tests, `bench-transport` (perf: the
-#                          amortised table too, and megamoe_before's)
+#   transport [tests|bench|perf|all]   the EP transport: its tests, `bench-transport --json` (perf:
+#                          the amortised table too, and megamoe_before's)
 #   transport-ab           `bench-transport` of each BINS binary for each line of BENCH
 #   link                   `bench-link`: every path, several shapes, the signal's round trip
 #   sanitize [FILTER]      compute-sanitizer TOOLS (memcheck racecheck synccheck) on those GPU tests
@@ -265,18 +265,19 @@ transport() {  # [tests|bench|perf|all]
   fi
   if [[ $what == bench || $what == all ]]; then
     # shellcheck disable=SC2086
-    timeout 100 "$TOOL" bench-transport $TRANSPORT_ARGS --iters 20 --warmup 3 2>&1 | tee "$OUT/bench_fp8_bf16.log"
+    timeout 100 "$TOOL" bench-transport $TRANSPORT_ARGS --iters 20 --warmup 3 --json "$OUT/transport.json" 2>&1 | \
+      tee "$OUT/bench_fp8_bf16.log"
     [[ ${PIPESTATUS[0]} -eq 0 ]] || rc=1
   fi
   if [[ $what == perf ]]; then
     # shellcheck disable=SC2086
     timeout 75 "$TOOL" bench-transport $TRANSPORT_ARGS --iters 10 --warmup 2 --graph-iters 32 --graph-reps 3 \
-      2>&1 | tee "$OUT/bench_fp8_bf16.log"
+      --json "$OUT/transport_graph.json" 2>&1 | tee "$OUT/bench_fp8_bf16.log"
     [[ ${PIPESTATUS[0]} -eq 0 ]] || rc=1
     if [[ -x $BIN/megamoe_before ]]; then
       # shellcheck disable=SC2086
       timeout 75 "$BIN/megamoe_before" bench-transport $TRANSPORT_ARGS --iters 10 --warmup 2 --graph-iters 32 \
-        --graph-reps 3 > "$OUT/bench_before.log" 2>&1
+        --graph-reps 3 --json "$OUT/transport_graph_before.json" > "$OUT/bench_before.log" 2>&1
       trc=$?
       echo "before: exit $trc"
       grep -A9 amortised "$OUT/bench_before.log"
@@ -287,7 +288,7 @@ transport() {  # [tests|bench|perf|all]
 transport_ab_one() {  # index binary args
   # shellcheck disable=SC2086
   timeout "${BENCH_TIMEOUT:-90}" "$BIN/$2" bench-transport --ranks 2 --dispatch fp8 --iters 10 --warmup 2 \
-    --graph-iters 16 --graph-reps 3 $3 > "$OUT/bench$1_$2.log" 2>&1
+    --graph-iters 16 --graph-reps 3 $3 --json "$OUT/transport$1_$2.json" > "$OUT/bench$1_$2.log" 2>&1
   local brc=$?
   [[ $brc -eq 0 ]] || rc=1
   echo "== $2 $3: exit $brc"
@@ -295,8 +296,8 @@ transport_ab_one() {  # index binary args
 }
 
 link() {
-  local shape
-  timeout 120 "$TOOL" bench-link 2>&1 | tee "$OUT/link1.log"
+  local shape i=0
+  timeout 120 "$TOOL" bench-link --json "$OUT/link0.json" 2>&1 | tee "$OUT/link1.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || rc=1
   for shape in "--paths tma,staged,store --chunk 4096 --stages 8 --tma-warps 4 --staged-warps 16" \
                "--paths tma --chunk 16384 --stages 3 --tma-warps 4" \
@@ -305,10 +306,12 @@ link() {
                "--paths store,pull --store-ctas-per-sm 1" \
                "--paths store,pull,tma --store-ctas-per-sm 4 --mib 64" \
                "--mib 1 --paths handshake,handshake-grid --iters 10"; do
+    i=$((i + 1))
     # shellcheck disable=SC2086
-    timeout 120 "$TOOL" bench-link $shape 2>&1 | tee -a "$OUT/link_shapes.log" | grep -v "^#"
+    timeout 120 "$TOOL" bench-link $shape --json "$OUT/link$i.json" 2>&1 | tee -a "$OUT/link_shapes.log" | grep -v "^#"
     [[ ${PIPESTATUS[0]} -eq 0 ]] || rc=1
   done
+  echo "table: python3 scripts/perf_refresh.py --machine '2 x H200' $OUT/link*.json"
 }
 
 sanitize() {

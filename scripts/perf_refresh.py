@@ -13,8 +13,9 @@ its markers (nothing else in the file changes). Inputs, told apart by their cont
   - `megamoe bench --json F`            -> table `layer/<backend>/<preset>/ep<R>[/<config>]`
   - `megamoe bench-gemm --json F`       -> table `gemm/<flush>` (several files: rounds of the same
                                            cases, folded as scripts/gemm_targets.py folds them)
-  - `megamoe bench-transport` output    -> table `transport/<dispatch>-<combine>[-owner]`: its JSON
-                                           (when the tool writes one, fields below) or its stdout log
+  - `megamoe bench-transport --json F`  -> table `transport/<dispatch>-<combine>[-owner]` (its stdout
+                                           log works too: the numbers of its two text tables)
+  - `megamoe bench-link --json F`       -> table `link` (several files: one row per path and shape)
 
 Usage:
   python3 scripts/perf_refresh.py [--perf docs/PERF.md] [--date YYYY-MM-DD] [--machine TEXT]
@@ -34,13 +35,14 @@ Fields read (for the bench harness's JSON; a missing optional field leaves its c
   bench-gemm: a list of rows (or {`rows`: [...]}, with optional `device`, `date`, `flush`): `model`,
               `fc`, `experts`, `tokens_per_expert`, `layout`, `tiles`, `us_median`, `tflops`,
               `kernel_us_median`, `weight_gbs_kernel`, optional `cublas_kernel_us`, `flush`.
-  bench-transport JSON (not written by the tool yet; this is what the script expects):
-              `tool` ("megamoe bench-transport"), `config` {`ranks`, `dispatch`, `x`, `combine`,
-              `owner_reduce`}, optional `device`, `date`, `command`; rows[]: `tokens`,
+  bench-transport: `tool` ("megamoe bench-transport"), `config` {`ranks`, `dispatch`, `x`,
+              `combine`, `owner_reduce`}, optional `device`, `date`, `command`; rows[]: `tokens`,
               `dispatch_bytes`, `combine_bytes`, `dispatch_us` {median, min, max} (gated),
               `combine_us` {...} (gated), `nccl_dispatch_us`, `nccl_combine_us` (medians), and where
               --graph-iters ran: `graph_dispatch_only_us`, `graph_forward_us` (F, no event nodes),
               `graph_dispatch_pool_us` (DP), `graph_pool_us`.
+  bench-link: `tool` ("megamoe bench-link"); rows[]: `path`, `shape`, `mib`, `r0_gbps`, `r1_gbps`,
+              optional `r0_median_us`, `r1_median_us`, `time_over_floor`, `check`.
 The machine comes from --machine, else the input's `device`; the date from --date, else the input's
 `date`, else today.
 """
@@ -207,6 +209,24 @@ def transport_table(doc, command):
     return name, {"command": command, "device": doc.get("device"), "date": doc.get("date")}, lines + note
 
 
+# ---- megamoe bench-link --json -----------------------------------------------------------------
+
+def link_table(docs):
+    rows = [r for d in docs for r in d.get("rows", [])]
+    if not rows:
+        raise InputError("no bench-link rows")
+    lines = ["| path | shape | MiB per direction | GB/s rank 0 / rank 1 | µs rank 0 / rank 1 | time/floor | check |",
+             "| --- | --- | ---: | --- | --- | ---: | --- |"]
+    for r in rows:
+        lines.append(f"| {r['path']} | {r.get('shape', '')} | {r.get('mib', '')} | {fmt(r.get('r0_gbps'))} / "
+                     f"{fmt(r.get('r1_gbps'))} | {fmt(r.get('r0_median_us'), 2)} / {fmt(r.get('r1_median_us'), 2)} | "
+                     f"{fmt(r.get('time_over_floor'), 2)} | {r.get('check', '')} |")
+    info = {"command": "megamoe bench-link ... --json F (both directions loaded at once; shapes: the shape column)",
+            "device": next((d.get("device") for d in docs if d.get("device")), None),
+            "date": next((d.get("date") for d in docs if d.get("date")), None)}
+    return "link", info, lines
+
+
 # ---- inputs, markers, output ---------------------------------------------------------------------
 
 def load(path):
@@ -227,21 +247,27 @@ def kind_of(doc, text):
         return "layer"
     if tool == "megamoe bench-transport":
         return "transport"
+    if tool == "megamoe bench-link":
+        return "link"
     return None
 
 
 def build_tables(args):
     """{table name: lines}, in input order."""
     gemm_docs = {}
+    link_docs = []
     tables = {}
     for path in args.files:
         doc, text = load(path)
         kind = kind_of(doc, text)
         if kind is None:
-            raise InputError(f"{path}: not a megamoe bench, bench-gemm or bench-transport output")
+            raise InputError(f"{path}: not a megamoe bench, bench-gemm, bench-transport or bench-link output")
         try:
             if kind == "gemm":
                 gemm_docs.setdefault(args.table or "", []).append(doc)
+                continue
+            if kind == "link":
+                link_docs.append(doc)
                 continue
             if kind == "layer":
                 name, info, lines = layer_table(doc)
@@ -249,6 +275,9 @@ def build_tables(args):
                 name, info, lines = transport_table(doc if doc is not None else transport_from_text(text), args.command)
         except (InputError, KeyError, TypeError, ValueError) as e:
             raise InputError(f"{path}: {kind} output not understood: {e!r}")
+        tables[args.table or name] = (info, lines)
+    if link_docs:
+        name, info, lines = link_table(link_docs)
         tables[args.table or name] = (info, lines)
     for table, docs in gemm_docs.items():
         name, info, lines = gemm_table(docs, args.flush)

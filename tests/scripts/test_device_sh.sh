@@ -63,15 +63,16 @@ status "launch without a command" 2 "${D[@]}" launch
 status "transport tests" 0 "${D[@]}" transport tests
 expect "transport tests: the filter" "^megamoe_gpu_tests --gtest_filter=Sm90Transport\.\*$"
 status "transport perf" 0 "${D[@]}" transport perf
-expect "transport perf: amortised, this binary and the one before" "^megamoe_before bench-transport --ranks 2 --tokens 1,8,128,512,1024,4096,8192 --dispatch fp8 --combine bf16 --iters 10 --warmup 2 --graph-iters 32 --graph-reps 3$"
+expect "transport perf: amortised, this binary and the one before" "^megamoe_before bench-transport --ranks 2 --tokens 1,8,128,512,1024,4096,8192 --dispatch fp8 --combine bf16 --iters 10 --warmup 2 --graph-iters 32 --graph-reps 3 --json $OUT/transport_graph_before.json$"
+exists "transport perf wrote its JSON" "$OUT/transport_graph.json"
 status "transport-ab" 0 env BENCH='--tokens 1,8 --owner-reduce' "${D[@]}" transport-ab
-expect "transport-ab: the line's flags" "^megamoe bench-transport --ranks 2 --dispatch fp8 --iters 10 --warmup 2 --graph-iters 16 --graph-reps 3 --tokens 1,8 --owner-reduce$"
+expect "transport-ab: the line's flags" "^megamoe bench-transport --ranks 2 --dispatch fp8 --iters 10 --warmup 2 --graph-iters 16 --graph-reps 3 --tokens 1,8 --owner-reduce --json $OUT/transport1_megamoe.json$"
 status "gemm bench" 0 "${D[@]}" gemm bench --preset qwen3-30b-a3b
 expect "gemm bench: json and the flags" "^megamoe bench-gemm --json $OUT/bench.json --preset qwen3-30b-a3b$"
 status "gemm-ab" 0 env ROUNDS=1 BENCH='--preset tiny --trace @OUT@/trace_@BIN@_@ROUND@.json' "${D[@]}" gemm-ab
 expect "gemm-ab: substitutions" "^megamoe_before bench-gemm --no-cublas --iters 20 --preset tiny --trace $OUT/trace_megamoe_before_1.json$"
 exists "gemm-ab packed its output" "$OUT/out.tgz"
 status "link" 0 "${D[@]}" link
-expect "link: the handshake" "^megamoe bench-link --mib 1 --paths handshake,handshake-grid --iters 10$"
+expect "link: the handshake" "^megamoe bench-link --mib 1 --paths handshake,handshake-grid --iters 10 --json $OUT/link7.json$"
 echo "device.sh with fake binaries: $failures failure(s)"
 [[ $failures -eq 0 ]]

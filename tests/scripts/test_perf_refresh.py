@@ -5,8 +5,9 @@ tool's JSON that the script cannot read fails here.
 
 fixtures/: bench_cpu_tiny_ep2.json is a real `megamoe bench --backend cpu --json`; the routed one is
 the same writer's format with a GPU backend's rows (stages_us, a case that did not run);
-gemm_r*.json follow bench-gemm's writer (gemm_cmd.cpp); transport_owner.log follows bench-transport's
-printf formats (transport_cmd.cpp: print_header, print_row, print_graph_row).
+gemm_r*.json follow bench-gemm's records (gemm_cmd.cpp); transport_owner.json and link.json follow
+bench-transport's and bench-link's --json (transport_cmd.cpp point_record, link_cmd.cpp
+run_link_path); transport_owner.log holds the same numbers as bench-transport's two text tables.
   python3 tests/scripts/test_perf_refresh.py [--tool build/megamoe]
 """
 import os
@@ -101,6 +102,25 @@ class PerfRefresh(unittest.TestCase):
         self.assertEqual(again.returncode, 0, again.stderr)
         self.assertEqual(self.text(), t)
 
+    def test_transport_json_gives_the_table_of_its_log(self):
+        with open(self.perf, "w") as f:
+            f.write("<!-- perf-table: transport/fp8-bf16-owner -->\n<!-- /perf-table -->\n")
+        r = self.refresh("transport_owner.json")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        t = self.text()
+        self.assertIn("| 1 | 8.8 | 0.8 | 8.4 | 0.4 | **17.2** | 11.6 | 15.0 / 12.0 | 16.4 / 12.5 |", t)
+        self.assertIn("| 8192 | 183.2 | 327.4 | 458.2 | 256.3 | **641.4** | 120.1 | 190.1 / 470.0 | 246.0 / 1332.0 |", t)
+        self.assertIn("--owner-reduce --x fp8", t)
+
+    def test_link_rows(self):
+        with open(self.perf, "w") as f:
+            f.write("<!-- perf-table: link -->\n<!-- /perf-table -->\n")
+        r = self.refresh("link.json")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        t = self.text()
+        self.assertIn("| store | 2 x 512 threads per SM | 256 | 360.2 / 361.3 | 745.30 / 742.90 | 1.10 | ok |", t)
+        self.assertIn("| handshake | 1 CTA, 64 launches per graph | 1 |", t)
+
     def test_missing_markers_name_the_table_and_write_nothing(self):
         with open(self.perf, "w") as f:
             f.write("# Performance\n<!-- perf-table: gemm/read -->\n<!-- /perf-table -->\n")
@@ -131,7 +151,7 @@ class PerfRefresh(unittest.TestCase):
             f.write('{"hello": 1}')
         r = run("--perf", self.perf, bad)
         self.assertEqual(r.returncode, 2)
-        self.assertIn("not a megamoe bench, bench-gemm or bench-transport output", r.stderr)
+        self.assertIn("not a megamoe bench, bench-gemm, bench-transport or bench-link output", r.stderr)
 
     def test_history_entry_and_index(self):
         hist = os.path.join(self.dir, "perf-history")
@@ -148,7 +168,7 @@ class PerfRefresh(unittest.TestCase):
         r = run("--list", "--perf", os.path.join(ROOT, "docs", "PERF.md"))
         self.assertEqual(r.returncode, 0, r.stderr)
         for name in ("layer/routed/deepseek-v3/ep2", "layer/routed/qwen3-30b-a3b/ep2", "gemm/memset",
-                     "transport/fp8-bf16-owner"):
+                     "transport/fp8-bf16-owner", "link"):
             self.assertIn(name + ":", r.stdout)
         self.assertLessEqual(len(open(os.path.join(ROOT, "docs", "PERF.md")).read().splitlines()), 300)
 

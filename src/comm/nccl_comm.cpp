@@ -130,7 +130,11 @@ Status NcclRankComm::symmetric_alloc(int64_t bytes, void** base, std::function<v
 }
 
 Status NcclRankComm::peer_bases(const void* base, std::vector<void*>* out) {
-  return window_peer_bases(symmetric_window_of(base), size_, device_, out);
+  MEGAMOE_RETURN_IF_ERROR(window_peer_bases(symmetric_window_of(base), size_, device_, out));
+  // invariant: this rank reaches its own copy through the allocation's own address (the kernels'
+  // own_base), never through its LSA alias, so no kernel touches one buffer by two virtual addresses.
+  (*out)[rank_] = const_cast<void*>(base);
+  return Status::ok();
 }
 
 void NcclRankComm::mark_broken(const std::string& reason) {

@@ -10,8 +10,8 @@
 //
 // ensure_device_comm() creates the communicator's ncclDevComm once (collective) and checks that every
 // rank is reachable by load/store (LSA team == the whole group). A group spanning nodes is refused:
-// the GIN (ncclGin::put + signals) path is designed for (every remote access goes through
-// SignalCtx::peer_ptr / signal_all_ranks) but not built yet.
+// the GIN (ncclGin::put + signals) path is designed for but not built yet (docs/TRANSPORT.md lists
+// the store sites it would replace).
 #pragma once
 
 #include <nccl.h>

@@ -64,6 +64,11 @@ struct PreparedWeights {
   WeightFormat format = WeightFormat::kBf16;
   QuantizedTensor w13;  // [E_local, 2I, H]
   QuantizedTensor w2;   // [E_local, H, I]
+
+  // Views of these weights as a source that prepare_weights keeps bit for bit (fp8-block, nvfp4,
+  // mxfp4 with their scales; bf16), valid while this object lives; absent views for mxfp8, which
+  // is no source format.
+  MoeWeights as_source() const;
 };
 
 Status prepare_weights(const MoeGeometry& geometry, const MoeConfig& config, const MoeWeights& source,

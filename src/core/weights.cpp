@@ -453,6 +453,34 @@ void QuantizedTensor::dequantize_expert(int64_t expert, float* out) const {
   }
 }
 
+MoeWeights PreparedWeights::as_source() const {
+  MoeWeights w;
+  if (format == WeightFormat::kMxfp8) return w;
+  // TensorView has no const form; prepare_weights only reads the views.
+  auto data = [](const QuantizedTensor& t) {
+    const int64_t cols = t.format == WeightFormat::kNvfp4 || t.format == WeightFormat::kMxfp4 ? t.cols / 2 : t.cols;
+    return TensorView(const_cast<uint8_t*>(t.data.data()), t.data_dtype(), {t.num_experts, t.rows, cols});
+  };
+  auto scales = [](const QuantizedTensor& t) {
+    const std::vector<int64_t> s = t.scale_shape();
+    return TensorView(const_cast<uint8_t*>(t.scales.data()), t.scale_dtype(), {s[0], s[1], s[2]});
+  };
+  auto global = [](const QuantizedTensor& t) {
+    return TensorView(const_cast<float*>(t.global_scales.data()), DType::kFloat32, {t.num_experts});
+  };
+  w.w13 = data(w13);
+  w.w2 = data(w2);
+  if (format != WeightFormat::kBf16) {
+    w.w13_scale = scales(w13);
+    w.w2_scale = scales(w2);
+  }
+  if (format == WeightFormat::kNvfp4) {
+    w.w13_global_scale = global(w13);
+    w.w2_global_scale = global(w2);
+  }
+  return w;
+}
+
 Status prepare_weights(const MoeGeometry& geometry, const MoeConfig& config, const MoeWeights& source,
                        PreparedWeights* out) {
   if (out == nullptr)

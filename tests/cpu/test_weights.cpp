@@ -489,6 +489,32 @@ TEST_F(BadSourceFixture, InvalidGeometryAndNullOut) {
 namespace megamoe {
 namespace {
 
+// A layer's prepared weights handed back as a source prepare to the same bytes (bench reuses them).
+TEST(PreparedWeightsAsSource, EveryReusableFormatPreparesToTheSameBytes) {
+  const MoeGeometry g = test_geometry();
+  SourceStack w13 = make_stack(Source::kFp32, 3, 768, 256, 5u), w2 = make_stack(Source::kFp32, 3, 256, 384, 6u);
+  MoeWeights src;
+  src.w13 = w13.data;
+  src.w2 = w2.data;
+  for (WeightFormat f : {WeightFormat::kBf16, WeightFormat::kFp8Block, WeightFormat::kNvfp4, WeightFormat::kMxfp4,
+                         WeightFormat::kMxfp8}) {
+    MoeConfig c;
+    c.weight_format = f;
+    PreparedWeights first, again;
+    ASSERT_TRUE(prepare_weights(g, c, src, &first).is_ok());
+    const MoeWeights views = first.as_source();
+    if (f == WeightFormat::kMxfp8) {
+      EXPECT_FALSE(views.w13.present()) << "mxfp8 is no source format";
+      continue;
+    }
+    const Status st = prepare_weights(g, c, views, &again);
+    ASSERT_TRUE(st.is_ok()) << to_string(f) << ": " << st.to_string();
+    EXPECT_TRUE(again.w13.data == first.w13.data && again.w2.data == first.w2.data) << to_string(f);
+    EXPECT_TRUE(again.w13.scales == first.w13.scales && again.w2.scales == first.w2.scales) << to_string(f);
+    EXPECT_EQ(again.w13.global_scales, first.w13.global_scales) << to_string(f);
+  }
+}
+
 // Bad fp4 sources: scales and global scales checked like the fp8 ones.
 struct BadFp4SourceFixture : ::testing::Test {
   MoeGeometry g = test_geometry();

@@ -90,10 +90,12 @@ using KeptWeights = std::vector<std::shared_ptr<const PreparedWeights>>;
 // Whether `p` holds all of a rank's experts in `format` (a backend that released its host copy would
 // leave it empty).
 bool complete(const PreparedWeights& p, const MoeGeometry& g, WeightFormat format) {
-  const int64_t El = g.experts_per_rank(), elem = format == WeightFormat::kBf16 ? 2 : 1;
-  return p.format == format && p.w13.num_experts == El && p.w2.num_experts == El &&
-         static_cast<int64_t>(p.w13.data.size()) == El * 2 * g.intermediate * g.hidden * elem &&
-         static_cast<int64_t>(p.w2.data.size()) == El * g.hidden * g.intermediate * elem;
+  const int64_t El = g.experts_per_rank();
+  auto whole = [El](const QuantizedTensor& t, int64_t rows, int64_t cols) {
+    return t.num_experts == El && t.rows == rows && t.cols == cols &&
+           static_cast<int64_t>(t.data.size()) == El * t.data_bytes_per_expert();
+  };
+  return p.format == format && whole(p.w13, 2 * g.intermediate, g.hidden) && whole(p.w2, g.hidden, g.intermediate);
 }
 
 // Builds one case's layers: from `kept` when it holds the weights, else generating each rank's slice;

@@ -215,9 +215,7 @@ int64_t prepared_bytes_per_expert(WeightFormat format, int64_t hidden, int64_t i
 
 int64_t fp32_weight_bytes(const MoeGeometry& g) { return g.num_experts * 3 * g.hidden * g.intermediate * 4; }
 
-bool reusable_source_format(WeightFormat format) {
-  return format == WeightFormat::kFp8Block || format == WeightFormat::kBf16;
-}
+bool reusable_source_format(WeightFormat format) { return format != WeightFormat::kMxfp8; }
 
 HostMemoryEstimate estimate_host_memory(const MoeGeometry& g, const MoeConfig& c, Backend resolved,
                                         int64_t tokens_per_rank, bool dequantised_copy) {

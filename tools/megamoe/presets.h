@@ -87,7 +87,7 @@ int64_t prepared_bytes_per_expert(WeightFormat format, int64_t hidden, int64_t i
 // fp32 bytes of all experts' w13 and w2.
 int64_t fp32_weight_bytes(const MoeGeometry& g);
 // Whether a layer's prepared weights in `format` can be handed back to MoeLayer::create as source
-// weights that it keeps bit for bit (fp8-block: e4m3 with its 128x128 scales; bf16): bench reuses the
+// weights that it keeps bit for bit (every format but mxfp8, PreparedWeights::as_source): bench reuses the
 // first case's prepared copy for the later cases instead of generating the weights again.
 bool reusable_source_format(WeightFormat format);
 

@@ -195,24 +195,7 @@ RankWeightsFn generated_weights(const MoeGeometry& g, uint64_t seed) {
   };
 }
 
-MoeWeights source_views(const PreparedWeights& p) {
-  auto data = [](const QuantizedTensor& t) {
-    return TensorView(const_cast<uint8_t*>(t.data.data()), t.data_dtype(), {t.num_experts, t.rows, t.cols});
-  };
-  auto scales = [](const QuantizedTensor& t) {
-    return TensorView(const_cast<uint8_t*>(t.scales.data()), DType::kFloat32,
-                      {t.num_experts, t.rows / fmt::kFp8BlockSize, t.cols / fmt::kFp8BlockSize});
-  };
-  // TensorView has no const form; prepare_weights only reads the views.
-  MoeWeights w;
-  w.w13 = data(p.w13);
-  w.w2 = data(p.w2);
-  if (p.format == WeightFormat::kFp8Block) {
-    w.w13_scale = scales(p.w13);
-    w.w2_scale = scales(p.w2);
-  }
-  return w;
-}
+MoeWeights source_views(const PreparedWeights& p) { return p.as_source(); }
 
 RankGroup::~RankGroup() {
   run_on_ranks(static_cast<int64_t>(layers.size()), [this](int64_t r) {

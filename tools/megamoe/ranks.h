@@ -89,8 +89,7 @@ MoeLayer* first_local_layer(const RankGroup& group);
 RankWeightsFn generated_weights(const MoeGeometry& g, uint64_t seed);
 
 // Views of a layer's prepared weights as source weights that MoeLayer::create takes back bit for bit
-// (reusable_source_format(prepared.format) must hold, presets.h): fp8-block as an e4m3 source with its
-// 128x128 scales, bf16 as a bf16 source.
+// (reusable_source_format(prepared.format) must hold, presets.h): PreparedWeights::as_source().
 MoeWeights source_views(const PreparedWeights& prepared);
 
 // In a rank thread's body that reports through a result struct `res` with a std::string `error`:

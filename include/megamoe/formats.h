@@ -376,6 +376,62 @@ MEGAMOE_FMT_HD void dequantize_mxfp4(const uint8_t* packed, const uint8_t* scale
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// mxfp4 as e4m3 under a power-of-two scale per 128 x 128 block: how the GPU computes with mxfp4
+// (the weight tile expands to e4m3 in the GEMM pipeline and the block scale is applied like an
+// fp8-block weight scale).
+//
+// A block of 128 rows x 128 columns holds 128 x 4 e8m0 codes; with cmax the largest of them, the
+// block scale is S = 2^(max(cmax, 7) - 133), a normal fp32 (for cmax >= 7: 2^(cmax - 127 - 6)), and
+// each element e2m1 * 2^(c - 127) becomes e4m3(e2m1 * 2^d) * S with the shift d = c - max(cmax, 7) + 6
+// <= 6 (6 * 2^6 = 384 <= 448: never saturates). This is exact while d >= -8, i.e. while the block's
+// scales span at most 15 binades (cmax - c <= 14): e4m3's subnormals (step 2^-9) hold 0.5 * 2^-8 and
+// 1.5 * 2^-8. A group with d < -8 is rounded to e4m3 (RNE, to zero below 2^-10): each of its elements
+// then errs by at most 2^-10 * S, 2^-10 / 384 of the largest value the block can hold.
+constexpr int kMxfp4MinExactShift = -8;
+// Shifts below this encode every element as 0 (6 * 2^-14 < 2^-10 rounds to zero).
+constexpr int kMxfp4MinShift = -14;
+
+MEGAMOE_FMT_HD float mxfp4_e4m3_block_scale(uint8_t cmax) {
+  const int32_t c = cmax < 7 ? 7 : cmax;
+  return bits_as_float(static_cast<uint32_t>(c - 6) << 23);  // 2^(c - 6 - 127)
+}
+
+// The shift d of an element group with scale code `code` in a block whose largest code is cmax
+// (code <= cmax), clamped below at kMxfp4MinShift.
+MEGAMOE_FMT_HD int32_t mxfp4_e4m3_shift(uint8_t code, uint8_t cmax) {
+  const int32_t d = static_cast<int32_t>(code) - (cmax < 7 ? 7 : cmax) + 6;
+  return d < kMxfp4MinShift ? kMxfp4MinShift : d;
+}
+
+// The e4m3 code of e2m1 code `e2m1` (low 4 bits) times 2^shift, shift in [kMxfp4MinShift, 6].
+MEGAMOE_FMT_HD uint8_t mxfp4_element_as_e4m3(uint8_t e2m1, int32_t shift) {
+  const float pow2 = bits_as_float(static_cast<uint32_t>(127 + shift) << 23);
+  return float_to_e4m3(mul_rn(e2m1_to_float(e2m1), pow2));  // the product is exact in fp32
+}
+
+// packed [rows, cols / 2] and scales [rows, cols / 32] (mxfp4) -> q [rows, cols] e4m3 and
+// block_scales [rows / 128, cols / 128] fp32 (rows, cols multiples of 128).
+MEGAMOE_FMT_HD void mxfp4_to_fp8_128x128(const uint8_t* packed, const uint8_t* scales, int64_t rows, int64_t cols,
+                                         uint8_t* q, float* block_scales) {
+  const int64_t groups = cols / kMxfp4BlockSize;
+  for (int64_t br = 0; br < rows / kFp8BlockSize; ++br) {
+    for (int64_t bc = 0; bc < cols / kFp8BlockSize; ++bc) {
+      uint8_t cmax = 0;
+      for (int64_t r = br * kFp8BlockSize; r < (br + 1) * kFp8BlockSize; ++r)
+        for (int64_t g = bc * 4; g < bc * 4 + 4; ++g) cmax = scales[r * groups + g] > cmax ? scales[r * groups + g] : cmax;
+      block_scales[br * (cols / kFp8BlockSize) + bc] = mxfp4_e4m3_block_scale(cmax);
+      for (int64_t r = br * kFp8BlockSize; r < (br + 1) * kFp8BlockSize; ++r) {
+        for (int64_t c = bc * kFp8BlockSize; c < (bc + 1) * kFp8BlockSize; ++c) {
+          const int64_t i = r * cols + c;
+          const uint8_t code = static_cast<uint8_t>((packed[i / 2] >> ((i & 1) * 4)) & 0xFu);
+          q[i] = mxfp4_element_as_e4m3(code, mxfp4_e4m3_shift(scales[r * groups + c / kMxfp4BlockSize], cmax));
+        }
+      }
+    }
+  }
+}
+
 // nvfp4 block scale code: e4m3((block_amax / 6) / global_scale).
 MEGAMOE_FMT_HD uint8_t nvfp4_block_scale_code(float block_amax, float global_scale) {
   return float_to_e4m3(div_rn(div_rn(block_amax, kE2M1Max), global_scale));

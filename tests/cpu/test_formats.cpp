@@ -654,6 +654,78 @@ TEST(Formats, Mxfp4_RoundTripWithinBound) {
   }
 }
 
+// mxfp4 as e4m3 under a pow2 scale per 128 x 128 block (the GPU's expansion).
+TEST(Formats, Mxfp4AsE4m3_EveryCodeAndShiftExactDownToMinus8) {
+  for (int shift = fmt::kMxfp4MinExactShift; shift <= 6; ++shift) {
+    for (int code = 0; code < 16; ++code) {
+      const uint8_t q = fmt::mxfp4_element_as_e4m3(static_cast<uint8_t>(code), shift);
+      const float want = std::ldexp(fmt::e2m1_to_float(static_cast<uint8_t>(code)), shift);
+      EXPECT_EQ(bits_of(fmt::e4m3_to_float(q)), bits_of(want)) << "code " << code << " shift " << shift;
+    }
+  }
+  // One binade below, 0.5 * 2^-9 = 2^-10 ties to zero and 1.5 * 2^-9 rounds to 2^-8: no longer exact.
+  EXPECT_EQ(fmt::mxfp4_element_as_e4m3(0x1, -9), 0x00);
+  EXPECT_EQ(fmt::mxfp4_element_as_e4m3(0x3, -9), 0x02);
+  EXPECT_EQ(fmt::mxfp4_element_as_e4m3(0x7, fmt::kMxfp4MinShift), 0x00);  // 6 * 2^-14 < 2^-10
+  EXPECT_EQ(fmt::mxfp4_e4m3_shift(0, 254), fmt::kMxfp4MinShift);
+  EXPECT_EQ(fmt::mxfp4_e4m3_shift(130, 130), 6);
+  EXPECT_EQ(fmt::mxfp4_e4m3_shift(3, 5), 2);  // cmax < 7 counts as 7
+  EXPECT_EQ(fmt::mxfp4_e4m3_block_scale(133), 1.f);
+  EXPECT_EQ(fmt::mxfp4_e4m3_block_scale(0), fmt::kMinNormalFp32);
+}
+
+// Random mxfp4 weights whose groups span `binades` scale codes in each 128 x 128 block.
+void mxfp4_blocks(int64_t rows, int64_t cols, int binades, uint32_t seed, std::vector<uint8_t>* packed,
+                  std::vector<uint8_t>* scales) {
+  std::mt19937 rng(seed);
+  packed->resize(rows * cols / 2);
+  scales->resize(rows * cols / 32);
+  for (auto& b : *packed) b = static_cast<uint8_t>(rng());
+  std::uniform_int_distribution<int> code(0, binades - 1);
+  for (auto& c : *scales) c = static_cast<uint8_t>(120 + code(rng));
+  (*scales)[0] = static_cast<uint8_t>(120 + binades - 1);  // every span reaches its top in block (0, 0)
+  (*scales)[1] = 120;
+}
+
+TEST(Formats, Mxfp4AsE4m3_WithinFifteenBinadesBitEqualToMxfp4) {
+  const int64_t rows = 256, cols = 384;
+  std::vector<uint8_t> packed, scales, q(rows * cols);
+  std::vector<float> block(rows / 128 * (cols / 128)), via_fp8(rows * cols), direct(rows * cols);
+  mxfp4_blocks(rows, cols, 15, 21u, &packed, &scales);
+  fmt::mxfp4_to_fp8_128x128(packed.data(), scales.data(), rows, cols, q.data(), block.data());
+  fmt::dequantize_fp8_128x128(q.data(), block.data(), rows, cols, via_fp8.data());
+  fmt::dequantize_mxfp4(packed.data(), scales.data(), rows * cols, direct.data());
+  int64_t diffs = 0;
+  for (int64_t i = 0; i < rows * cols; ++i) diffs += bits_of(via_fp8[i]) != bits_of(direct[i]);
+  EXPECT_EQ(diffs, 0) << "e4m3 * S must be the mxfp4 value bit for bit when a block spans <= 15 binades";
+  EXPECT_EQ(block[0], std::ldexp(1.f, 134 - 133));  // cmax 134 in block (0, 0)
+}
+
+TEST(Formats, Mxfp4AsE4m3_BeyondFifteenBinadesRoundsWithinTwoToTheMinus10S) {
+  const int64_t rows = 128, cols = 128;
+  std::vector<uint8_t> packed, scales, q(rows * cols);
+  std::vector<float> block(1), via_fp8(rows * cols), direct(rows * cols);
+  mxfp4_blocks(rows, cols, 24, 22u, &packed, &scales);  // codes 120..143: 24 binades
+  fmt::mxfp4_to_fp8_128x128(packed.data(), scales.data(), rows, cols, q.data(), block.data());
+  fmt::dequantize_fp8_128x128(q.data(), block.data(), rows, cols, via_fp8.data());
+  fmt::dequantize_mxfp4(packed.data(), scales.data(), rows * cols, direct.data());
+  const double S = block[0];
+  int64_t inexact = 0, exact_groups_wrong = 0;
+  double worst = 0;
+  for (int64_t i = 0; i < rows * cols; ++i) {
+    const double err = std::fabs(static_cast<double>(via_fp8[i]) - direct[i]);
+    worst = std::max(worst, err / S);
+    inexact += err > 0;
+    const bool exact_group = fmt::mxfp4_e4m3_shift(scales[i / 32], 143) >= fmt::kMxfp4MinExactShift;
+    exact_groups_wrong += exact_group && err > 0;
+  }
+  std::printf("24 binades: %lld of %lld elements rounded, worst error %.3g * S (bound 2^-10 = %.3g)\n",
+              static_cast<long long>(inexact), static_cast<long long>(rows * cols), worst, std::ldexp(1.0, -10));
+  EXPECT_GT(inexact, 0);
+  EXPECT_EQ(exact_groups_wrong, 0) << "groups within 15 binades of the block's largest stay exact";
+  EXPECT_LE(worst, std::ldexp(1.0, -10));
+}
+
 TEST(Formats, BlockCodecs_NonFiniteZeroAndPacking) {
   // A block with inf / NaN: the scale comes from the finite elements; inf saturates, NaN stays NaN.
   std::vector<float> x(128);

@@ -210,8 +210,12 @@ struct LinkWindows {
   std::vector<std::function<void(void*)>> release = std::vector<std::function<void(void*)>>(2);
   std::vector<int> sms = {132, 132};
   int64_t bytes = 0;
+  // After a failure the windows are left to the process's exit: their release is collective, and a
+  // rank whose setup or path failed may not take part.
+  bool abandoned = false;
   int device(int r) const { return nccl_rank_of(comms[r].get())->device(); }
   ~LinkWindows() {
+    if (abandoned) return;
     std::vector<std::thread> threads;
     for (int r = 0; r < 2; ++r)
       threads.emplace_back([this, r] {
@@ -250,7 +254,10 @@ void open_link_windows(const LinkOptions& o, LinkWindows* w) {
     });
   for (auto& t : threads) t.join();
   for (int r = 0; r < 2; ++r)
-    if (!status[r].is_ok()) throw ToolError(kExitUnavailable, "rank " + std::to_string(r) + ": " + status[r].to_string());
+    if (!status[r].is_ok()) {
+      w->abandoned = true;
+      throw ToolError(kExitUnavailable, "rank " + std::to_string(r) + ": " + status[r].to_string());
+    }
 }
 
 std::string path_shape(const LinkOptions& o, const std::string& path) {
@@ -282,7 +289,10 @@ nlohmann::json run_link_path(const LinkOptions& o, const std::string& path, Link
   nlohmann::json rec = {{"path", path}, {"shape", path_shape(o, path)}, {"mib", o.mib}, {"iters", o.iters}};
   bool ok = true;
   for (int r = 0; r < 2; ++r) {
-    if (!res[r].error.empty()) throw ToolError(kExitUnavailable, path + ", rank " + std::to_string(r) + ": " + res[r].error);
+    if (!res[r].error.empty()) {
+      w.abandoned = true;
+      throw ToolError(kExitUnavailable, path + ", rank " + std::to_string(r) + ": " + res[r].error);
+    }
     const std::string p = "r" + std::to_string(r) + "_";
     const Summary s = summarize(res[r].us);
     set_summary(&rec, s, p);

@@ -27,6 +27,9 @@
 #                          the amortised table too, and megamoe_before's)
 #   transport-ab           `bench-transport` of each BINS binary for each line of BENCH
 #   link                   `bench-link`: every path, several shapes, the signal's round trip
+#   harness-ab             the bench harness of each BINS binary (megamoe_before: a build of 1f3011b,
+#                          before the harness; megamoe), alternated ROUNDS (2) times on the same points
+#                          of bench, bench-gemm and bench-transport on one GPU; medians side by side
 #   sanitize [FILTER]      compute-sanitizer TOOLS (memcheck racecheck synccheck) on those GPU tests
 #   profile                Nsight Compute: MODE=sections (default) | metrics | source
 # Every binary runs under `timeout`; each subcommand prints a short summary and exits non-zero when
@@ -37,7 +40,7 @@ sub=${1:-}
 [[ $# -gt 0 ]] && shift
 case $sub in
   tests | check | bench-table | layer-ab | launch | barrier-timeout | gemm | gemm-ab | gemm-matrix | transport | \
-    transport-ab | link | sanitize | profile) ;;
+    transport-ab | link | harness-ab | sanitize | profile) ;;
   *)
     sed -n '2,/^# shellcheck disable=SC2317/p' "$0" | sed '$d; s/^# \{0,1\}//'
     [[ -z $sub || $sub == help || $sub == -h || $sub == --help ]] && exit 0
@@ -314,6 +317,62 @@ link() {
   echo "table: python3 scripts/perf_refresh.py --machine '2 x H200' $OUT/link*.json"
 }
 
+harness_ab() {
+  local round b
+  for round in $(seq 1 "${ROUNDS:-2}"); do
+    for b in ${BINS:-megamoe_before megamoe}; do
+      [[ -x $BIN/$b ]] || { echo "no $BIN/$b"; rc=1; continue; }
+      timeout 90 "$BIN/$b" bench --preset qwen3-30b-a3b --backend routed --tokens 1,128,1024 --iters 30 --warmup 5 \
+        --max-host-gb 100 --json "$OUT/bench_${b}_r$round.json" > "$OUT/bench_${b}_r$round.log" 2>&1 || rc=1
+      timeout 60 "$BIN/$b" bench-gemm --preset qwen3-30b-a3b --experts 64 --tokens 8,256 --no-swiglu --iters 20 \
+        --json "$OUT/gemm_${b}_r$round.json" > "$OUT/gemm_${b}_r$round.log" 2>&1 || rc=1
+      timeout 60 "$BIN/$b" bench-gemm --preset deepseek-v3 --experts 32 --tokens 512 --fc fc1 --no-swiglu --iters 20 \
+        --flush read --json "$OUT/gemmread_${b}_r$round.json" > "$OUT/gemmread_${b}_r$round.log" 2>&1 || rc=1
+      timeout 60 "$BIN/$b" bench-transport --ranks 1 --tokens 128,4096 --iters 20 --warmup 3 --graph-iters 16 \
+        --graph-reps 3 > "$OUT/transport_${b}_r$round.log" 2>&1 || rc=1
+      echo "round $round $b: done ($(gpu_state))"
+    done
+  done
+  python3 - "$OUT" "${ROUNDS:-2}" ${BINS:-megamoe_before megamoe} <<'PY'
+import json, sys
+out, rounds, bins = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+def load(path):
+    try:
+        return json.load(open(path))
+    except (OSError, ValueError):
+        return None
+def transport(path):  # the gated table's rows: tokens | dispatch ... | combine ... | d+c | ...
+    rows = []
+    try:
+        for line in open(path):
+            if line.startswith("# amortised"):
+                break
+            parts = line.split("|")
+            if len(parts) > 3 and parts[0].strip().isdigit():
+                rows.append((parts[0].strip(), parts[1].split()[0], parts[2].split()[0], parts[3].strip()))
+    except OSError:
+        pass
+    return rows
+for r in range(1, rounds + 1):
+    print(f"== round {r}: " + " | ".join(bins))
+    docs = [load(f"{out}/bench_{b}_r{r}.json") for b in bins]
+    if all(docs):
+        for rows in zip(*[d["rows"] for d in docs]):
+            print(f"bench qwen3-30b-a3b routed T={rows[0]['tokens']}: " +
+                  " | ".join(f"{x.get('median_us', 0):.1f} ({x.get('min_us', 0):.1f}-{x.get('max_us', 0):.1f})" for x in rows))
+    for tag in ("gemm", "gemmread"):
+        docs = [load(f"{out}/{tag}_{b}_r{r}.json") for b in bins]
+        if all(docs):
+            for rows in zip(*docs):
+                x = rows[0]
+                print(f"{tag} {x['model']} {x['fc']} {x['experts']}x{x['tokens_per_expert']} events/kernel us: " +
+                      " | ".join(f"{y['us_median']:.1f} / {y['kernel_us_median']:.1f}" for y in rows))
+    tables = [transport(f"{out}/transport_{b}_r{r}.log") for b in bins]
+    for rows in zip(*tables):
+        print(f"transport T={rows[0][0]} dispatch / combine / d+c us: " + " | ".join(f"{d} / {c} / {t}" for _, d, c, t in rows))
+PY
+}
+
 sanitize() {
   local filter=${1:-${FILTER:-Sm90Transport.Bf16Wire*:Sm90Transport.Nvfp4*}} tool trc
   if ! command -v compute-sanitizer > /dev/null 2>&1; then echo "no compute-sanitizer here"; rc=1; return; fi
@@ -395,6 +454,7 @@ case $sub in
   transport) transport "$@" ;;
   transport-ab) tests_if_filter || rc=1; for_lines_and_bins "${BENCH:-}" transport_ab_one ;;
   link) link ;;
+  harness-ab) harness_ab ;;
   sanitize) sanitize "$@" ;;
   profile) profile ;;
 esac

@@ -1,0 +1,203 @@
+// sm90_gemm_math.cuh — the grouped GEMM's math warpgroups: the K loop of one tile into fp32 accumulators
+// (math_tile; swapped operands for 16- and 32-row tiles: math_tile_swapped) and the ring-slot release.
+#pragma once
+
+#include "kernels/gemm/sm90_gemm_config.cuh"
+
+namespace megamoe::gemm {
+
+// ---- math ------------------------------------------------------------------------------------------
+
+// A math warp is done reading ring slot `stage` (every lane calls; `lane` = threadIdx.x % 32). In a
+// cluster the partner CTA's producer writes half of this slot's weight tile too (multicast), so the
+// release goes to both CTAs' empty barriers, lane 0 to this CTA's and lane 1 to the partner's: a slot is
+// refilled once the math warps of both have read it, and the two rings stay in step. The remote arrive
+// has the default (CTA-scope) release: the wgmma reads it orders have completed (wgmma.wait_group);
+// a cluster-scope release per K block cost the K loop ~30% (measured with `--probe no-loads`).
+template <class Cfg>
+__device__ __forceinline__ void release_slot(const GroupedGemmSmem<Cfg>& sm, int stage, int lane) {
+  if constexpr (Cfg::kCluster > 1) {
+    ptx::mbar_arrive_local_and_remote(lane, &sm.empty[stage], ptx::cluster_map(&sm.empty[stage], ptx::cluster_ctarank() ^ 1u));
+  } else {
+    ptx::mbar_arrive_if(lane == 0, &sm.empty[stage]);  // predicated, not a branch: 3-5 fewer instructions
+  }                                                     // in the swapped K loops
+}
+
+// One fp8 K block of math warpgroup `wg`: per 128-column chunk, the four m64n128k32 wgmmas into the
+// temporary accumulator, then their promotion acc[c] (+)= (sa * sb[c]) * tmp. kFirst: the tile's first
+// K block, whose promotion starts the sum: fmaf(s, tmp, +0), the bits a zeroed acc would give, without
+// zeroing 64 registers per chunk between tiles (while the tensor cores wait).
+template <class Cfg, bool kFirst>
+__device__ __forceinline__ void math_k_block_fp8(const GroupedGemmSmem<Cfg>& sm, PipeState& pipe, int wg, int sfa0,
+                                                 float (&acc)[Cfg::kNumChunks][64]) {
+  const int lane = threadIdx.x % 32;
+  ptx::mbar_wait(&sm.full[pipe.stage], pipe.phase);
+  const uint8_t* a_tile = sm.a + pipe.stage * Cfg::kStageA + wg * 64 * Cfg::kBlockKBytes;
+  const uint8_t* b_tile = sm.b + pipe.stage * Cfg::kStageB;
+  const uint64_t desc_a = ptx::make_sw128_desc(a_tile);
+  const float sa0 = sm.sfa[pipe.stage * Cfg::kSfaStride + sfa0];
+  const float sa1 = sm.sfa[pipe.stage * Cfg::kSfaStride + sfa0 + 8];
+  float sb[Cfg::kNumChunks];
+#pragma unroll
+  for (int c = 0; c < Cfg::kNumChunks; ++c) sb[c] = sm.sfb[pipe.stage * 4 + c];
+  float tmp[64];
+#pragma unroll
+  for (int c = 0; c < Cfg::kNumChunks; ++c) {
+    const uint64_t desc_b = ptx::make_sw128_desc(b_tile + c * 128 * Cfg::kBlockKBytes);
+    ptx::fence_operands(tmp);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < 4; ++k) ptx::wgmma_m64n128k32_e4m3(tmp, desc_a + 2 * k, desc_b + 2 * k, k > 0);
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
+    ptx::fence_operands(tmp);
+    if (c == Cfg::kNumChunks - 1) {
+      // All reads of this slot (wgmma and scales) are done: hand it back to the producer.
+      __syncwarp();
+      release_slot<Cfg>(sm, pipe.stage, lane);
+    }
+    const float s0 = sa0 * sb[c], s1 = sa1 * sb[c];
+#pragma unroll
+    for (int i = 0; i < 64; i += 4) {
+      acc[c][i + 0] = fmaf(s0, tmp[i + 0], kFirst ? 0.f : acc[c][i + 0]);
+      acc[c][i + 1] = fmaf(s0, tmp[i + 1], kFirst ? 0.f : acc[c][i + 1]);
+      acc[c][i + 2] = fmaf(s1, tmp[i + 2], kFirst ? 0.f : acc[c][i + 2]);
+      acc[c][i + 3] = fmaf(s1, tmp[i + 3], kFirst ? 0.f : acc[c][i + 3]);
+    }
+  }
+  pipe.advance(Cfg::kStages);
+}
+
+// Runs the K loop of one tile for math warpgroup `wg` (0-based among the math warpgroups), leaving
+// the fp32 result for its 64 rows x BLOCK_N columns in acc[chunk][...] (fragment layout of
+// ptx::wgmma_m64n128k32_e4m3). Called by all 128 threads of the warpgroup.
+template <class Cfg>
+__device__ __forceinline__ void math_tile(const GroupedGemmSmem<Cfg>& sm, PipeState& pipe, const GroupedGemmParams& p,
+                                          const GroupedTile& t, int wg, float (&acc)[Cfg::kNumChunks][64]) {
+  const int num_kb = p.k / Cfg::kBlockK;
+  const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+  if constexpr (Cfg::kFp8) {
+    const int r0 = wg * 64 + warp * 16 + lane / 4;  // this thread's first row in the tile; second is r0 + 8
+    const int sfa0 = sfa_first_row(p, t) - sfa_box_start(p, t) + r0;  // its A scale in the slot
+    // invariant: num_kb >= 1 (validate_grouped_gemm: K a positive multiple of 128)
+    math_k_block_fp8<Cfg, true>(sm, pipe, wg, sfa0, acc);
+    for (int kb = 1; kb < num_kb; ++kb) math_k_block_fp8<Cfg, false>(sm, pipe, wg, sfa0, acc);
+  } else {
+#pragma unroll
+    for (int c = 0; c < Cfg::kNumChunks; ++c)
+#pragma unroll
+      for (int i = 0; i < 64; ++i) acc[c][i] = 0.f;
+
+    for (int kb = 0; kb < num_kb; ++kb) {
+      ptx::mbar_wait(&sm.full[pipe.stage], pipe.phase);
+      const uint8_t* a_tile = sm.a + pipe.stage * Cfg::kStageA + wg * 64 * Cfg::kBlockKBytes;
+      const uint8_t* b_tile = sm.b + pipe.stage * Cfg::kStageB;
+      const uint64_t desc_a = ptx::make_sw128_desc(a_tile);
+      // bf16: the wgmmas accumulate in acc itself
+#pragma unroll
+      for (int c = 0; c < Cfg::kNumChunks; ++c) ptx::fence_operands(acc[c]);
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int c = 0; c < Cfg::kNumChunks; ++c) {
+        const uint64_t desc_b = ptx::make_sw128_desc(b_tile + c * 128 * Cfg::kBlockKBytes);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) ptx::wgmma_m64n128k16_bf16(acc[c], desc_a + 2 * k, desc_b + 2 * k, 1);
+      }
+      ptx::wgmma_commit();
+      ptx::wgmma_wait<0>();
+#pragma unroll
+      for (int c = 0; c < Cfg::kNumChunks; ++c) ptx::fence_operands(acc[c]);
+      __syncwarp();
+      release_slot<Cfg>(sm, pipe.stage, lane);
+      pipe.advance(Cfg::kStages);
+    }
+  }
+}
+
+// ---- swapped operands (BLOCK_M 16 or 32, fp8) ---------------------------------------------------------
+//
+// The weights are wgmma's A: the tile's BLOCK_N weight rows in m64 halves (chunk c, half h: rows
+// 128c + 64h ..), read from the B slot; the tile's BLOCK_M token rows are wgmma's B (N = BLOCK_M), the
+// A slot. Accumulator fragment of (c, h): thread (warp w, lane l) holds weight row 128c + 64h + 16w +
+// l/4 (+8) for tokens 8i + 2(l%4) + j, i < BLOCK_M / 8, j in {0, 1}; register 4i + 2hh + j is
+// row + 8hh (ptx::wgmma_m64n16k32_e4m3 / m64n32k32). Token s / 2 * 8 + 2(l%4) + s % 2 is this
+// thread's token s, s < BLOCK_M / 4.
+
+// The swapped tile's accumulators: [chunk][half][registers of BLOCK_M tokens]
+template <class Cfg>
+using SwappedAcc = float[Cfg::kNumChunks][2][Cfg::kBlockM / 2];
+
+template <int kTokens>
+__device__ __forceinline__ void wgmma_swapped(float (&d)[kTokens / 2], uint64_t desc_w, uint64_t desc_x, int scale_d) {
+  if constexpr (kTokens == 16)
+    ptx::wgmma_m64n16k32_e4m3(d, desc_w, desc_x, scale_d);
+  else
+    ptx::wgmma_m64n32k32_e4m3(d, desc_w, desc_x, scale_d);
+}
+
+// This thread's token s (fragment column), s < BLOCK_M / 4.
+__device__ __forceinline__ int swapped_token(int s, int q) { return (s / 2) * 8 + 2 * q + s % 2; }
+
+// One fp8 K block: every (c, h)'s four m64nBLOCK_Mk32 wgmmas issued before one wait, then the promotion
+// acc (+)= (sa[token] * sb[c]) * tmp (kFirst: the tile's first K block, as math_k_block_fp8).
+template <class Cfg, bool kFirst>
+__device__ __forceinline__ void math_k_block_swapped(const GroupedGemmSmem<Cfg>& sm, PipeState& pipe, int box0,
+                                                     SwappedAcc<Cfg>& acc) {
+  constexpr int kRegs = Cfg::kBlockM / 2;
+  const int lane = threadIdx.x % 32, q = lane % 4;
+  ptx::mbar_wait(&sm.full[pipe.stage], pipe.phase);
+  const uint64_t desc_x = ptx::make_sw128_desc(sm.a + pipe.stage * Cfg::kStageA);
+  const uint8_t* w_tile = sm.b + pipe.stage * Cfg::kStageB;
+  const float* sfa = sm.sfa + pipe.stage * Cfg::kSfaStride + box0;
+  float sa[Cfg::kBlockM / 4];  // this thread's tokens
+#pragma unroll
+  for (int s = 0; s < Cfg::kBlockM / 4; ++s) sa[s] = sfa[swapped_token(s, q)];
+  float sb[Cfg::kNumChunks];
+#pragma unroll
+  for (int c = 0; c < Cfg::kNumChunks; ++c) sb[c] = sm.sfb[pipe.stage * 4 + c];
+  SwappedAcc<Cfg> tmp;
+#pragma unroll
+  for (int c = 0; c < Cfg::kNumChunks; ++c)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) ptx::fence_operands(tmp[c][h]);
+  ptx::wgmma_fence();
+#pragma unroll
+  for (int c = 0; c < Cfg::kNumChunks; ++c)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint64_t desc_w = ptx::make_sw128_desc(w_tile + (c * 128 + h * 64) * Cfg::kBlockKBytes);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) wgmma_swapped<Cfg::kBlockM>(tmp[c][h], desc_w + 2 * k, desc_x + 2 * k, k > 0);
+    }
+  ptx::wgmma_commit();
+  ptx::wgmma_wait<0>();
+#pragma unroll
+  for (int c = 0; c < Cfg::kNumChunks; ++c)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) ptx::fence_operands(tmp[c][h]);
+  // All reads of this slot (wgmma and scales) are done: hand it back to the producer.
+  __syncwarp();
+  release_slot<Cfg>(sm, pipe.stage, lane);
+#pragma unroll
+  for (int c = 0; c < Cfg::kNumChunks; ++c)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) {
+        const float sc = sa[(i / 4) * 2 + (i % 2)] * sb[c];
+        acc[c][h][i] = fmaf(sc, tmp[c][h][i], kFirst ? 0.f : acc[c][h][i]);
+      }
+  pipe.advance(Cfg::kStages);
+}
+
+template <class Cfg>
+__device__ __forceinline__ void math_tile_swapped(const GroupedGemmSmem<Cfg>& sm, PipeState& pipe,
+                                                  const GroupedGemmParams& p, const GroupedTile& t,
+                                                  SwappedAcc<Cfg>& acc) {
+  const int box0 = sfa_first_row(p, t) - sfa_box_start(p, t);  // the tile's first token in the scale slot
+  // invariant: num_kb >= 1 (validate_grouped_gemm: K a positive multiple of 128)
+  math_k_block_swapped<Cfg, true>(sm, pipe, box0, acc);
+  for (int kb = 1; kb < p.k / Cfg::kBlockK; ++kb) math_k_block_swapped<Cfg, false>(sm, pipe, box0, acc);
+}
+
+}  // namespace megamoe::gemm

@@ -65,23 +65,35 @@ __device__ __forceinline__ uint32_t packed_count(const unsigned long long* packe
   return static_cast<uint32_t>((packed[r >> 2] >> (16 * (r & 3))) & 0xFFFFu);
 }
 
-// Shared state of one dispatch CTA.
-struct DispatchSmem {
+// Shared state of one dispatch CTA of kThreads threads (chunks of at most kThreads tokens).
+template <int kThreads>
+struct DispatchSmemT {
   char* peer_base[kMaxTransportRanks];
-  int32_t rows[kMaxTokensPerCta][kMaxTransportRanks];  // row at destination r of each chunk token, or -1
-  unsigned long long warp_counts[kDispatchWarps][2];    // per warp, packed per destination like before
+  int32_t rows[kThreads][kMaxTransportRanks];           // row at destination r of each chunk token, or -1
+  unsigned long long warp_counts[kThreads / 32][2];     // per warp, packed per destination like before
   unsigned long long before[2];  // packed per-destination counts of the tokens before the chunk
   unsigned long long total[2];   // ... of the chunk's tokens
   long long first_bad;           // the chunk's first bad (token * k + slot)
   int num_bad;
   int is_last;                   // this CTA took the last ticket: it records bad input and waits
 };
+using DispatchSmem = DispatchSmemT<kDispatchThreads>;
 
-// Layout part of a CTA: s.rows for its chunk [t_lo, t_hi), the chunk's id checks (bad input added
-// to dispatch_accum for the last CTA to record) and per-destination totals; the grid's last CTA
-// publishes recv_token_counts[me] in every destination.
+// A dispatch_layout hook that does nothing with the valid slots.
+struct NoSlotHook {
+  __device__ __forceinline__ void operator()(int32_t /*id*/) const {}
+};
+
+// Layout part of a CTA of kThreads threads (all of them call it): s.rows for its chunk [t_lo, t_hi)
+// (t_hi - t_lo <= kThreads), the chunk's id checks (bad input added to dispatch_accum for the last CTA
+// to record) and per-destination totals; the grid's last CTA publishes recv_token_counts[me] in every
+// destination. on_valid(id) is called once per valid slot of the chunk (a fused kernel counts rows per
+// expert with it).
+template <int kThreads, class OnValid = NoSlotHook>
 __device__ __forceinline__ void dispatch_layout(const TransportArgs& a, const int32_t* __restrict__ topk_ids,
-                                                DispatchSmem& s, int64_t t_lo, int64_t t_hi) {
+                                                DispatchSmemT<kThreads>& s, int64_t t_lo, int64_t t_hi,
+                                                const OnValid& on_valid = OnValid()) {
+  constexpr int kWarps = kThreads / 32;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int k = static_cast<int>(a.top_k());
   const uint32_t E = static_cast<uint32_t>(a.num_experts);
@@ -120,7 +132,7 @@ __device__ __forceinline__ void dispatch_layout(const TransportArgs& a, const in
     long long first_bad = LLONG_MAX;
     int num_bad = 0;
     unsigned long long total0 = 0, total1 = 0;
-    for (int64_t t0 = t_lo + static_cast<int64_t>(warp) * tpw; t0 < t_hi; t0 += static_cast<int64_t>(kDispatchWarps) * tpw) {
+    for (int64_t t0 = t_lo + static_cast<int64_t>(warp) * tpw; t0 < t_hi; t0 += static_cast<int64_t>(kWarps) * tpw) {
       const int64_t t = t0 + sub;
       const bool live = sub < tpw && t < t_hi;
       const int32_t id = live ? __ldg(topk_ids + t * k + j) : -1;
@@ -131,6 +143,7 @@ __device__ __forceinline__ void dispatch_layout(const TransportArgs& a, const in
       // the token counts once per destination: its first valid slot of each rank
       const uint32_t same_r = __match_any_sync(0xFFFFFFFFu, (static_cast<uint64_t>(sub) << 32) | r);
       if (valid) {
+        on_valid(id);
         if ((same_r & lanes_below) == 0) {
           total0 += spread4((1u << r) & 0xFu);
           total1 += spread4((1u << r) >> 4);
@@ -415,6 +428,24 @@ __device__ __forceinline__ void dispatch_part(const TransportArgs& a, char* cons
   }
 }
 
+// Moves the launch's bad-input accumulators (every CTA's dispatch_layout) into input_status and
+// clears them. One thread, once every CTA's accumulation is visible to it.
+__device__ __forceinline__ void record_bad_input(const TransportArgs& a, const int32_t* __restrict__ topk_ids) {
+  DispatchAccum* acc = a.dispatch_accum;
+  if (acc->num_bad > 0) {
+    const long long first_bad = static_cast<long long>(~0ull - acc->first_bad);
+    const int64_t k = a.top_k();
+    InputStatus* st = a.input_status;
+    if (st->bad_count == 0) {
+      st->first_token = static_cast<int32_t>(first_bad / k);
+      st->first_slot = static_cast<int32_t>(first_bad % k);
+      st->first_value = topk_ids[first_bad];
+    }
+    st->bad_count += acc->num_bad;
+    *acc = DispatchAccum{};
+  }
+}
+
 template <int kMode>
 __global__ void __launch_bounds__(kDispatchThreads, 2)
     dispatch_kernel(TransportArgs a, DispatchShape shape, const void* __restrict__ x, const float* __restrict__ x_scale,
@@ -424,7 +455,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 2)
   if (threadIdx.x < a.sig.num_ranks) s.peer_base[threadIdx.x] = a.sig.peer_ptr(threadIdx.x, 0);
   const int64_t t_lo = static_cast<int64_t>(blockIdx.x) * shape.tokens_per_cta;
   const int64_t t_hi = min(a.num_tokens, t_lo + shape.tokens_per_cta);
-  dispatch_layout(a, topk_ids, s, t_lo, t_hi);  // ends with a CTA barrier
+  dispatch_layout<kDispatchThreads>(a, topk_ids, s, t_lo, t_hi);  // ends with a CTA barrier
 
   const int lane = threadIdx.x & 31;
   const int items = (t_hi > t_lo ? static_cast<int>(t_hi - t_lo) : 0) * shape.parts;
@@ -451,19 +482,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 2)
   if (!s.is_last || threadIdx.x != 0) return;
   // The last CTA's thread 0: every other CTA's accumulators are visible (their tickets released
   // them, this one acquired them).
-  DispatchAccum* acc = a.dispatch_accum;
-  if (acc->num_bad > 0) {
-    const long long first_bad = static_cast<long long>(~0ull - acc->first_bad);
-    const int64_t k = a.top_k();
-    InputStatus* st = a.input_status;
-    if (st->bad_count == 0) {
-      st->first_token = static_cast<int32_t>(first_bad / k);
-      st->first_slot = static_cast<int32_t>(first_bad % k);
-      st->first_value = topk_ids[first_bad];
-    }
-    st->bad_count += acc->num_bad;
-    *acc = DispatchAccum{};
-  }
+  record_bad_input(a, topk_ids);
   *a.sig.own_cell(a.sig.rank, kLocalDispatchTicket) = 0;  // the next launch starts after this kernel ends
   // The launch epoch of this forward (combine reads it): bumped once, by the last CTA.
   uint64_t* epoch_cell = a.sig.own_cell(a.sig.rank, kLocalEpoch);

@@ -13,6 +13,7 @@
 
 #include "kernels/gemm/gemm_heuristic.h"
 #include "kernels/gemm/sm90_fp8_grouped_gemm.cuh"
+#include "kernels/gemm/sm90_gemm_plan.cuh"
 
 namespace megamoe::gemm {
 
@@ -184,7 +185,7 @@ Status validate_grouped_gemm(const GroupedGemmArgs& a) {
   return Status::ok();
 }
 
-Status launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream, GemmTileConfig* used) {
+Status plan_grouped_gemm(const GroupedGemmArgs& args, GroupedGemmPlan* plan) {
   MEGAMOE_RETURN_IF_ERROR(validate_grouped_gemm(args));
   DeviceInfo dev;
   MEGAMOE_RETURN_IF_ERROR(current_device(&dev));
@@ -210,35 +211,41 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream, Gem
   GemmTileConfig cfg = select_gemm_tiles(hint, &overrides);
   if (args.tile_order != GemmTileOrder::kAuto) cfg.round_robin = args.tile_order == GemmTileOrder::kRoundRobin;
   if (args.tile_counter == nullptr) cfg.round_robin = true;
-  if (used) *used = cfg;
-  if (args.m_rows == 0) return Status::ok();  // no rows: nothing to compute (masked max_m = 0 too)
+  plan->tiles = cfg;
+  plan->fp8 = fp8;
+  plan->epilogue = args.epilogue == GemmEpilogue::kStoreBf16  ? kEpiStoreBf16
+                   : args.epilogue == GemmEpilogue::kSwigluFp8 ? kEpiSwigluFp8
+                                                               : kEpiSwigluBf16;
+  plan->empty = args.m_rows == 0;  // no rows: nothing to compute (masked max_m = 0 too)
+  plan->grid = 0;
+  if (plan->empty) return Status::ok();
 
   const int64_t lda = args.lda ? args.lda : args.k;
   const int64_t a_rows = masked ? int64_t(args.num_experts) * args.m_rows : args.m_rows;
-  CUtensorMap tmap_a, tmap_b, tmap_sfa;
-  MEGAMOE_RETURN_IF_ERROR(make_map(&tmap_a, CU_TENSOR_MAP_DATA_TYPE_UINT8, args.a, uint64_t(args.k) * eb, a_rows,
+  MEGAMOE_RETURN_IF_ERROR(make_map(&plan->tmap_a, CU_TENSOR_MAP_DATA_TYPE_UINT8, args.a, uint64_t(args.k) * eb, a_rows,
                                    lda * eb, 128, cfg.block_m, true, "A"));
   // B boxes: the whole tile's rows, or half of them with clusters (each CTA of a pair loads one half)
-  MEGAMOE_RETURN_IF_ERROR(make_map(&tmap_b, CU_TENSOR_MAP_DATA_TYPE_UINT8, args.b, uint64_t(args.k) * eb,
+  MEGAMOE_RETURN_IF_ERROR(make_map(&plan->tmap_b, CU_TENSOR_MAP_DATA_TYPE_UINT8, args.b, uint64_t(args.k) * eb,
                                    uint64_t(args.num_experts) * args.n, uint64_t(args.k) * eb, 128,
                                    cfg.block_n / cfg.cluster, true, "B"));
   const int64_t num_kb = args.k / 128;
   if (fp8) {
     const int64_t ld = args.ld_a_scales ? args.ld_a_scales : round_up4(args.m_rows);
-    MEGAMOE_RETURN_IF_ERROR(make_map(&tmap_sfa, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, args.a_scales, args.m_rows,
+    MEGAMOE_RETURN_IF_ERROR(make_map(&plan->tmap_sfa, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, args.a_scales, args.m_rows,
                                      masked ? num_kb * args.num_experts : num_kb, ld * 4, cfg.block_m + 4, 1, false,
                                      "A scales"));
   } else {
-    tmap_sfa = tmap_a;  // unused
+    plan->tmap_sfa = plan->tmap_a;  // unused
   }
   // D for TMA stores: the plain store epilogue with identity rows (row r of A to row r of D).
   const bool tma_store = !swiglu && args.row_map == nullptr && args.num_peer_d == 0;
-  CUtensorMap tmap_d = tmap_a;  // unused unless tma_store
+  plan->tmap_d = plan->tmap_a;  // unused unless tma_store
   if (tma_store)
-    MEGAMOE_RETURN_IF_ERROR(make_map(&tmap_d, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, args.d, uint64_t(args.n), a_rows,
+    MEGAMOE_RETURN_IF_ERROR(make_map(&plan->tmap_d, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, args.d, uint64_t(args.n), a_rows,
                                      uint64_t(args.ldd ? args.ldd : args.n) * 2, 64, 16, true, "D"));
 
-  GroupedGemmParams p{};
+  GroupedGemmParams& p = plan->params;
+  p = GroupedGemmParams{};
   p.layout = masked ? kLayoutMasked : kLayoutContiguous;
   p.num_experts = args.num_experts;
   p.n = args.n;
@@ -272,24 +279,40 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream, Gem
     grid = std::min(grid, std::max<int64_t>(max_tiles, 1));
   }
   if (cfg.cluster > 1) grid = std::max<int64_t>(cfg.cluster, grid - grid % cfg.cluster);  // whole clusters
+  plan->grid = int(grid);
+  return Status::ok();
+}
 
+Status launch_grouped_gemm_plan(const GroupedGemmPlan& plan, cudaStream_t stream, GemmTileConfig* used,
+                                const char* what) {
+  if (used) *used = plan.tiles;
+  if (plan.empty) return Status::ok();
+  const GemmTileConfig& cfg = plan.tiles;
+  const GroupedGemmParams& p = plan.params;
+  const bool fp8 = plan.fp8;
+  const int p_epi = plan.epilogue;
   cudaError_t err = cudaErrorInvalidConfiguration;
   int launched = 0;
 #define MEGAMOE_DISPATCH(BM, BN, FP8, EPI, CL)                                                                  \
   if (cfg.block_m == BM && cfg.block_n == BN && fp8 == FP8 && p_epi == EPI && cfg.cluster == CL)                \
-    err = launch_grouped_gemm_config<GroupedGemmConfig<BM, BN, FP8, EPI, CL>>(tmap_a, tmap_b, tmap_sfa, tmap_d, p,   \
-                                                                         int(grid), stream, &launched);
-  const int p_epi = args.epilogue == GemmEpilogue::kStoreBf16  ? kEpiStoreBf16
-                    : args.epilogue == GemmEpilogue::kSwigluFp8 ? kEpiSwigluFp8
-                                                                : kEpiSwigluBf16;
+    err = launch_grouped_gemm_config<GroupedGemmConfig<BM, BN, FP8, EPI, CL>>(plan.tmap_a, plan.tmap_b, plan.tmap_sfa, \
+                                                                         plan.tmap_d, p, plan.grid, stream, &launched);
   MEGAMOE_GROUPED_GEMM_CONFIGS_FP8(MEGAMOE_DISPATCH)
   MEGAMOE_GROUPED_GEMM_CONFIGS_BF16(MEGAMOE_DISPATCH)
 #undef MEGAMOE_DISPATCH
   if (used != nullptr) used->grid = launched;
   if (err != cudaSuccess)
     return Status(StatusCode::kCudaError, std::string("grouped GEMM launch failed: ") + cudaGetErrorString(err) + " (" +
-                                              args.to_string() + ", " + cfg.to_string() + ")");
+                                              (what ? what : "planned launch") + ", " + cfg.to_string() + ")");
   return Status::ok();
+}
+
+Status launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream, GemmTileConfig* used) {
+  GroupedGemmPlan plan;
+  MEGAMOE_RETURN_IF_ERROR(plan_grouped_gemm(args, &plan));
+  const Status st = launch_grouped_gemm_plan(plan, stream, used);
+  if (st.is_ok()) return st;
+  return Status(st.code(), st.message() + " (" + args.to_string() + ")");
 }
 
 }  // namespace megamoe::gemm

@@ -82,6 +82,8 @@ const char* transport_stage_name(int32_t stage) {
   switch (stage) {
     case kernels::kStageDispatchDone: return "dispatch-done";
     case kernels::kStageCombineDone: return "combine-done";
+    case kernels::kStageMegaGrid: return "mega-grid-barrier";
+    case kernels::kStageMegaFc1: return "mega-fc1-rows";
     default: return "unknown-stage";
   }
 }
@@ -269,6 +271,10 @@ TransportParams make_args(const EpTransport& t, void* scratch, const EpTransport
   return a;
 }
 }  // namespace
+
+void EpTransport::kernel_params(int64_t num_tokens, TransportParams* out) const {
+  *out = make_args(*this, scratch_, options_, num_tokens, allow_pdl_);
+}
 
 Status EpTransport::dispatch(const TensorView& x, const TensorView& x_scale, const TensorView& topk_ids,
                              const TensorView& topk_weights, cudaStream_t stream) {

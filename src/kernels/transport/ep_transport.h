@@ -40,6 +40,9 @@
 namespace megamoe {
 
 class GpuRankComm;
+namespace kernels {
+struct TransportParams;
+}
 
 struct EpTransportOptions {
   WorkspaceParams params;      // ep_size must equal the communicator's size
@@ -106,6 +109,11 @@ class EpTransport {
     int64_t rows_per_rank = 0;
   };
   const CombineTargets& combine_targets() const { return combine_targets_; }
+
+  // The transport kernels' arguments for a launch of `num_tokens` tokens on this rank: what a fused
+  // kernel that runs the transport's device code itself needs (signals, peer bases, workspace layout,
+  // scratch). Valid after warmup().
+  void kernel_params(int64_t num_tokens, kernels::TransportParams* out) const;
 
   const WorkspaceLayout& layout() const { return layout_; }
   void* base() const { return base_; }  // this rank's copy of the workspace

@@ -21,7 +21,8 @@ constexpr int kMaxTopK = 16;           // top_k bound of the transport (meta row
 enum DispatchMode : int { kBf16ToFp8 = 0, kFp8Copy = 1, kBf16Copy = 2, kFp8ToBf16 = 3 };
 
 // Stage ids shared with the CPU reference (reference::ProtocolStage).
-enum TransportStage : int32_t { kStageDispatchDone = 3, kStageCombineDone = 4 };
+// The mega kernel's own waits: a grid barrier of its CTAs, and an FC2 tile waiting for its FC1 rows.
+enum TransportStage : int32_t { kStageDispatchDone = 3, kStageCombineDone = 4, kStageMegaGrid = 5, kStageMegaFc1 = 6 };
 
 // Cells of the signals region (uint64 [R][WorkspaceLayout::kSignalSlots]); see sm90_signals.cuh.
 enum SignalSlot : int {

@@ -14,14 +14,16 @@
 //   signals             R * kSignalSlots * 8          epoch-tagged counters peers bump (uint64)
 //   error_cell          64                            first bounded-wait failure (WaitError)
 //   recv_token_counts   R * 4                         tokens rank s sent here (int32, written by s)
-//   recv_expert_counts  R * E_l * 4                   of those, rows per local expert (int32)
+//   recv_expert_counts  R * E_l * 4                   of those, rows per local expert (int32); mega:
+//                       (x 2 with mega)               two banks [launch parity][source][local expert]
+//                                                     that the sources add their rows to
 //   recv_tokens         R * T_max * H * e_d           dispatch wire target, row s*T_max+i: the i-th
 //                                                     token rank s sent here (e_d: 1 fp8, 2 bf16)
 //   recv_scales         R * T_max * H/128 * 4         fp32 1x128 scales (fp8 dispatch only)
 //   recv_meta           R * T_max * meta_bytes        TokenMeta: source token, per-slot local expert
 //                                                     (-1: not here) and weight
 //   expert_offsets      (E_l + 1) * 4                 prefix of per-expert rows padded to SA
-//   pool_src            P * 4                         expert-major row -> recv_row*k + slot (-1 pad)
+//   pool_src            P * 4 (0 with mega)           expert-major row -> recv_row*k + slot (-1 pad)
 //   pool_x              P * H * e_d                   expert-major FC1 input (A operand)
 //   pool_x_scales       P * H/128 * 4                 (fp8 dispatch only)
 //   intermediate        P * I * e_i                   SwiGLU output, FC2 input (e_i: 1 fp8, 2 bf16)
@@ -30,8 +32,9 @@
 //                                                     row t*k+j (slot j's partial); with the owner
 //                                                     reduce n_c = R, row t*R+r (the sum of owner r's
 //                                                     slots); absent with the in-kernel FC2 reduce
-// where P = pool_rows = round_up(R*T_max*min(k, E_l) + E_l*(SA-1), SA) (0 when T_max = 0): every
-// (token, local expert) pair once, plus each expert's padding to a multiple of SA. Layers use
+// where P = pool_rows = round_up(R*T_max*min(k, E_l) + E_l*(SA-1), SA) (0 when T_max = 0), rounded
+// up to a multiple of 4 with mega (its M-major scales' row stride, 16-byte TMA rows): every (token,
+// local expert) pair once, plus each expert's padding to a multiple of SA. Layers use
 // SA = kPoolSegmentAlign = 1: the grouped GEMM runs any segment start and length (rows past a segment
 // are loaded but never stored), so padding would only cost zero-fill bytes and pool rows.
 #pragma once
@@ -67,6 +70,9 @@ struct WorkspaceParams {
   // Each owner sums its slots' partials of a token (fp32, slot order) and sends one combine row per
   // (token, owner) instead of one per (token, slot); the source sums the owners' rows in rank order.
   int32_t owner_reduce = 0;
+  // The mega backend's layout (the one-kernel forward): two count banks, pool rows a multiple of 4, no
+  // pool_src (its placement needs no inverse map).
+  int32_t mega = 0;
 };
 
 struct WorkspaceRegion {
@@ -132,7 +138,8 @@ struct WorkspaceLayout {
     if (p.max_tokens_per_rank <= 0 || p.experts_per_rank <= 0) return 0;
     const int64_t k_here = p.top_k < p.experts_per_rank ? p.top_k : p.experts_per_rank;
     const int64_t pairs = p.ep_size * p.max_tokens_per_rank * k_here;
-    return align_up(pairs + p.experts_per_rank * (p.segment_align - 1), p.segment_align);
+    const int64_t rows = align_up(pairs + p.experts_per_rank * (p.segment_align - 1), p.segment_align);
+    return p.mega ? align_up(rows, 4) : rows;
   }
 
   MEGAMOE_HD static WorkspaceLayout make(const WorkspaceParams& p) {
@@ -154,12 +161,12 @@ struct WorkspaceLayout {
     take(l.signals, R * kSignalSlots * 8);
     take(l.error_cell, 64);
     take(l.recv_token_counts, R * 4);
-    take(l.recv_expert_counts, R * El * 4);
+    take(l.recv_expert_counts, (p.mega ? 2 : 1) * R * El * 4);
     take(l.recv_tokens, R * T * H * ws_elem_bytes(p.dispatch_format));
     take(l.recv_scales, fp8_d ? R * T * (H / 128) * 4 : 0);
     take(l.recv_meta, R * T * l.meta_bytes);
     take(l.expert_offsets, (El + 1) * 4);
-    take(l.pool_src, P * 4);
+    take(l.pool_src, p.mega ? 0 : P * 4);
     take(l.pool_x, P * H * ws_elem_bytes(p.dispatch_format));
     take(l.pool_x_scales, fp8_d ? P * (H / 128) * 4 : 0);
     take(l.intermediate, P * I * ws_elem_bytes(p.intermediate_format));

@@ -25,12 +25,12 @@ const char* const kRegionFormulas[WorkspaceLayout::kNumRegions] = {
     "R * 16 * 8",
     "64",
     "R * 4",
-    "R * E_l * 4",
+    "R * E_l * 4 (x 2 with mega: a bank per launch parity)",
     "R * T_max * H * e_dispatch",
     "R * T_max * H/128 * 4 (fp8 dispatch)",
     "R * T_max * round16((1 + 2k) * 4)",
     "(E_l + 1) * 4",
-    "P * 4",
+    "P * 4 (0 with mega)",
     "P * H * e_dispatch",
     "P * H/128 * 4 (fp8 dispatch)",
     "P * I * e_intermediate",
@@ -58,6 +58,7 @@ WorkspaceParams workspace_params(const MoeGeometry& g, const MoeConfig& c) {
   p.combine_format = ws_format(c.combine_dtype);
   p.in_kernel_fc2_reduce = c.in_kernel_fc2_reduce ? 1 : 0;
   p.owner_reduce = c.uses_owner_reduce() ? 1 : 0;
+  p.mega = c.backend == Backend::kMega ? 1 : 0;
   return p;
 }
 
@@ -66,7 +67,7 @@ auto key_tuple(const WorkspaceKey& k) {
   const WorkspaceParams& p = k.params;
   return std::make_tuple(p.ep_size, p.experts_per_rank, p.top_k, p.hidden, p.intermediate, p.max_tokens_per_rank,
                          p.segment_align, p.dispatch_format, p.intermediate_format, p.combine_format,
-                         p.in_kernel_fc2_reduce, p.owner_reduce, k.ep_rank, k.group_id,
+                         p.in_kernel_fc2_reduce, p.owner_reduce, p.mega, k.ep_rank, k.group_id,
                          static_cast<int>(k.device.kind), k.device.index);
 }
 }  // namespace
@@ -80,6 +81,7 @@ std::string WorkspaceKey::to_string() const {
      << ", SA=" << params.segment_align << ", dispatch=" << params.dispatch_format
      << ", intermediate=" << params.intermediate_format << ", combine=" << params.combine_format
      << ", in_kernel_reduce=" << params.in_kernel_fc2_reduce << ", owner_reduce=" << params.owner_reduce
+     << ", mega=" << params.mega
      << ", rank=" << ep_rank << ", group=" << group_id << ", device=" << device.to_string() << ")";
   return os.str();
 }

@@ -12,10 +12,10 @@
 //
 // Buffers: the symmetric workspace (EpTransport, shared through WorkspacePool by every layer of the
 // same geometry); the prepared weights (per layer, device); scratch shared by every layer of the
-// same sizes on a device (shared_scratch below): the M-major copy of the pool's activation scales
-// that FC1 reads, FC2's bf16 rows [pool_rows, H] where the combine reads them (a quantised wire or
-// the owner reduce), and the GEMMs' tile counter. Sharing is safe for the same reason the workspace
-// is: the layers of a model run one after another on a stream.
+// same sizes on a device (shared_scratch, kernels/common/layer_buffers.h): the M-major copy of the
+// pool's activation scales that FC1 reads, FC2's bf16 rows [pool_rows, H] where the combine reads
+// them (a quantised wire or the owner reduce), and the GEMMs' tile counter. Sharing is safe for the
+// same reason the workspace is: the layers of a model run one after another on a stream.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -28,6 +28,7 @@
 #include "core/backends.h"
 #include "core/cuda_check.h"
 #include "core/log.h"
+#include "kernels/common/layer_buffers.h"
 #include "kernels/gemm/gemm_weights.h"
 #include "kernels/gemm/sm90_fp8_grouped_gemm.h"
 #include "kernels/routed/sm90_scale_transpose.h"
@@ -37,75 +38,6 @@ namespace megamoe {
 namespace {
 
 std::string str(int64_t v) { return std::to_string(v); }
-
-struct DeviceBuffer {
-  void* ptr = nullptr;
-  int device = 0;
-  ~DeviceBuffer() {
-    if (ptr) {
-      CudaDeviceGuard g(device);
-      cudaFree(ptr);
-    }
-  }
-};
-
-Status device_alloc(int device, int64_t bytes, std::shared_ptr<DeviceBuffer>* out) {
-  auto buf = std::make_shared<DeviceBuffer>();
-  buf->device = device;
-  if (bytes > 0) {
-    const cudaError_t err = cudaMalloc(&buf->ptr, static_cast<size_t>(bytes));
-    if (err != cudaSuccess) {
-      cudaGetLastError();
-      return Status(StatusCode::kCudaError, "cudaMalloc of " + str(bytes) + " bytes on cuda:" + str(device) +
-                                                " failed: " + cudaGetErrorString(err));
-    }
-  }
-  *out = std::move(buf);
-  return Status::ok();
-}
-
-// Scratch shared by the layers of one EP rank with equal (device, purpose, bytes), like their
-// workspace; freed with its last user. The rank is part of the key: logical ranks of a shared GPU
-// have one device and one group.
-Status shared_scratch(int device, uint64_t group_id, int rank, int purpose, int64_t bytes,
-                      std::shared_ptr<DeviceBuffer>* out) {
-  static std::mutex mutex;
-  static auto* entries = new std::map<std::tuple<int, uint64_t, int, int, int64_t>, std::weak_ptr<DeviceBuffer>>();
-  std::lock_guard<std::mutex> lock(mutex);
-  auto& slot = (*entries)[{device, group_id, rank, purpose, bytes}];
-  if (auto live = slot.lock()) {
-    *out = std::move(live);
-    return Status::ok();
-  }
-  MEGAMOE_RETURN_IF_ERROR(device_alloc(device, bytes, out));
-  slot = *out;
-  return Status::ok();
-}
-
-Status upload(int device, const void* src, int64_t bytes, std::shared_ptr<DeviceBuffer>* out) {
-  MEGAMOE_RETURN_IF_ERROR(device_alloc(device, bytes, out));
-  if (bytes > 0) MEGAMOE_CUDA_CHECK(upload_sync((*out)->ptr, src, static_cast<size_t>(bytes)));
-  return Status::ok();
-}
-
-enum ScratchPurpose { kScratchAScales = 1, kScratchExpertOut = 2, kScratchTileCounter = 3 };
-
-// EP1 layers built without a communicator share one single-rank NCCL group per device, so they share
-// one workspace too (WorkspacePool keys include the group).
-Status single_rank_group(int device, std::shared_ptr<Communicator>* out) {
-  static std::mutex mutex;
-  static auto* groups = new std::map<int, std::weak_ptr<Communicator>>();
-  std::lock_guard<std::mutex> lock(mutex);
-  if (auto live = (*groups)[device].lock()) {
-    *out = std::move(live);
-    return Status::ok();
-  }
-  std::vector<std::shared_ptr<Communicator>> ranks;
-  MEGAMOE_RETURN_IF_ERROR(create_nccl_group({device}, &ranks));
-  (*groups)[device] = ranks.front();
-  *out = ranks.front();
-  return Status::ok();
-}
 
 class RoutedMoeLayer final : public MoeLayer {
  public:
@@ -381,20 +313,12 @@ class RoutedMoeLayer final : public MoeLayer {
 
   // w13 reordered for the SwiGLU epilogue (gemm_weights.h), w2 as prepared; fp32 block scales.
   Status upload_weights() {
-    const QuantizedTensor& w13 = weights_.w13;
-    const QuantizedTensor& w2 = weights_.w2;
-    const int64_t El = geometry_.experts_per_rank(), H = geometry_.hidden, I = geometry_.intermediate;
-    const int64_t elem = fp8() ? 1 : 2;
-    std::vector<uint8_t> w13_swiglu(w13.data.size());
-    gemm::prepare_w13_for_swiglu(w13.data.data(), El, I, H, elem, w13_swiglu.data());
-    MEGAMOE_RETURN_IF_ERROR(upload(device_, w13_swiglu.data(), static_cast<int64_t>(w13_swiglu.size()), &w13_));
-    MEGAMOE_RETURN_IF_ERROR(upload(device_, w2.data.data(), static_cast<int64_t>(w2.data.size()), &w2_));
-    if (fp8()) {
-      std::vector<float> s13(w13.scales.size() / 4);
-      gemm::prepare_w13_scales_for_swiglu(reinterpret_cast<const float*>(w13.scales.data()), El, I, H, s13.data());
-      MEGAMOE_RETURN_IF_ERROR(upload(device_, s13.data(), static_cast<int64_t>(s13.size() * 4), &w13_scales_));
-      MEGAMOE_RETURN_IF_ERROR(upload(device_, w2.scales.data(), static_cast<int64_t>(w2.scales.size()), &w2_scales_));
-    }
+    ExpertWeightBuffers w;
+    MEGAMOE_RETURN_IF_ERROR(upload_expert_weights(device_, geometry_, fp8(), weights_, &w));
+    w13_ = std::move(w.w13);
+    w13_scales_ = std::move(w.w13_scales);
+    w2_ = std::move(w.w2);
+    w2_scales_ = std::move(w.w2_scales);
     return Status::ok();
   }
 

@@ -1,0 +1,47 @@
+// layer_buffers.h — device buffers the GPU backends' layers share: an owned device allocation, scratch
+// shared by the layers of one EP group (like their workspace), the expert weights prepared for the
+// grouped GEMM, and the one-rank NCCL group of EP1 layers built without a communicator. Host code.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "megamoe/comm.h"
+#include "megamoe/config.h"
+#include "megamoe/status.h"
+#include "megamoe/weights.h"
+
+namespace megamoe {
+
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  int device = 0;
+  ~DeviceBuffer();
+};
+
+Status device_alloc(int device, int64_t bytes, std::shared_ptr<DeviceBuffer>* out);
+Status upload(int device, const void* src, int64_t bytes, std::shared_ptr<DeviceBuffer>* out);
+
+// What a shared scratch buffer is for (part of its key).
+enum ScratchPurpose { kScratchAScales = 1, kScratchExpertOut = 2, kScratchTileCounter = 3, kScratchMega = 4 };
+
+// Scratch shared by the layers of one EP rank with equal (device, purpose, bytes), like their
+// workspace (the layers of a model run one after another on a stream); freed with its last user. The
+// rank is part of the key: logical ranks of a shared GPU have one device and one group. zero: a new
+// buffer is zeroed once, on a private stream (counters that every launch returns to zero).
+Status shared_scratch(int device, uint64_t group_id, int rank, int purpose, int64_t bytes,
+                      std::shared_ptr<DeviceBuffer>* out, bool zero = false);
+
+// EP1 layers built without a communicator share one single-rank NCCL group per device, so they share
+// one workspace too (WorkspacePool keys include the group).
+Status single_rank_group(int device, std::shared_ptr<Communicator>* out);
+
+// This rank's experts as the grouped GEMM reads them: w13 reordered for the SwiGLU epilogue
+// (gemm_weights.h), w2 as prepared; fp32 block scales for fp8-block weights (w13's reordered too).
+struct ExpertWeightBuffers {
+  std::shared_ptr<DeviceBuffer> w13, w13_scales, w2, w2_scales;
+};
+Status upload_expert_weights(int device, const MoeGeometry& geometry, bool fp8, const PreparedWeights& weights,
+                             ExpertWeightBuffers* out);
+
+}  // namespace megamoe

@@ -48,7 +48,7 @@ def main():
     for path in sys.argv[1:]:
         res = resources(path)
         for name, body in kernels(path):
-            if "grouped_gemm" not in name:
+            if "grouped_gemm" not in name and "mega_kernel" not in name:
                 continue
             addr = {a: k for k, (a, _) in enumerate(body)}
             loops = []  # (first, last) index ranges of backward-branch loops holding a GMMA
@@ -69,6 +69,8 @@ def main():
                      if l - f < 1000 and not any((f2, l2) != (f, l) and f <= f2 and l2 <= l for f2, l2 in loops)]
             cfg = re.search(r"GroupedGemmConfigILi(\d+)ELi(\d+)ELb(\d)ELi(\d)ELi(\d)", name)
             label = "x".join(cfg.groups()[:2]) + (" fp8" if cfg.group(3) == "1" else " bf16") + " epi" + cfg.group(4) if cfg else name[:60]
+            if "mega_kernel" in name:
+                label = "mega " + label
             if cfg and cfg.group(5) != "1":
                 label += " cl" + cfg.group(5)
             if re.search(r"EELb1EEEv", name):

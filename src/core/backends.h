@@ -27,4 +27,10 @@ Status create_routed_layer(const MoeGeometry& geometry, const MoeConfig& config,
 // expert count); no device access. Part of its capability gate (core/layer.cpp).
 Status routed_format_gate(const MoeGeometry& geometry, const MoeConfig& config);
 
+// src/kernels/mega/mega_layer.cpp: the one-kernel backend's factory (`comm` as for routed) and its
+// static rules (formats, options, shapes the kernel runs); no device access.
+Status create_mega_layer(const MoeGeometry& geometry, const MoeConfig& config, BackendSelection selection,
+                         PreparedWeights weights, std::shared_ptr<Communicator> comm, std::unique_ptr<MoeLayer>* out);
+Status mega_format_gate(const MoeGeometry& geometry, const MoeConfig& config);
+
 }  // namespace megamoe

@@ -30,9 +30,21 @@ Status hopper_device_gate(const char* backend) {
 
 }  // namespace
 
-Status mega_capability(const MoeGeometry&, const MoeConfig&) {
+Status mega_capability(const MoeGeometry& g, const MoeConfig& c) {
   MEGAMOE_RETURN_IF_ERROR(hopper_device_gate("the mega backend"));
-  return Status(StatusCode::kUnavailable, "the mega backend is not built yet");
+  return mega_format_gate(g, c);
+}
+
+// What `auto` asks of mega: its gate, and that the kernel has run on a GPU in this build. The one-kernel
+// forward is built and tested on the CPU side but has not run on a device yet, so `auto` keeps to
+// routed until a device run validates it (backend=mega runs it on request).
+constexpr bool kMegaValidatedOnDevice = false;
+static Status mega_auto_capability(const MoeGeometry& g, const MoeConfig& c) {
+  MEGAMOE_RETURN_IF_ERROR(mega_capability(g, c));
+  if (!kMegaValidatedOnDevice)
+    return Status(StatusCode::kUnavailable,
+                  "the mega backend has not run on a GPU yet (auto keeps to routed; backend=mega runs it on request)");
+  return Status::ok();
 }
 
 Status routed_capability(const MoeGeometry& g, const MoeConfig& c) {
@@ -86,7 +98,7 @@ BackendSelection select_backend(const MoeGeometry& g, const MoeConfig& c) {
       }
     }
   }
-  BackendSelection s = select_backend(g, effective, mega_capability(g, effective), routed_capability(g, effective));
+  BackendSelection s = select_backend(g, effective, mega_auto_capability(g, effective), routed_capability(g, effective));
   s.reason += crossover_note;
   return s;
 }
@@ -117,6 +129,8 @@ Status create_layer(const MoeGeometry& g, const MoeConfig& c, const MoeWeights& 
       return create_cpu_layer(g, c, std::move(selection), std::move(prepared), std::move(comm), out);
     case Backend::kRouted:
       return create_routed_layer(g, c, std::move(selection), std::move(prepared), std::move(comm), out);
+    case Backend::kMega:
+      return create_mega_layer(g, c, std::move(selection), std::move(prepared), std::move(comm), out);
     default:
       return Status(StatusCode::kUnavailable,
                     std::string("backend ") + to_string(selection.backend) + " is not built yet");

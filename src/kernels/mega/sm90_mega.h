@@ -1,0 +1,63 @@
+// sm90_mega.h — host API of the MegaMoE kernel (sm90_mega_kernel.cuh): planned once at warmup (the
+// GEMMs' tensor maps and parameters for every tile configuration, the grid, the residency check),
+// launched once per forward as one cooperative kernel. Host code; no CUDA device headers.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+
+#include "kernels/transport/sm90_launch.h"
+#include "megamoe/status.h"
+
+namespace megamoe::mega {
+
+// What every launch of a layer shares (fixed at warmup).
+struct MegaPlanArgs {
+  kernels::TransportParams transport;  // num_tokens: set per forward
+  bool fp8 = true;                     // fp8-block weights, wire and intermediate; else bf16
+  int32_t intermediate = 0;            // I
+  // This rank's experts (device): w13 prepared for the SwiGLU epilogue [E_l, 2I, H], w2 [E_l, H, I],
+  // fp32 128x128 block scales with fp8 (w13's prepared too).
+  const void* w13 = nullptr;
+  const float* w13_scales = nullptr;
+  const void* w2 = nullptr;
+  const float* w2_scales = nullptr;
+  bool pow2_scales = false;            // FC1's requant scales
+  void* peer_combine[kernels::kMaxTransportRanks] = {};  // every rank's combine region (FC2's rows)
+  void* scratch = nullptr;             // MegaScratchLayout (mega_schedule.h), zero at rest
+  int grid = 0;                        // CTAs of every launch: <= the SMs this rank may occupy
+  int block_m_knob = 0;                // Knobs::block_m (0: by the forward's tokens)
+};
+
+class MegaPlan;
+struct MegaPlanDeleter {
+  void operator()(MegaPlan* p) const;
+};
+using MegaPlanPtr = std::unique_ptr<MegaPlan, MegaPlanDeleter>;
+
+// Validates (shapes the kernel runs, residency of `grid` CTAs), encodes every tile configuration's
+// tensor maps. Host only; may set function attributes (warmup, never during capture).
+Status make_mega_plan(const MegaPlanArgs& args, MegaPlanPtr* out);
+
+struct MegaForwardArgs {
+  const void* x = nullptr;        // [T, H] bf16, or e4m3 with x_scale
+  const float* x_scale = nullptr;
+  bool x_fp8 = false;
+  const int32_t* topk_ids = nullptr;
+  const float* topk_weights = nullptr;
+  uint16_t* y = nullptr;
+  int64_t num_tokens = 0;
+  uint64_t* trace = nullptr;      // bench: [grid][kMegaTraceWords] %globaltimer stamps, or null
+};
+
+// One forward: one kernel on `stream` (capturable; no host sync). *block_m (optional): the tiles it ran.
+Status launch_mega(const MegaPlan& plan, const MegaForwardArgs& f, cudaStream_t stream, int* block_m = nullptr);
+
+int mega_plan_grid(const MegaPlan& plan);
+constexpr int kMegaTraceWordsPerCta = 8;  // = MegaTraceWord::kMegaTraceWords
+// Names of the trace words, in order (kMegaTraceWordsPerCta of them; "" for unused ones).
+const char* mega_trace_word_name(int i);
+
+}  // namespace megamoe::mega

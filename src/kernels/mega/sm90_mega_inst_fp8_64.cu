@@ -1,0 +1,6 @@
+// One configuration of the MegaMoE kernel (fp8, BLOCK_M 64), in a file of its own to compile in parallel.
+#include "kernels/mega/sm90_mega_launch.cuh"
+
+namespace megamoe::mega {
+MEGAMOE_MEGA_INSTANTIATE(64, true, kWsBf16)
+}  // namespace megamoe::mega

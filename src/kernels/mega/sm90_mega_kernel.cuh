@@ -1,0 +1,569 @@
+// sm90_mega_kernel.cuh — the MegaMoE forward as one persistent kernel (sm_90a): dispatch, expert-pool
+// placement, FC1 + SwiGLU, FC2 and combine in one cooperative launch, one CTA per SM.
+//
+// Roles and phases (BLOCK_M 128: 3 warpgroups; 16 and 64: 2):
+//   prologue, every thread (the launch's register budget; shared memory aliases the GEMM's B ring):
+//     dispatch   the transport's device code (dispatch_layout / dispatch_part): each token once per
+//                destination rank into row me*T_max + i of the owner's recv_tokens / recv_scales /
+//                recv_meta; the chunk's valid slots are counted per expert (shared histogram) and added
+//                to the owners' count bank [epoch & 1][me][e] (system-scope reductions, remote). Each
+//                CTA then fences and adds its share to [me][dispatch] in every rank (shares of a launch
+//                sum to 2^32) and waits (bounded) until every source's share is complete here (B1).
+//                B1 is also this rank's grid barrier: its own cell completes only once all its CTAs
+//                have signalled.
+//     placement  every CTA sums the count bank into per-expert totals and offsets (shared memory);
+//                warps take (recv row, slot) items and place each row expert-major in pool_x at
+//                offsets[e] + atomicAdd(fill[e]) with its scales written M-major (pool_x_scales[kb *
+//                ld_pool + p]: FC1 reads them by TMA as they are, no transpose kernel), and where FC2's
+//                partial goes (pool_dst, pool_weight). Then a grid barrier (B3, bounded).
+//   GEMM (warp-specialised from here on; setmaxnreg as the grouped GEMM):
+//     producer   one thread takes tiles u = 0, 1, ... from the tile counter (CTA i's first is i):
+//                u < T1 is FC1 tile u, else FC2 tile u - T1; before an FC2 tile it waits (bounded,
+//                abort-aware) until every FC1 n-block of its m-block is done (fc1_done[mb] ==
+//                nb1 * math warps), then a global proxy fence so TMA reads what generic stores wrote;
+//                then produce_tile (the grouped GEMM's building block). After the last: the end marker.
+//     math       math_tile with FC1's or FC2's parameters, then epilogue_swiglu (h + scales into the
+//                intermediate pool; each warp then bumps fc1_done[mb] once, release) or
+//                epilogue_store_bf16 (FC2: the weighted bf16 partial of each pool row into its source
+//                rank's combine row, through the LSA pointers: the routed FC2's sink). After the end
+//                marker: a CTA ticket; the last CTA publishes "all rows" to every source (the
+//                transport's combine progress cell); every CTA waits (bounded) for every owner's and
+//                sums its share of this rank's tokens in slot order in fp32 (reduce_token).
+//
+// Deadlock freedom (every CTA resident: a cooperative launch, grid <= SMs or the rank's SM budget):
+// tiles go out in increasing order and each CTA's tiles increase, so a tile only waits on tiles
+// handed out before it. Take the smallest tile u whose math never completes. Every earlier tile of
+// its CTA completed, so the ring slots they held were released and the producer reaches u; u's
+// dependencies (FC1 tiles of its m-block, all < T1 <= u) completed, so the producer issues u's loads
+// (it has issued every load of its CTA's earlier tiles before it blocks); the math warpgroups then
+// finish u (its epilogue waits on nothing). Contradiction: every tile completes, then every CTA
+// reaches the ticket. A producer whose wait fails (timeout, abort) still posts the end marker, so
+// its math warpgroups leave the ring and nothing inside the CTA hangs.
+//
+// Counters: the cross-rank cells are the transport's (epoch-tagged, only grow, compared with the
+// epoch); local ones are zero at rest: fill and fc1_done are zeroed in the prologue before B1 and used
+// after it, the grid barrier, the tile counter and the CTA ticket return to zero with their last user.
+// The count bank [(epoch + 1) & 1] is zeroed here for the next launch: its sources write it only after
+// this rank's combine signal of this launch, which follows the zeroing. No host reset, no exit barrier.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/common/sm90_clock.cuh"
+#include "kernels/gemm/sm90_gemm_config.cuh"
+#include "kernels/gemm/sm90_gemm_epilogue.cuh"
+#include "kernels/gemm/sm90_gemm_math.cuh"
+#include "kernels/gemm/sm90_gemm_producer.cuh"
+#include "kernels/mega/mega_schedule.h"
+#include "kernels/transport/sm90_combine_reduce.cuh"
+#include "kernels/transport/sm90_dispatch.cuh"
+
+namespace megamoe::mega {
+
+using kernels::SignalCtx;
+using kernels::TransportArgs;
+
+// Timeline words per CTA (MegaArgs::trace, bench builds), %globaltimer ns.
+enum MegaTraceWord : int {
+  kTraceStart = 0,
+  kTraceDispatched = 1,  // B1 passed: every source's rows are here
+  kTracePlaced = 2,      // B3 passed: the pool is built
+  kTraceFc1Done = 3,     // this CTA's last FC1 epilogue finished (0: none)
+  kTraceGemmDone = 4,    // the math warpgroups saw the end marker
+  kTraceCombineIn = 5,   // every owner's partials of this rank's tokens are here
+  kTraceDone = 6,        // this CTA's reduce finished
+  kMegaTraceWords = 8,
+};
+
+// Local counters of one layer's launches (zero at rest; see the header).
+struct MegaCounters {
+  uint32_t bar_arrived;     // grid barrier: CTAs arrived at the current one (the last arriver resets it)
+  uint32_t bar_generation;  // grid barrier: barriers completed (only grows; waiters compare for change)
+  uint64_t done_ticket;     // CTAs whose math warpgroups finished every tile (the last resets it)
+  int32_t tile_counter[2];  // GroupedGemmParams::tile_counter ({next tile, CTAs done}; the last resets it)
+  int32_t pad[2];
+};
+
+struct MegaArgs {
+  TransportArgs tr;               // signals, workspace layout, pool_dst / pool_weight, input status
+  const void* x;                  // [T, H] bf16 or e4m3
+  const float* x_scale;           // [T, H/128] with an e4m3 x
+  const int32_t* topk_ids;        // [T, k]
+  const float* topk_weights;      // [T, k]
+  uint16_t* y;                    // [T, H] bf16
+  int32_t dispatch_mode;          // kernels::DispatchMode
+  int32_t tokens_per_cta;         // dispatch chunk (<= threads)
+  int32_t dispatch_parts;         // work items per token
+  int32_t reduce_parts;           // (token, part) items of the reduce
+  int64_t ld_pool;                // M-major stride of pool_x_scales and intermediate_scales (rows)
+  MegaCounters* ctr;
+  int32_t* expert_fill;           // [E_l]
+  int32_t* fc1_done;              // [max_m_blocks]
+  int32_t max_m_blocks;
+  int32_t pad;
+  uint64_t* trace;                // [grid][kMegaTraceWords] or null
+};
+
+// Stage ids of the kernel's own waits (the transport's are kStageDispatchDone / kStageCombineDone).
+constexpr int32_t kStageGridBarrier = kernels::kStageMegaGrid;
+constexpr int32_t kStageFc1Rows = kernels::kStageMegaFc1;
+
+__device__ __forceinline__ uint32_t ld_acquire_gpu_u32(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ int32_t ld_acquire_gpu_s32(const int32_t* p) {
+  int32_t v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+// Orders this thread's generic-proxy global accesses with its async-proxy (TMA) ones.
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+__device__ __forceinline__ void red_add_relaxed_gpu_s32(int32_t* p, int32_t v) {
+  asm volatile("red.relaxed.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+// Lane 0's value in every lane, as one opaque shuffle (the compiler cannot split a select around it).
+__device__ __forceinline__ int32_t warp_broadcast(int32_t v) {
+  int32_t r;
+  asm volatile("shfl.sync.idx.b32 %0, %1, 0, 0x1f, 0xffffffff;" : "=r"(r) : "r"(v));
+  return r;
+}
+
+// *p += v (relaxed, gpu scope) where pred holds: a predicated instruction, no branch.
+__device__ __forceinline__ void red_add_relaxed_gpu_s32_if(bool pred, int32_t* p, int32_t v) {
+  asm volatile(
+      "{\n .reg .pred q;\n setp.ne.b32 q, %0, 0;\n @q red.relaxed.gpu.global.add.s32 [%1], %2;\n}\n" ::"r"(int(pred)),
+      "l"(p), "r"(v)
+      : "memory");
+}
+__device__ __forceinline__ void red_add_relaxed_sys_s32(int32_t* p, int32_t v) {
+  asm volatile("red.relaxed.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Polls `ready()` (one thread) until it holds, bounded by the transport's timeout and aborted when a
+// rank raised its abort cell; a failure is recorded (stage, peer = this rank, expected, seen()) and
+// this rank's abort raised. Returns whether it held.
+template <class Ready, class Seen>
+__device__ __forceinline__ bool wait_local(const SignalCtx& sig, int32_t stage, uint64_t expected, const Ready& ready,
+                                           const Seen& seen) {
+  if (ready()) return true;
+  const uint64_t start = kernels::globaltimer_ns();
+  for (uint32_t iter = 1;; ++iter) {
+    if (ready()) return true;
+    if ((iter & 63u) == 0) {
+      const int aborter = kernels::first_aborter(sig);
+      if (aborter >= 0) {
+        kernels::record_wait_error(sig, kernels::kWaitPeerAbort, stage, aborter, expected, seen());
+        return false;
+      }
+      if (kernels::globaltimer_ns() - start > static_cast<uint64_t>(sig.timeout_ns)) {
+        kernels::record_wait_error(sig, kernels::kWaitTimeout, stage, sig.rank, expected, seen());
+        kernels::raise_abort(sig, stage);
+        return false;
+      }
+      if (iter > 4096) __nanosleep(128);
+    }
+  }
+}
+
+// Grid barrier of one launch's CTAs (every thread of the CTA calls it; all CTAs resident). Thread 0
+// arrives (acq_rel: the CTA's writes before the barrier are released, the last arriver acquires them
+// all) and waits for the generation to move; the last arriver resets the count and bumps the
+// generation (release). Bounded: false after a timeout or an abort (recorded).
+__device__ __forceinline__ bool grid_barrier(MegaCounters* c, const SignalCtx& sig, bool* s_ok) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const uint32_t gen = ld_acquire_gpu_u32(&c->bar_generation);  // read before arriving
+    bool ok = true;
+    fence_acq_rel_gpu();
+    if (atomicAdd(&c->bar_arrived, 1u) == gridDim.x - 1) {
+      c->bar_arrived = 0;  // the next barrier's arrivals follow the generation bump below
+      fence_acq_rel_gpu();
+      atomicAdd(&c->bar_generation, 1u);
+    } else {
+      ok = wait_local(
+          sig, kStageGridBarrier, gen + 1u, [&] { return ld_acquire_gpu_u32(&c->bar_generation) != gen; },
+          [&] { return uint64_t(ld_acquire_gpu_u32(&c->bar_generation)); });
+    }
+    *s_ok = ok;
+  }
+  __syncthreads();
+  return *s_ok;
+}
+
+// Shared memory of the prologue (aliases the GEMM's B ring, which TMA fills only afterwards).
+template <int kThreads>
+struct MegaPrologueSmem {
+  kernels::DispatchSmemT<kThreads> dispatch;
+  int32_t hist[kMegaMaxExperts];             // this chunk's valid slots per global expert
+  int32_t counts[kMegaMaxLocalExperts];      // rows per local expert (every source)
+  int32_t offsets[kMegaMaxLocalExperts + 1]; // their exclusive prefix; [E_l] = all rows
+  int32_t src_start[kernels::kMaxTransportRanks + 1];  // recv rows of the sources before s
+  bool ok;
+};
+
+// Exclusive prefix of counts[0, n) into offsets[0, n] by warp 0 (32 at a time).
+__device__ __forceinline__ void warp_exclusive_scan(const int32_t* counts, int32_t* offsets, int n, int lane) {
+  int32_t carry = 0;
+  for (int base = 0; base < n; base += 32) {
+    const int32_t c = base + lane < n ? counts[base + lane] : 0;
+    int32_t v = c;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int32_t up = __shfl_up_sync(0xffffffffu, v, o);
+      if (lane >= o) v += up;
+    }
+    if (base + lane < n) offsets[base + lane] = carry + v - c;
+    carry += __shfl_sync(0xffffffffu, v, 31);
+  }
+  if (lane == 0) offsets[n] = carry;
+}
+
+// The dispatch of this rank's tokens (every thread). Returns after this CTA's signal left.
+template <int kThreads, int kMode>
+__device__ __forceinline__ void mega_dispatch_copy(const MegaArgs& a, MegaPrologueSmem<kThreads>& s, int64_t t_lo,
+                                                   int64_t t_hi) {
+  const int lane = threadIdx.x & 31;
+  const int items = (t_hi > t_lo ? static_cast<int>(t_hi - t_lo) : 0) * a.dispatch_parts;
+  for (int i = threadIdx.x / 32; i < items; i += kThreads / 32) {
+    const int ct = i / a.dispatch_parts, part = i % a.dispatch_parts;
+    kernels::dispatch_part<kMode>(a.tr, s.dispatch.peer_base, s.dispatch.rows[ct], t_lo + ct, part, a.dispatch_parts,
+                                  a.x, a.x_scale, a.topk_ids, a.topk_weights, lane);
+  }
+}
+
+// Prologue: dispatch (B1) and placement (B3). Returns false, in every CTA alike, when a wait failed
+// (recorded in the error cell) anywhere before B3.
+template <int kThreads, bool kFp8Wire>
+__device__ __forceinline__ bool mega_prologue(const MegaArgs& a, MegaPrologueSmem<kThreads>& s, uint64_t epoch) {
+  const TransportArgs& tr = a.tr;
+  const SignalCtx& sig = tr.sig;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
+  const int R = sig.num_ranks;
+  const int64_t El = tr.experts_per_rank(), E = tr.num_experts, k = tr.top_k(), T_max = tr.t_max();
+  const uint32_t bank = static_cast<uint32_t>(epoch & 1u);
+  int32_t* const counts_base = reinterpret_cast<int32_t*>(sig.own_base + tr.layout.recv_expert_counts.offset);
+
+  // Local counters of this launch, and the next launch's count bank, zeroed before this CTA's
+  // dispatch signal (so before B1 completes anywhere).
+  const int64_t gtid = static_cast<int64_t>(blockIdx.x) * kThreads + tid, gthreads = int64_t(gridDim.x) * kThreads;
+  for (int64_t i = gtid; i < El; i += gthreads) a.expert_fill[i] = 0;
+  for (int64_t i = gtid; i < a.max_m_blocks; i += gthreads) a.fc1_done[i] = 0;
+  for (int64_t i = gtid; i < R * El; i += gthreads) counts_base[(bank ^ 1u) * R * El + i] = 0;
+  for (int64_t e = tid; e < E; e += kThreads) s.hist[e] = 0;
+  if (tid < R) s.dispatch.peer_base[tid] = sig.peer_ptr(tid, 0);
+  __syncthreads();
+
+  // ---- dispatch ----
+  const int64_t t_lo = static_cast<int64_t>(blockIdx.x) * a.tokens_per_cta;
+  const int64_t t_hi = min(tr.num_tokens, t_lo + a.tokens_per_cta);
+  int32_t* const hist = s.hist;
+  kernels::dispatch_layout<kThreads>(tr, a.topk_ids, s.dispatch, t_lo, t_hi,
+                                     [hist](int32_t id) { atomicAdd(&hist[id], 1); });  // ends with a barrier
+  // The chunk's rows per expert into their owners' count banks.
+  for (int64_t e = tid; e < E; e += kThreads) {
+    const int32_t n = s.hist[e];
+    if (n == 0) continue;
+    const int owner = static_cast<int>(tr.el_div.div(static_cast<uint32_t>(e)));
+    int32_t* cell = reinterpret_cast<int32_t*>(s.dispatch.peer_base[owner] + tr.layout.recv_expert_counts.offset) +
+                    (bank * R + sig.rank) * El + (e - owner * El);
+    red_add_relaxed_sys_s32(cell, n);
+  }
+  if constexpr (kFp8Wire) {
+    if (a.dispatch_mode == kernels::kFp8Copy) mega_dispatch_copy<kThreads, kernels::kFp8Copy>(a, s, t_lo, t_hi);
+    else mega_dispatch_copy<kThreads, kernels::kBf16ToFp8>(a, s, t_lo, t_hi);
+  } else {
+    if (a.dispatch_mode == kernels::kFp8ToBf16) mega_dispatch_copy<kThreads, kernels::kFp8ToBf16>(a, s, t_lo, t_hi);
+    else mega_dispatch_copy<kThreads, kernels::kBf16Copy>(a, s, t_lo, t_hi);
+  }
+  // invariant: every CTA adds exactly one share, whatever happened above (as the dispatch kernel).
+  __syncthreads();
+  if (tid == 0) {
+    kernels::fence_acq_rel_sys();
+    const uint64_t share = blockIdx.x == 0 ? (1ull << 32) - (gridDim.x - 1) : 1ull;  // G shares sum to 2^32
+    for (int p = 0; p < R; ++p) kernels::red_add_relaxed_sys(sig.peer_cell(p, sig.rank, kernels::kSlotDispatch), share);
+    const SignalCtx local = sig;
+    s.ok = kernels::wait_all_sources(local, kernels::kSlotDispatch, epoch << 32, (epoch + 1) << 32,
+                                     kernels::kStageDispatchDone, 32);
+    if (blockIdx.x == 0) {
+      kernels::record_bad_input(tr, a.topk_ids);  // every CTA's accumulation is visible after B1
+      // The launch epoch for the host and the transport's check (every CTA read it before its share).
+      *reinterpret_cast<volatile uint64_t*>(sig.own_cell(sig.rank, kernels::kLocalEpoch)) = epoch;
+    }
+    if (a.trace != nullptr) a.trace[blockIdx.x * kMegaTraceWords + kTraceDispatched] = kernels::globaltimer_ns();
+  }
+  __syncthreads();
+  const bool dispatched = s.ok;
+
+  // ---- placement ----
+  // Totals and offsets per local expert from every source's counts (this launch's bank), and the
+  // recv rows per source.
+  for (int64_t e = tid; e < El; e += kThreads) {
+    int32_t n = 0;
+    for (int src = 0; src < R; ++src) n += counts_base[(bank * R + src) * El + e];
+    s.counts[e] = dispatched ? n : 0;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    warp_exclusive_scan(s.counts, s.offsets, static_cast<int>(El), lane);
+    if (lane == 0) {
+      const int32_t* recv_counts = tr.own<int32_t>(tr.layout.recv_token_counts);
+      int32_t acc = 0;
+      s.src_start[0] = 0;
+      for (int src = 0; src < R; ++src) {
+        acc += dispatched ? min(max(recv_counts[src], 0), static_cast<int32_t>(T_max)) : 0;
+        s.src_start[src + 1] = acc;
+      }
+      if (s.offsets[El] > tr.layout.pool_rows) {  // inconsistent peers: place nothing
+        if (blockIdx.x == 0) tr.input_status->pool_overflow += 1;
+        for (int src = 0; src <= R; ++src) s.src_start[src] = 0;
+      }
+    }
+  }
+  __syncthreads();
+  if (blockIdx.x == 0) {  // the GEMMs' expert_offsets (read by every CTA's scheduler tables after B3)
+    int32_t* offsets = tr.own<int32_t>(tr.layout.expert_offsets);
+    for (int64_t e = tid; e <= El; e += kThreads) offsets[e] = s.offsets[e];
+  }
+  const int64_t H = tr.hidden();
+  const int64_t row_bytes = H * (kFp8Wire ? 1 : 2);
+  const int64_t scale_cols = H / 128;
+  const char* recv_x = tr.own<char>(tr.layout.recv_tokens);
+  const float* recv_scales = tr.own<float>(tr.layout.recv_scales);
+  char* pool_x = tr.own<char>(tr.layout.pool_x);
+  float* pool_scales = tr.own<float>(tr.layout.pool_x_scales);
+  const int64_t items = int64_t(s.src_start[R]) * k;
+  const int64_t gwarp = static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + warp;
+  const int64_t gwarps = int64_t(gridDim.x) * (kThreads / 32);
+  const uint32_t uk = static_cast<uint32_t>(k);
+  for (int64_t u = gwarp; u < items; u += gwarps) {
+    const uint32_t u_row = static_cast<uint32_t>(u) / uk, j = static_cast<uint32_t>(u) - u_row * uk;
+    int src = 0;
+    while (src + 1 < R && u_row >= static_cast<uint32_t>(s.src_start[src + 1])) ++src;
+    const int64_t recv_row = src * T_max + (u_row - static_cast<uint32_t>(s.src_start[src]));
+    const int32_t* meta = reinterpret_cast<const int32_t*>(sig.own_base + tr.layout.recv_meta.offset +
+                                                           recv_row * tr.layout.meta_bytes);
+    const int32_t e = meta[1 + j];  // the slot's local expert, -1 when not here (never trusted blindly)
+    if (e < 0 || e >= El) continue;  // warp-uniform: every lane read the same word
+    int32_t idx = 0;
+    if (lane == 0) idx = atomicAdd(&a.expert_fill[e], 1);
+    idx = __shfl_sync(0xffffffffu, idx, 0);
+    if (idx >= s.counts[e]) {  // more rows than the sources counted: inconsistent input
+      if (lane == 0) atomicAdd(&tr.input_status->pool_overflow, 1);
+      continue;
+    }
+    const int64_t p = s.offsets[e] + idx;
+    const uint4* from = reinterpret_cast<const uint4*>(recv_x + recv_row * row_bytes);
+    uint4* to = reinterpret_cast<uint4*>(pool_x + p * row_bytes);
+    for (int64_t c = lane; c < row_bytes / 16; c += 32) to[c] = from[c];
+    if constexpr (kFp8Wire) {
+      for (int64_t c = lane; c < scale_cols; c += 32) pool_scales[c * a.ld_pool + p] = recv_scales[recv_row * scale_cols + c];
+    }
+    if (lane == 0) {
+      const int32_t t = meta[0];
+      tr.pool_dst[p] = (t >= 0 && t < T_max) ? static_cast<int32_t>((src * T_max + t) * k + j) : -1;
+      tr.pool_weight[p] = __int_as_float(meta[1 + k + j]);
+    }
+  }
+  fence_proxy_async_global();  // FC1's TMA loads read the rows and scales these stores wrote
+  grid_barrier(a.ctr, sig, &s.ok);
+  if (a.trace != nullptr && tid == 0) a.trace[blockIdx.x * kMegaTraceWords + kTracePlaced] = kernels::globaltimer_ns();
+  // Every failure so far is in the error cell, visible to every CTA after the barrier: the same
+  // answer in every CTA (a CTA deciding alone would leave its tiles untaken).
+  return dispatched && *reinterpret_cast<volatile int32_t*>(&sig.error_cell->flag) == 0;
+}
+
+// GroupedGemmSmem of another configuration with the same ring (FC1's SwiGLU epilogue over the FC2
+// configuration's carve).
+template <class To, class From>
+__device__ __forceinline__ gemm::GroupedGemmSmem<To> rebind_smem(const gemm::GroupedGemmSmem<From>& s) {
+  static_assert(To::kStages == From::kStages && To::kStageA == From::kStageA && To::kStageB == From::kStageB &&
+                    To::kStageSFA == From::kStageSFA && To::kStageOut <= From::kStageOut,
+                "the same ring and enough staging");
+  gemm::GroupedGemmSmem<To> t;
+  t.a = s.a;
+  t.b = s.b;
+  t.sfa = s.sfa;
+  t.sfb = s.sfb;
+  t.out = s.out;
+  t.full = s.full;
+  t.empty = s.empty;
+  t.tile_info = s.tile_info;
+  t.row_begin = s.row_begin;
+  t.num_rows = s.num_rows;
+  t.m_block_prefix = s.m_block_prefix;
+  return t;
+}
+
+// Cfg: the FC2 configuration (store-bf16; the carve, producer and math of both GEMMs); Cfg1 the FC1
+// configuration (SwiGLU epilogue); kFormat the combine wire.
+template <class Cfg, class Cfg1, int kFormat>
+__global__ void __launch_bounds__(Cfg::kNumThreads, 1)
+    sm90_mega_kernel(const __grid_constant__ CUtensorMap tmap_a1, const __grid_constant__ CUtensorMap tmap_b1,
+                     const __grid_constant__ CUtensorMap tmap_sfa1, const __grid_constant__ CUtensorMap tmap_a2,
+                     const __grid_constant__ CUtensorMap tmap_b2, const __grid_constant__ CUtensorMap tmap_sfa2,
+                     const __grid_constant__ gemm::GroupedGemmParams p1, const __grid_constant__ gemm::GroupedGemmParams p2,
+                     const __grid_constant__ MegaArgs a) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(Cfg::kBlockM == Cfg1::kBlockM && Cfg::kBlockN == Cfg1::kBlockN && Cfg::kFp8 == Cfg1::kFp8,
+                "one tile shape for both GEMMs");
+  static_assert(Cfg::kCluster == 1 && Cfg1::kCluster == 1, "no clusters");
+  constexpr int kThreads = Cfg::kNumThreads;
+  constexpr int kMathWarps = Cfg::kMathThreads / 32;
+  static_assert(kThreads == mega_threads(Cfg::kBlockM) && kMathWarps == mega_math_warps(Cfg::kBlockM), "mega_schedule.h");
+  extern __shared__ uint8_t smem_raw[];
+  const gemm::GroupedGemmSmem<Cfg> sm = gemm::GroupedGemmSmem<Cfg>::carve(smem_raw, p1.num_experts);
+  static_assert(sizeof(MegaPrologueSmem<kThreads>) <= Cfg::kStages * Cfg::kStageB, "the prologue fits the B ring");
+  auto& ps = *reinterpret_cast<MegaPrologueSmem<kThreads>*>(sm.b);
+  const SignalCtx& sig = a.tr.sig;
+  uint64_t* const trace = a.trace != nullptr ? a.trace + blockIdx.x * kMegaTraceWords : nullptr;
+  if (trace != nullptr && threadIdx.x == 0) trace[kTraceStart] = kernels::globaltimer_ns();
+  // The launch epoch: the previous launch's + 1 (stored back by CTA 0 once every CTA has read it).
+  const uint64_t epoch = sig.local_epoch() + 1;
+
+  const bool ok = mega_prologue<kThreads, Cfg::kFp8>(a, ps, epoch);  // ends with a CTA barrier
+
+  if (threadIdx.x == 0) {
+    gemm::init_barriers<Cfg>(sm);  // after the prologue's use of the ring (its proxy fence included)
+    gemm::ptx::tma_prefetch_desc(&tmap_a1);
+    gemm::ptx::tma_prefetch_desc(&tmap_b1);
+    gemm::ptx::tma_prefetch_desc(&tmap_a2);
+    gemm::ptx::tma_prefetch_desc(&tmap_b2);
+    if constexpr (Cfg::kFp8) {
+      gemm::ptx::tma_prefetch_desc(&tmap_sfa1);
+      gemm::ptx::tma_prefetch_desc(&tmap_sfa2);
+    }
+  }
+  const gemm::GroupedSchedule sched1 = gemm::build_schedule<Cfg>(sm, p1, p1.n / Cfg::kBlockN);  // __syncthreads inside
+  gemm::GroupedSchedule sched2 = sched1;
+  sched2.num_n_blocks = p2.n / Cfg::kBlockN;
+  // Warp-uniform by a shuffle (values from shared memory are per-lane to ptxas; a loop exit on one
+  // moved the K loop's ring position out of the uniform registers). A failed prologue (a dead group:
+  // every CTA sees the same error after B3) runs no tiles: its producer posts the end marker at once
+  // (gating the counts instead cost the K loops their uniform registers too: +35 instructions).
+  const int32_t fc1_tiles = warp_broadcast(sched1.num_tiles());
+  const int32_t num_tiles = fc1_tiles + warp_broadcast(sched2.num_tiles());
+  const int32_t fc1_expect = sched1.num_n_blocks * kMathWarps;  // fc1_done of a complete m-block
+  gemm::PipeState pipe;
+  const int wg = threadIdx.x / 128;
+
+  if (wg == Cfg::kNumMathWG) {
+    gemm::ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
+    if (threadIdx.x % 128 == 0) {
+      // A failed prologue runs no tiles (the math warpgroups get the end marker at once).
+      for (int32_t t = ok ? gemm::next_tile(p1, -1) : num_tiles; t < num_tiles; t = gemm::next_tile(p1, t)) {
+        if (t < fc1_tiles) {
+          const gemm::GroupedTile tile = sched1.tile(t);
+          gemm::produce_tile<Cfg, false>(sm, pipe, t, tile, p1, &tmap_a1, &tmap_b1, &tmap_sfa1, 0);
+        } else {
+          const gemm::GroupedTile tile = sched2.tile(t - fc1_tiles);
+          const int32_t mb = sched1.m_block_prefix[tile.expert] + tile.m0 / Cfg::kBlockM;
+          const int32_t* done = a.fc1_done + mb;
+          if (!wait_local(
+                  sig, kStageFc1Rows, uint64_t(fc1_expect), [&] { return ld_acquire_gpu_s32(done) >= fc1_expect; },
+                  [&] { return uint64_t(ld_acquire_gpu_s32(done)); }))
+            break;  // recorded and aborted; the end marker below releases the math warpgroups
+          fence_proxy_async_global();  // the FC1 epilogues' generic stores, before these TMA loads
+          gemm::produce_tile<Cfg, false>(sm, pipe, t, tile, p2, &tmap_a2, &tmap_b2, &tmap_sfa2, 0);
+        }
+      }
+      gemm::release_tile_counter(p1, int32_t(gridDim.x));
+      gemm::produce_end<Cfg>(sm, pipe);
+    }
+  } else {
+    gemm::ptx::setmaxnreg_inc<Cfg::kMathRegs>();
+    using Acc = std::conditional_t<Cfg::kSwapAB, gemm::SwappedAcc<Cfg>, float[Cfg::kNumChunks][64]>;
+    Acc acc;
+    const int lane = threadIdx.x % 32;
+    // The tile in the ring slot the next K block comes from (or the end marker: id -1). Read as
+    // warp-uniform (a shuffle from lane 0): ptxas keeps the K loop's ring position in uniform
+    // registers only while the tile loop has no divergent exit or branch.
+    const auto next_tile_info = [&](gemm::GroupedTile* tile) {
+      gemm::ptx::mbar_wait(&sm.full[pipe.stage], pipe.phase);
+      const int4 info0 = sm.tile_info[2 * pipe.stage];
+      const int32_t t = __shfl_sync(0xffffffffu, info0.x, 0);
+      const int4 info1 = sm.tile_info[2 * pipe.stage + 1];
+      tile->expert = info0.y;
+      tile->n_block = info0.z;
+      tile->row0 = info0.w;
+      tile->m0 = info1.x;
+      tile->rows = info1.y;
+      return t;
+    };
+    // Two loops, one per GEMM, each with one epilogue (a branch between the epilogues in one loop
+    // cost the K loop its uniform registers): a CTA's tiles increase, so its FC1 tiles come first.
+    gemm::GroupedTile tile;
+    int32_t t = next_tile_info(&tile);
+    for (; t >= 0 && t < fc1_tiles; t = next_tile_info(&tile)) {
+      if constexpr (Cfg::kSwapAB) {
+        gemm::math_tile_swapped<Cfg>(sm, pipe, p1, tile, acc);
+        gemm::epilogue_swiglu_swapped<Cfg1>(rebind_smem<Cfg1>(sm), acc, tile, p1);
+      } else {
+        gemm::math_tile<Cfg>(sm, pipe, p1, tile, wg, acc);
+        gemm::epilogue_swiglu<Cfg1>(acc, tile, wg, p1);
+      }
+      // This warp's rows and scales of m-block mb are stored: release them to FC2's producers (every
+      // lane fences; lane 0's increment is predicated, not a branch: a lane-0 branch here moved the K
+      // loop's ring position out of the uniform registers).
+      fence_proxy_async_global();
+      __syncwarp();
+      fence_acq_rel_gpu();
+      red_add_relaxed_gpu_s32_if(lane == 0, a.fc1_done + sched1.m_block_prefix[tile.expert] + tile.m0 / Cfg::kBlockM, 1);
+    }
+    const uint64_t fc1_last = trace != nullptr ? kernels::globaltimer_ns() : 0;
+    for (; t >= 0; t = next_tile_info(&tile)) {
+      const gemm::DefaultRowSink sink{p2};
+      if constexpr (Cfg::kSwapAB) {
+        gemm::math_tile_swapped<Cfg>(sm, pipe, p2, tile, acc);
+        gemm::epilogue_store_swapped<Cfg>(sm, acc, tile, sink, p2.row_weight);
+      } else {
+        gemm::math_tile<Cfg>(sm, pipe, p2, tile, wg, acc);
+        gemm::epilogue_store_bf16<Cfg>(sm, acc, tile, wg, sink, p2.row_weight, nullptr);
+      }
+    }
+    // ---- combine ----
+    constexpr uint32_t kMathBarrier = 2;  // named barrier of the math threads (the epilogues use 1)
+    gemm::ptx::named_barrier_sync(kMathBarrier, Cfg::kMathThreads);  // every partial of this CTA is stored
+    __shared__ bool s_combine_ok;
+    if (threadIdx.x == 0) {
+      if (trace != nullptr) {
+        trace[kTraceFc1Done] = fc1_last;
+        trace[kTraceGemmDone] = kernels::globaltimer_ns();
+      }
+      kernels::fence_acq_rel_sys();  // this CTA's partials (local and remote), before its ticket
+      if (kernels::atomic_add_acq_rel_gpu(&a.ctr->done_ticket, 1) + 1 == gridDim.x) {
+        a.ctr->done_ticket = 0;  // the next launch is stream-ordered after this one
+        kernels::publish_combine(sig, epoch, [](int) { return kernels::kCombineAllRows; });
+      }
+      const SignalCtx local = sig;
+      s_combine_ok = kernels::wait_combine_all(local, epoch);
+      if (trace != nullptr) trace[kTraceCombineIn] = kernels::globaltimer_ns();
+    }
+    gemm::ptx::named_barrier_sync(kMathBarrier, Cfg::kMathThreads);
+    if (s_combine_ok) {
+      const int64_t rounds = kernels::combine_reduce_rounds(kFormat, a.tr.hidden());
+      const uint32_t uparts = static_cast<uint32_t>(a.reduce_parts), urounds = static_cast<uint32_t>(rounds);
+      const int64_t warps = int64_t(gridDim.x) * kMathWarps;
+      for (int64_t item = int64_t(blockIdx.x) * kMathWarps + threadIdx.x / 32; item < a.tr.num_tokens * a.reduce_parts;
+           item += warps) {
+        const uint32_t tok = static_cast<uint32_t>(item) / uparts;
+        const uint32_t part = static_cast<uint32_t>(item) - tok * uparts;
+        kernels::reduce_token<kFormat, false>(a.tr, a.topk_ids, a.y, tok, urounds * part / uparts,
+                                              urounds * (part + 1) / uparts, lane);
+      }
+    }
+    if (trace != nullptr) {
+      gemm::ptx::named_barrier_sync(kMathBarrier, Cfg::kMathThreads);
+      if (threadIdx.x == 0) trace[kTraceDone] = kernels::globaltimer_ns();
+    }
+  }
+#endif
+}
+
+}  // namespace megamoe::mega

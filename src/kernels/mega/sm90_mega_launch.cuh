@@ -1,0 +1,87 @@
+// sm90_mega_launch.cuh — one configuration's launch of the MegaMoE kernel (explicitly instantiated
+// in the sm90_mega_inst_*.cu files, so the configurations compile in parallel).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <mutex>
+
+#include "kernels/gemm/sm90_gemm_plan.cuh"
+#include "kernels/mega/sm90_mega_kernel.cuh"
+
+namespace megamoe::mega {
+
+// The planned tensor maps and parameters of both GEMMs at one BLOCK_M.
+struct MegaGemms {
+  gemm::GroupedGemmPlan fc1, fc2;
+};
+
+template <class Cfg>
+constexpr int mega_smem_bytes() {
+  return Cfg::smem_bytes(kMegaMaxLocalExperts);
+}
+
+// Raises the dynamic shared memory limit (once per device) and returns how many CTAs of this
+// configuration one SM holds.
+template <class Cfg, class Cfg1, int kFormat>
+cudaError_t mega_config_occupancy(int* ctas_per_sm) {
+  static std::mutex mutex;
+  static uint64_t raised_on = 0;  // bit d: raised on CUDA device d (d < 64)
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device < 0 || device >= 64) return cudaErrorInvalidDevice;
+  const auto kernel = sm90_mega_kernel<Cfg, Cfg1, kFormat>;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!(raised_on >> device & 1u)) {
+      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, mega_smem_bytes<Cfg>());
+      if (err != cudaSuccess) return err;
+      raised_on |= uint64_t(1) << device;
+    }
+  }
+  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas_per_sm, kernel, Cfg::kNumThreads, mega_smem_bytes<Cfg>());
+}
+
+// A cooperative launch: the driver refuses it unless every CTA can be resident at once.
+template <class Cfg, class Cfg1, int kFormat>
+cudaError_t launch_mega_config(const MegaGemms& g, const MegaArgs& a, int grid, cudaStream_t stream) {
+  cudaLaunchConfig_t lc{};
+  lc.gridDim = dim3(unsigned(grid));
+  lc.blockDim = dim3(unsigned(Cfg::kNumThreads));
+  lc.dynamicSmemBytes = size_t(mega_smem_bytes<Cfg>());
+  lc.stream = stream;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeCooperative;
+  attr.val.cooperative = 1;
+  lc.attrs = &attr;
+  lc.numAttrs = 1;
+  return cudaLaunchKernelEx(&lc, sm90_mega_kernel<Cfg, Cfg1, kFormat>, g.fc1.tmap_a, g.fc1.tmap_b, g.fc1.tmap_sfa,
+                            g.fc2.tmap_a, g.fc2.tmap_b, g.fc2.tmap_sfa, g.fc1.params, g.fc2.params, a);
+}
+
+// X(BLOCK_M, fp8, combine format)
+#define MEGAMOE_MEGA_CONFIGS(X) \
+  X(16, true, kWsBf16)          \
+  X(64, true, kWsBf16)          \
+  X(128, true, kWsBf16)         \
+  X(64, false, kWsBf16)         \
+  X(128, false, kWsBf16)
+
+template <int BM, bool kFp8>
+using MegaFc2Cfg = gemm::GroupedGemmConfig<BM, kMegaBlockN, kFp8, gemm::kEpiStoreBf16, 1>;
+template <int BM, bool kFp8>
+using MegaFc1Cfg = gemm::GroupedGemmConfig<BM, kMegaBlockN, kFp8, kFp8 ? gemm::kEpiSwigluFp8 : gemm::kEpiSwigluBf16, 1>;
+
+#define MEGAMOE_MEGA_EXTERN(BM, FP8, FMT)                                                                          \
+  extern template cudaError_t launch_mega_config<MegaFc2Cfg<BM, FP8>, MegaFc1Cfg<BM, FP8>, FMT>(                   \
+      const MegaGemms&, const MegaArgs&, int, cudaStream_t);                                                       \
+  extern template cudaError_t mega_config_occupancy<MegaFc2Cfg<BM, FP8>, MegaFc1Cfg<BM, FP8>, FMT>(int*);
+#define MEGAMOE_MEGA_INSTANTIATE(BM, FP8, FMT)                                                                     \
+  template cudaError_t launch_mega_config<MegaFc2Cfg<BM, FP8>, MegaFc1Cfg<BM, FP8>, FMT>(const MegaGemms&,        \
+                                                                                     const MegaArgs&, int,         \
+                                                                                     cudaStream_t);                \
+  template cudaError_t mega_config_occupancy<MegaFc2Cfg<BM, FP8>, MegaFc1Cfg<BM, FP8>, FMT>(int*);
+
+}  // namespace megamoe::mega

@@ -432,6 +432,53 @@ MEGAMOE_FMT_HD void mxfp4_to_fp8_128x128(const uint8_t* packed, const uint8_t* s
   }
 }
 
+// The GPU's expansion of eight packed e2m1 codes (one 32-bit word w, element i in nibble i) under a
+// shift d: `row` is the table row of d, the e4m3 codes of the eight magnitudes 0, 0.5, ... 6 times 2^d
+// (mxfp4_shift_table_row), bytes 0..7 of (row_lo, row_hi). out_lo gets elements 0..3 (byte j =
+// element j), out_hi elements 4..7. Byte permutes and logic only, the same bits on host and device:
+//   magnitudes: PRMT(row_lo, row_hi, w & 0x7777) and of (w >> 16) & 0x7777 (PRMT reads bit 3 of a
+//               selector nibble as its sign-replicate mode, so the sign bits are cleared first);
+//   signs:      each nibble's bit 3 to bit 7 of its output byte: PRMT(w, 0, 0x1100) repeats bytes
+//               b0 b0 b1 b1, whose even copies need << 4 (bit 3 of the even nibble) and odd copies
+//               none (bit 7 of the odd nibble); then OR-ed in under 0x80808080.
+MEGAMOE_FMT_HD uint32_t byte_perm(uint32_t x, uint32_t y, uint32_t s) {
+#if defined(__CUDA_ARCH__)
+  return __byte_perm(x, y, s);
+#else
+  const uint64_t v = (static_cast<uint64_t>(y) << 32) | x;
+  uint32_t out = 0;
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t sel = (s >> (4 * j)) & 0xFu;
+    uint32_t b = static_cast<uint32_t>(v >> (8 * (sel & 7u))) & 0xFFu;
+    if (sel & 8u) b = (b & 0x80u) ? 0xFFu : 0u;  // sign-replicate mode
+    out |= b << (8 * j);
+  }
+  return out;
+#endif
+}
+
+MEGAMOE_FMT_HD void mxfp4_shift_table_row(int32_t shift, uint32_t* row_lo, uint32_t* row_hi) {
+  uint32_t lo = 0, hi = 0;
+  for (int m = 0; m < 4; ++m) {
+    lo |= static_cast<uint32_t>(mxfp4_element_as_e4m3(static_cast<uint8_t>(m), shift)) << (8 * m);
+    hi |= static_cast<uint32_t>(mxfp4_element_as_e4m3(static_cast<uint8_t>(m + 4), shift)) << (8 * m);
+  }
+  *row_lo = lo;
+  *row_hi = hi;
+}
+
+MEGAMOE_FMT_HD void fp4_word_to_e4m3(uint32_t w, uint32_t row_lo, uint32_t row_hi, uint32_t* out_lo, uint32_t* out_hi) {
+  const uint32_t mags = w & 0x77777777u;
+  const uint32_t mag_lo = byte_perm(row_lo, row_hi, mags & 0xFFFFu);
+  const uint32_t mag_hi = byte_perm(row_lo, row_hi, mags >> 16);
+  const uint32_t rep_lo = byte_perm(w, 0u, 0x1100u), rep_hi = byte_perm(w, 0u, 0x3322u);
+  // Even output bytes take bit 3 (shifted to 7) of their copy, odd ones bit 7 as it is.
+  const uint32_t sign_lo = ((rep_lo << 4) & 0x00FF00FFu) | (rep_lo & 0xFF00FF00u);
+  const uint32_t sign_hi = ((rep_hi << 4) & 0x00FF00FFu) | (rep_hi & 0xFF00FF00u);
+  *out_lo = mag_lo | (sign_lo & 0x80808080u);
+  *out_hi = mag_hi | (sign_hi & 0x80808080u);
+}
+
 // nvfp4 block scale code: e4m3((block_amax / 6) / global_scale).
 MEGAMOE_FMT_HD uint8_t nvfp4_block_scale_code(float block_amax, float global_scale) {
   return float_to_e4m3(div_rn(div_rn(block_amax, kE2M1Max), global_scale));

@@ -163,6 +163,18 @@ __global__ void dequantize_mxfp4_kernel(const uint8_t* packed, const uint8_t* sc
   }
 }
 
+__global__ void expand_fp4_words_kernel(const uint32_t* words, const int32_t* shifts, int64_t n, uint32_t* out) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    int32_t shift = shifts[i];
+    shift = shift < kMxfp4MinShift ? kMxfp4MinShift : (shift > 6 ? 6 : shift);
+    uint32_t row_lo, row_hi, lo, hi;
+    mxfp4_shift_table_row(shift, &row_lo, &row_hi);
+    fp4_word_to_e4m3(words[i], row_lo, row_hi, &lo, &hi);
+    out[2 * i] = lo;
+    out[2 * i + 1] = hi;
+  }
+}
+
 __global__ void dequantize_fp8_1x128_kernel(const uint8_t* q, const float* scales, int64_t n, float* out) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     out[i] = mul_rn(e4m3_to_float(q[i]), scales[i / kFp8BlockSize]);
@@ -288,6 +300,14 @@ cudaError_t dequantize_mxfp4(const uint8_t* packed, const uint8_t* scales, int64
   if (bad_size(n, kMxfp4BlockSize) || (n > 0 && (!packed || !scales || !out))) return cudaErrorInvalidValue;
   if (n == 0) return cudaSuccess;
   dequantize_mxfp4_kernel<<<ctas_for(n, kThreads), kThreads, 0, stream>>>(packed, scales, n, out);
+  return cudaGetLastError();
+}
+
+cudaError_t expand_fp4_words(const uint32_t* words, const int32_t* shifts, int64_t n, uint32_t* out,
+                             cudaStream_t stream) {
+  if (n < 0 || (n > 0 && (!words || !shifts || !out))) return cudaErrorInvalidValue;
+  if (n == 0) return cudaSuccess;
+  expand_fp4_words_kernel<<<ctas_for(n, kThreads), kThreads, 0, stream>>>(words, shifts, n, out);
   return cudaGetLastError();
 }
 

@@ -60,6 +60,12 @@ cudaError_t dequantize_nvfp4(const uint8_t* packed, const uint8_t* scales, float
 cudaError_t quantize_mxfp4(const float* x, int64_t n, uint8_t* packed, uint8_t* scales, cudaStream_t stream);
 cudaError_t dequantize_mxfp4(const uint8_t* packed, const uint8_t* scales, int64_t n, float* out, cudaStream_t stream);
 
+// The GEMM's mxfp4 expansion (fmt::fp4_word_to_e4m3) of words[n] (eight e2m1 codes each), word i
+// under shifts[i] (clamped to [kMxfp4MinShift, 6] as the weight preparation stores them): out[2i],
+// out[2i + 1] its elements 0..3 and 4..7 as e4m3. The table rows are built on the device.
+cudaError_t expand_fp4_words(const uint32_t* words, const int32_t* shifts, int64_t n, uint32_t* out,
+                             cudaStream_t stream);
+
 }  // namespace device
 }  // namespace fmt
 }  // namespace megamoe

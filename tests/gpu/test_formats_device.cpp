@@ -414,6 +414,30 @@ TEST(FormatsDevice, Mxfp4_BitExact) {
   EXPECT_EQ(count_bit_differences(out.to_host(), ho), 0);
 }
 
+TEST(FormatsDevice, Fp4WordExpansion_BitExact) {
+  REQUIRE_SM90();
+  const int64_t n = 1 << 18;
+  std::mt19937 rng(9u);
+  std::vector<uint32_t> words(n);
+  std::vector<int32_t> shifts(n);
+  for (int64_t i = 0; i < n; ++i) {
+    words[i] = static_cast<uint32_t>(rng());
+    shifts[i] = static_cast<int32_t>(rng() % 24) - 17;  // [-17, 6]: below kMxfp4MinShift clamps
+  }
+  DeviceBuffer<uint32_t> dw(words), out(2 * n);
+  DeviceBuffer<int32_t> ds(shifts);
+  CUDA_OK(fmt::device::expand_fp4_words(dw.ptr, ds.ptr, n, out.ptr, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  std::vector<uint32_t> want(2 * n);
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t s = std::max(fmt::kMxfp4MinShift, std::min(6, shifts[i]));
+    uint32_t lo, hi;
+    fmt::mxfp4_shift_table_row(s, &lo, &hi);
+    fmt::fp4_word_to_e4m3(words[i], lo, hi, &want[2 * i], &want[2 * i + 1]);
+  }
+  EXPECT_EQ(count_bit_differences(out.to_host(), want), 0);
+}
+
 TEST(FormatsDevice, LaunchersRejectBadSizes) {
   REQUIRE_SM90();
   DeviceBuffer<float> x(256), s(8);

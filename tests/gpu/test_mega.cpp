@@ -1,17 +1,21 @@
 // Mega backend (one kernel per forward) on an H200: against the cpu backend on the same inputs (same
 // quantisation points, the bounds the routed backend meets), bitwise against the routed backend where
 // their arithmetic is the same, bitwise across repeats and CUDA-graph replays, one kernel node per
-// captured forward, 0 tokens, every token to one expert, T = T_max, the gate and `auto`. EP1 (one
-// GPU). Skips without an sm_90 GPU.
+// captured forward, 0 tokens, every token to one expert, T = T_max, the gate and `auto`; EP1 on one
+// GPU, and R = 2 and 4 logical ranks sharing GPU 0 (uneven T, a 0-token rank, a peer that skips a
+// launch). Skips without an sm_90 GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "gpu/gpu_skip.h"
+#include "gpu/layer_harness.h"
 #include "megamoe/formats.h"
 #include "megamoe/layer.h"
 #include "reference/error_model.h"
@@ -24,6 +28,10 @@ namespace {
 using reference::MoeProblem;
 using reference::RankInputs;
 using reference::Routing;
+using gpu_test::GroupKind;
+using gpu_test::Harness;
+using gpu_test::L2Sums;
+using gpu_test::rel_l2_bf16;
 
 MoeGeometry geometry(int64_t H, int64_t I, int64_t E, int64_t k, int64_t T) {
   MoeGeometry g;
@@ -34,24 +42,6 @@ MoeGeometry geometry(int64_t H, int64_t I, int64_t E, int64_t k, int64_t T) {
   g.ep_size = 1;
   g.max_tokens_per_rank = T;
   return g;
-}
-
-struct L2Sums {
-  double diff = 0, ref = 0;
-  void add(const std::vector<uint16_t>& y, const std::vector<uint16_t>& ref_y) {
-    for (size_t i = 0; i < y.size(); ++i) {
-      const double a = fmt::bf16_to_float(y[i]), b = fmt::bf16_to_float(ref_y[i]);
-      diff += std::isfinite(a) ? (a - b) * (a - b) : INFINITY;
-      ref += b * b;
-    }
-  }
-  double rel() const { return ref > 0 ? std::sqrt(diff / ref) : std::sqrt(diff); }
-};
-
-double rel_l2_bf16(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {
-  L2Sums s;  // a poisoned (never written) element or a NaN makes it infinite
-  s.add(a, b);
-  return s.rel();
 }
 
 // Device copies of one rank's inputs and a poisoned output.
@@ -325,6 +315,105 @@ TEST(Sm90MegaSoak, Fp8_Tiny_1000RandomForwards) {
   std::printf("[mega] 1000 random forwards, EP1: rel-L2 vs cpu backend pooled %.3e (bound %.1e), worst %.3e (bound %.3e)\n",
               pooled.rel(), reference::kSamePointsRelL2, worst, per_forward_bound);
   EXPECT_LE(pooled.rel(), reference::kSamePointsRelL2);
+}
+
+// R logical ranks sharing GPU 0 (each with its grid of SMs / R CTAs): against the cpu backend with a
+// 0-token rank and uneven T, repeats bitwise, graph replays equal to eager.
+struct MegaEpCase {
+  const char* name;
+  int64_t H, I, E, k, R, T_max;
+  Routing routing;
+};
+class Sm90MegaSharedGpu : public ::testing::TestWithParam<MegaEpCase> {};
+
+TEST_P(Sm90MegaSharedGpu, MatchesCpuBackendWithUnevenAndEmptyRanks) {
+  const MegaEpCase& c = GetParam();
+  MEGAMOE_REQUIRE_SM90_GPUS(1);
+  MoeGeometry g = geometry(c.H, c.I, c.E, c.k, c.T_max);
+  g.ep_size = c.R;
+  std::vector<int64_t> tokens(c.R);
+  for (int64_t r = 0; r < c.R; ++r) tokens[r] = r == 0 ? 0 : r == 1 ? c.T_max : (c.T_max * r) / (c.R + 1);
+  MoeProblem problem = reference::make_random_problem(g, 4321, tokens, c.routing);
+  Harness h(problem, MoeConfig{}, GroupKind::kSharedGpu, Backend::kMega);
+  ASSERT_TRUE(h.build());
+  std::vector<std::vector<uint16_t>> y, y_cpu, y_again, y_graph, unused;
+  ASSERT_TRUE(h.run(problem.ranks, &y, &y_cpu));
+  const double bound = reference::same_points_bound(CombineDtype::kBf16).rel_l2;
+  for (int64_t r = 0; r < c.R; ++r) {
+    ASSERT_EQ(y[r].size(), y_cpu[r].size());
+    if (y[r].empty()) continue;
+    const double rel = rel_l2_bf16(y[r], y_cpu[r]);
+    std::printf("[mega] %s rank %lld (T=%lld): rel-L2 vs cpu backend = %.3e (bound %.2e)\n", c.name,
+                static_cast<long long>(r), static_cast<long long>(tokens[r]), rel, bound);
+    EXPECT_LE(rel, bound) << c.name << " rank " << r;
+  }
+  ASSERT_TRUE(h.run(problem.ranks, &y_again, &unused));
+  EXPECT_EQ(y, y_again) << "repeated forwards differ: a race";
+  ASSERT_TRUE(h.run(problem.ranks, &y_graph, &unused, /*graph=*/true));
+  EXPECT_EQ(y, y_graph) << "CUDA-graph replay differs from eager";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Sm90, Sm90MegaSharedGpu,
+    ::testing::Values(MegaEpCase{"Fp8_R2_Tiny_T64", 512, 256, 16, 4, 2, 64, Routing::kUniform},
+                      MegaEpCase{"Fp8_R2_Qwen3_30B_T64_Dropped", 2048, 768, 128, 8, 2, 64, Routing::kWithDropped},
+                      MegaEpCase{"Fp8_R2_DeepSeekV3Dims_E16_T8", 7168, 2048, 16, 8, 2, 8, Routing::kUniform},
+                      MegaEpCase{"Fp8_R2_SingleExpert_T64", 512, 256, 16, 4, 2, 64, Routing::kSingleExpert},
+                      MegaEpCase{"Fp8_R4_Tiny_T48", 512, 256, 16, 4, 4, 48, Routing::kUniform},
+                      MegaEpCase{"Fp8_R4_Qwen3_30B_T300", 2048, 768, 128, 8, 4, 300, Routing::kWithDropped}),
+    [](const ::testing::TestParamInfo<MegaEpCase>& info) { return std::string(info.param.name); });
+
+// Rank 1 of two logical ranks skips a launch: rank 0's kernel gives up at its dispatch wait and
+// reports a timeout naming the stage and the peer; rank 1 sees rank 0's abort; nothing hangs.
+TEST(Sm90MegaSharedGpuEdges, PeerThatSkipsALaunchTimesOut) {
+  MEGAMOE_REQUIRE_SM90_GPUS(1);
+  MoeGeometry g = geometry(512, 256, 16, 4, 32);  // its own workspace key: the aborted group is not reused
+  g.ep_size = 2;
+  MoeProblem problem = reference::make_random_problem(g, 8, {16, 16});
+  std::vector<std::shared_ptr<Communicator>> ranks;
+  ASSERT_TRUE(create_shared_gpu_group(0, 2, &ranks).is_ok());
+  std::vector<std::unique_ptr<MoeLayer>> layers(2);
+  std::vector<Status> built(2), results(2);
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r)
+    threads.emplace_back([&, r] {
+      cudaSetDevice(0);
+      MoeConfig c;
+      c.backend = Backend::kMega;
+      Status st = MoeLayer::create(g.for_rank(r), c, reference::local_weights(problem, r), ranks[r], &layers[r]);
+      if (st.is_ok()) st = layers[r]->warmup();
+      built[r] = st;
+      if (!st.is_ok()) return;
+      cudaStream_t s;
+      cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+      if (r == 0) {
+        DeviceInputs d(problem.ranks[0], 512, 4);
+        const Status f = d.forward(*layers[0], s);
+        results[0] = f.is_ok() ? layers[0]->check_error(s) : f;
+      } else {
+        std::this_thread::sleep_for(std::chrono::milliseconds(500));
+        results[1] = layers[1]->check_error(s);
+      }
+      cudaStreamDestroy(s);
+    });
+  for (auto& t : threads) t.join();
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_TRUE(built[0].is_ok() && built[1].is_ok()) << built[0].to_string() << " / " << built[1].to_string();
+  std::printf("[mega] rank 0: %s\n[mega] rank 1: %s\n(%.2f s)\n", results[0].to_string().c_str(),
+              results[1].to_string().c_str(), secs);
+  EXPECT_EQ(results[0].code(), StatusCode::kTimeout) << results[0].to_string();
+  EXPECT_NE(results[0].message().find("dispatch-done"), std::string::npos) << results[0].to_string();
+  EXPECT_NE(results[0].message().find("peer rank 1"), std::string::npos) << results[0].to_string();
+  EXPECT_TRUE(results[1].is_ok() || results[1].message().find("rank 0") != std::string::npos) << results[1].to_string();
+  EXPECT_LT(secs, 60.0);
+  std::vector<std::thread> teardown;  // each rank's layer on its own thread
+  for (int r = 0; r < 2; ++r)
+    teardown.emplace_back([&, r] {
+      cudaSetDevice(0);
+      layers[r].reset();
+    });
+  for (auto& t : teardown) t.join();
 }
 
 }  // namespace

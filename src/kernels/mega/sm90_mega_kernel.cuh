@@ -208,6 +208,20 @@ struct MegaPrologueSmem {
   bool ok;
 };
 
+// n 16-byte pieces from -> to by a warp, kBatch loads in flight per lane before their stores (one
+// load and store at a time waited a full L2 round trip per piece: 14 of them for a 7168-byte row).
+__device__ __forceinline__ void copy_row_batched(const uint4* from, uint4* to, int64_t n, int lane) {
+  constexpr int kBatch = 8;
+  for (int64_t c0 = lane; c0 < n; c0 += 32 * kBatch) {
+    uint4 v[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) v[b] = c0 + 32 * b < n ? from[c0 + 32 * b] : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b)
+      if (c0 + 32 * b < n) to[c0 + 32 * b] = v[b];
+  }
+}
+
 // Exclusive prefix of counts[0, n) into offsets[0, n] by warp 0 (32 at a time).
 __device__ __forceinline__ void warp_exclusive_scan(const int32_t* counts, int32_t* offsets, int n, int lane) {
   int32_t carry = 0;
@@ -359,11 +373,17 @@ __device__ __forceinline__ bool mega_prologue(const MegaArgs& a, MegaPrologueSme
       continue;
     }
     const int64_t p = s.offsets[e] + idx;
-    const uint4* from = reinterpret_cast<const uint4*>(recv_x + recv_row * row_bytes);
-    uint4* to = reinterpret_cast<uint4*>(pool_x + p * row_bytes);
-    for (int64_t c = lane; c < row_bytes / 16; c += 32) to[c] = from[c];
-    if constexpr (kFp8Wire) {
-      for (int64_t c = lane; c < scale_cols; c += 32) pool_scales[c * a.ld_pool + p] = recv_scales[recv_row * scale_cols + c];
+    copy_row_batched(reinterpret_cast<const uint4*>(recv_x + recv_row * row_bytes),
+                     reinterpret_cast<uint4*>(pool_x + p * row_bytes), row_bytes / 16, lane);
+    if constexpr (kFp8Wire) {  // M-major: FC1's TMA reads [kb][row]
+      const float* from = recv_scales + recv_row * scale_cols;
+      float v[2];
+#pragma unroll
+      for (int b = 0; b < 2; ++b) v[b] = lane + 32 * b < scale_cols ? from[lane + 32 * b] : 0.f;
+#pragma unroll
+      for (int b = 0; b < 2; ++b)
+        if (lane + 32 * b < scale_cols) pool_scales[(lane + 32 * b) * a.ld_pool + p] = v[b];
+      for (int64_t c = lane + 64; c < scale_cols; c += 32) pool_scales[c * a.ld_pool + p] = from[c];  // H > 8192
     }
     if (lane == 0) {
       const int32_t t = meta[0];
@@ -456,6 +476,7 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
   if (wg == Cfg::kNumMathWG) {
     gemm::ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
     if (threadIdx.x % 128 == 0) {
+      fence_proxy_async_global();  // the placement's generic stores (released by B3), before TMA reads them
       // A failed prologue runs no tiles (the math warpgroups get the end marker at once).
       for (int32_t t = ok ? gemm::next_tile(p1, -1) : num_tiles; t < num_tiles; t = gemm::next_tile(p1, t)) {
         if (t < fc1_tiles) {

@@ -1,0 +1,192 @@
+// layer_harness.h — the GPU layer tests' group harness: an EP group of a GPU backend (one GPU per rank
+// over NCCL, or R logical ranks sharing GPU 0) beside the cpu backend on the same inputs, driven one
+// thread per rank; rel-L2 helpers. Header-only, for the tests of tests/gpu.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "megamoe/comm.h"
+#include "megamoe/formats.h"
+#include "megamoe/layer.h"
+#include "reference/problem.h"
+
+namespace megamoe::gpu_test {
+
+using reference::MoeProblem;
+using reference::RankInputs;
+
+// Squared difference and squared reference norm, so rel-L2 can be pooled over many outputs.
+struct L2Sums {
+  double diff = 0, ref = 0;
+  void add(const std::vector<uint16_t>& y, const std::vector<uint16_t>& ref_y) {
+    for (size_t i = 0; i < y.size(); ++i) {
+      const double a = fmt::bf16_to_float(y[i]), b = fmt::bf16_to_float(ref_y[i]);
+      diff += std::isfinite(a) ? (a - b) * (a - b) : INFINITY;
+      ref += b * b;
+    }
+  }
+  double rel() const { return ref > 0 ? std::sqrt(diff / ref) : std::sqrt(diff); }
+};
+
+inline double rel_l2_bf16(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {
+  L2Sums s;  // a poisoned (never written) element or a NaN makes it infinite
+  s.add(a, b);
+  return s.rel();
+}
+
+// How the ranks of an EP > 1 group are connected.
+enum class GroupKind { kNcclGpus, kSharedGpu };
+inline const char* group_suffix(GroupKind k) { return k == GroupKind::kSharedGpu ? "SharedGpu" : "Gpus"; }
+
+// One EP group of a GPU backend (GPUs 0..R-1, or R logical ranks on GPU 0) beside one of the cpu
+// backend (host threads).
+class Harness {
+ public:
+  Harness(const MoeProblem& p, const MoeConfig& c, GroupKind kind = GroupKind::kNcclGpus,
+          Backend gpu_backend = Backend::kRouted)
+      : problem_(p), config_(c), R_(static_cast<int>(p.geometry.ep_size)), kind_(kind), backend_(gpu_backend) {}
+
+  int device_of(int r) const { return kind_ == GroupKind::kSharedGpu ? 0 : r; }
+
+  ::testing::AssertionResult build() {
+    const MoeGeometry& g = problem_.geometry;
+    std::vector<int> devices;
+    for (int r = 0; r < R_; ++r) devices.push_back(r);
+    std::vector<std::shared_ptr<Communicator>> nccl, host;
+    if (R_ > 1) {
+      Status st = kind_ == GroupKind::kSharedGpu ? create_shared_gpu_group(0, R_, &nccl) : create_nccl_group(devices, &nccl);
+      if (!st.is_ok()) return ::testing::AssertionFailure() << st.to_string();
+      st = create_host_group(R_, &host);
+      if (!st.is_ok()) return ::testing::AssertionFailure() << st.to_string();
+    }
+    gpu_.resize(R_);
+    cpu_.resize(R_);
+    streams_.resize(R_);
+    std::vector<Status> status(R_);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < R_; ++r) {
+      threads.emplace_back([&, r] {
+        cudaSetDevice(device_of(r));
+        // non-blocking: the harness's own copies (legacy stream) must not wait for a logical peer's
+        // kernels on a shared GPU
+        cudaStreamCreateWithFlags(&streams_[r], cudaStreamNonBlocking);
+        MoeConfig gc = config_, cc = config_;
+        gc.backend = backend_;
+        cc.backend = Backend::kCpu;
+        const MoeWeights w = reference::local_weights(problem_, r);
+        Status st = MoeLayer::create(g.for_rank(r), gc, w, R_ > 1 ? nccl[r] : nullptr, &gpu_[r]);
+        if (st.is_ok()) st = gpu_[r]->warmup();
+        if (st.is_ok()) st = MoeLayer::create(g.for_rank(r), cc, w, R_ > 1 ? host[r] : nullptr, &cpu_[r]);
+        if (st.is_ok()) st = cpu_[r]->warmup();
+        status[r] = st;
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < R_; ++r)
+      if (!status[r].is_ok()) return ::testing::AssertionFailure() << "rank " << r << ": " << status[r].to_string();
+    return ::testing::AssertionSuccess();
+  }
+
+  // One forward of both groups on `in`; y (bf16 bits) per rank. The GPU output is poisoned first.
+  ::testing::AssertionResult run(const std::vector<RankInputs>& in, std::vector<std::vector<uint16_t>>* y_gpu,
+                                 std::vector<std::vector<uint16_t>>* y_cpu, bool graph = false) {
+    const MoeGeometry& g = problem_.geometry;
+    const int64_t H = g.hidden, k = g.top_k;
+    y_gpu->assign(R_, {});
+    y_cpu->assign(R_, {});
+    std::vector<std::string> errors(R_);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < R_; ++r) {
+      threads.emplace_back([&, r] {
+        const RankInputs& x = in[r];
+        const int64_t T = x.num_tokens;
+        auto fail = [&](const std::string& m) { errors[r] = m; };
+        // cpu
+        std::vector<uint16_t> yc(T * H, 0xFFFF);
+        TensorView cx(const_cast<uint16_t*>(x.x_bf16.data()), DType::kBFloat16, {T, H});
+        TensorView cids(const_cast<int32_t*>(x.topk_ids.data()), DType::kInt32, {T, k});
+        TensorView cw(const_cast<float*>(x.topk_weights.data()), DType::kFloat32, {T, k});
+        Status st = cpu_[r]->forward(cx, cids, cw, TensorView(yc.data(), DType::kBFloat16, {T, H}));
+        if (!st.is_ok()) return fail("cpu: " + st.to_string());
+        (*y_cpu)[r] = std::move(yc);
+        // gpu
+        cudaSetDevice(device_of(r));
+        void *dx = nullptr, *dids = nullptr, *dw = nullptr, *dy = nullptr;
+        const size_t xb = std::max<size_t>(1, T * H * 2), ib = std::max<size_t>(1, T * k * 4);
+        if (cudaMalloc(&dx, xb) || cudaMalloc(&dids, ib) || cudaMalloc(&dw, ib) || cudaMalloc(&dy, xb))
+          return fail("cudaMalloc failed");
+        // On the rank's stream: ordered before its forward, and never waiting for a peer's work.
+        cudaMemcpyAsync(dx, x.x_bf16.data(), T * H * 2, cudaMemcpyHostToDevice, streams_[r]);
+        cudaMemcpyAsync(dids, x.topk_ids.data(), T * k * 4, cudaMemcpyHostToDevice, streams_[r]);
+        cudaMemcpyAsync(dw, x.topk_weights.data(), T * k * 4, cudaMemcpyHostToDevice, streams_[r]);
+        cudaMemsetAsync(dy, 0xFF, xb, streams_[r]);
+        cudaStreamSynchronize(streams_[r]);  // the host vectors may go before the copies ran
+        const Device d = Device::cuda(device_of(r));
+        TensorView gx(dx, DType::kBFloat16, {T, H}, d), gids(dids, DType::kInt32, {T, k}, d),
+            gw(dw, DType::kFloat32, {T, k}, d), gy(dy, DType::kBFloat16, {T, H}, d);
+        if (graph) {
+          cudaGraph_t gr;
+          cudaGraphExec_t exec;
+          cudaStreamBeginCapture(streams_[r], cudaStreamCaptureModeThreadLocal);
+          st = gpu_[r]->forward(gx, gids, gw, gy, streams_[r]);
+          cudaStreamEndCapture(streams_[r], &gr);
+          if (!st.is_ok()) return fail("gpu capture: " + st.to_string());
+          if (cudaGraphInstantiate(&exec, gr, 0) != cudaSuccess) return fail("graph instantiate failed");
+          for (int rep = 0; rep < 3; ++rep) cudaGraphLaunch(exec, streams_[r]);
+          cudaGraphExecDestroy(exec);
+          cudaGraphDestroy(gr);
+        } else {
+          st = gpu_[r]->forward(gx, gids, gw, gy, streams_[r]);
+          if (!st.is_ok()) return fail("gpu: " + st.to_string());
+        }
+        st = gpu_[r]->check_error(streams_[r]);
+        if (!st.is_ok()) return fail("gpu check_error: " + st.to_string());
+        std::vector<uint16_t> yg(T * H);
+        cudaMemcpyAsync(yg.data(), dy, T * H * 2, cudaMemcpyDeviceToHost, streams_[r]);
+        cudaStreamSynchronize(streams_[r]);
+        (*y_gpu)[r] = std::move(yg);
+        cudaFree(dx);
+        cudaFree(dids);
+        cudaFree(dw);
+        cudaFree(dy);
+        const cudaError_t err = cudaGetLastError();
+        if (err != cudaSuccess) fail(std::string("CUDA: ") + cudaGetErrorString(err));
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < R_; ++r)
+      if (!errors[r].empty()) return ::testing::AssertionFailure() << "rank " << r << ": " << errors[r];
+    return ::testing::AssertionSuccess();
+  }
+
+  ~Harness() {
+    // Destroy each rank's layers on its own thread: releasing the symmetric window is collective.
+    std::vector<std::thread> threads;
+    for (int r = 0; r < R_; ++r)
+      threads.emplace_back([&, r] {
+        cudaSetDevice(device_of(r));
+        if (r < static_cast<int>(gpu_.size())) gpu_[r].reset();
+        if (r < static_cast<int>(streams_.size()) && streams_[r]) cudaStreamDestroy(streams_[r]);
+      });
+    for (auto& t : threads) t.join();
+  }
+
+ private:
+  const MoeProblem& problem_;
+  MoeConfig config_;
+  int R_;
+  GroupKind kind_;
+  Backend backend_;
+  std::vector<std::unique_ptr<MoeLayer>> gpu_, cpu_;
+  std::vector<cudaStream_t> streams_;
+};
+
+}  // namespace megamoe::gpu_test

@@ -30,6 +30,13 @@
 #   harness-ab             the bench harness of each BINS binary (megamoe_before: a build of 1f3011b,
 #                          before the harness; megamoe), alternated ROUNDS (2) times on the same points
 #                          of bench, bench-gemm and bench-transport on one GPU; medians side by side
+#   mega [tests|check|bench|timeline|sanitize|all]   the one-kernel backend on GPU 0: its GPU tests one
+#                          process each (MEGA_FILTER, default Sm90Mega*; the first run of the kernel,
+#                          so EACH-style with a short wait bound), `check --backend mega` (EP1 and
+#                          --shared-gpu R = 2), `bench --backend mega,routed` for PRESETS (deepseek-v3
+#                          deepseek-v4-flash qwen3-30b-a3b) x EP1 and R = 2 logical ranks at TOKENS
+#                          (1..8192) with the per-phase timeline (the stages column), compute-sanitizer
+#                          memcheck / racecheck / synccheck on the small mega tests
 #   sanitize [FILTER]      compute-sanitizer TOOLS (memcheck racecheck synccheck) on those GPU tests
 #   profile                Nsight Compute: MODE=sections (default) | metrics | source
 # Every binary runs under `timeout`; each subcommand prints a short summary and exits non-zero when
@@ -40,7 +47,7 @@ sub=${1:-}
 [[ $# -gt 0 ]] && shift
 case $sub in
   tests | check | bench-table | layer-ab | launch | barrier-timeout | gemm | gemm-ab | gemm-matrix | transport | \
-    transport-ab | link | harness-ab | sanitize | profile) ;;
+    transport-ab | link | harness-ab | mega | sanitize | profile) ;;
   *)
     sed -n '2,/^# shellcheck disable=SC2317/p' "$0" | sed '$d; s/^# \{0,1\}//'
     [[ -z $sub || $sub == help || $sub == -h || $sub == --help ]] && exit 0
@@ -373,6 +380,63 @@ for r in range(1, rounds + 1):
 PY
 }
 
+# The mega backend. Its kernel first ran here: every test in its own process with a short wait bound
+# (a hang costs TEST_TIMEOUT, then the rest is skipped), the routed EP1 tests beside it (the shared
+# building blocks), then the tool.
+mega() {  # [tests|check|bench|timeline|sanitize|all]
+  local what=${1:-all} t trc args i=0 crc preset shared
+  export MEGAMOE_WAIT_TIMEOUT_MS=${MEGAMOE_WAIT_TIMEOUT_MS:-3000}
+  if [[ $what == tests || $what == all ]]; then
+    : > "$OUT/mega_tests.log"
+    for t in $("$BIN/megamoe_gpu_tests" --gtest_filter="${MEGA_FILTER:-Sm90Mega*}:Sm90/Sm90Routed.*EP1*" --gtest_list_tests | \
+               awk '/^[^ ]/ {s=$1} /^  / {print s $1}'); do
+      timeout "${TEST_TIMEOUT:-90}" "$BIN/megamoe_gpu_tests" --gtest_filter="$t" >> "$OUT/mega_tests.log" 2>&1
+      trc=$?
+      printf '%-90s %s\n' "$t" "$([[ $trc -eq 0 ]] && echo ok || echo "FAIL rc=$trc")" | tee -a "$OUT/mega_summary.txt"
+      [[ $trc -eq 0 ]] || rc=1
+      if [[ $trc -eq 124 ]]; then echo "test timed out (hang?): skipping the rest"; break; fi
+    done
+    grep -E "^\[mega\]|Failure|Which is|error" "$OUT/mega_tests.log" | head -60
+  fi
+  if [[ $what == check || $what == all ]]; then
+    for args in "--preset tiny --ep 1 --tokens 64" "--preset qwen3-30b-a3b --ep 1 --tokens 96" \
+                "--preset deepseek-v3 --experts 16 --ep 1 --tokens 8" "--preset tiny --ep 2 --shared-gpu --tokens 64" \
+                "--preset qwen3-30b-a3b --ep 2 --shared-gpu --tokens 64"; do
+      i=$((i + 1))
+      # shellcheck disable=SC2086
+      timeout 200 "$TOOL" check --backend mega $args > "$OUT/mega_check$i.log" 2>&1
+      crc=$?
+      [[ $crc -eq 0 ]] || rc=1
+      echo "== megamoe check --backend mega $args: exit $crc"
+      tail -4 "$OUT/mega_check$i.log"
+    done
+  fi
+  if [[ $what == bench || $what == timeline || $what == all ]]; then
+    for preset in ${PRESETS:-deepseek-v3 deepseek-v4-flash qwen3-30b-a3b}; do
+      for shared in "--ep 1" "--ep 2 --shared-gpu"; do
+        echo "== $preset $shared"
+        # shellcheck disable=SC2086
+        timeout "${BENCH_TIMEOUT:-400}" "$TOOL" bench --preset "$preset" --backend mega,routed $shared \
+          --tokens "${TOKENS:-1,8,64,128,512,1024,2048,4096,8192}" --iters "${ITERS:-20}" --warmup "${WARMUP:-5}" \
+          --max-host-gb 100 --json "$OUT/mega_${preset}_${shared// /_}.json" > "$OUT/mega_${preset}_${shared// /_}.log" 2>&1 || rc=1
+        grep -vE "^\[bench\]" "$OUT/mega_${preset}_${shared// /_}.log" | tail -24
+      done
+    done
+  fi
+  if [[ $what == sanitize || $what == all ]]; then
+    local tool ct
+    ct=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+    for tool in ${TOOLS:-memcheck racecheck synccheck}; do
+      timeout 300 "$ct" --tool "$tool" --error-exitcode 9 "$BIN/megamoe_gpu_tests" \
+        --gtest_filter='Sm90/Sm90Mega.*Tiny_T64:Sm90/Sm90Mega.*Tiny_T1:Sm90MegaEdges.ZeroTokens*' > "$OUT/mega_$tool.log" 2>&1
+      trc=$?
+      [[ $trc -eq 0 ]] || rc=1
+      echo "== compute-sanitizer --tool $tool: exit $trc"
+      grep -E "ERROR SUMMARY|Hazard|Invalid|\[  (PASSED|FAILED)" "$OUT/mega_$tool.log" | head -8
+    done
+  fi
+}
+
 sanitize() {
   local filter=${1:-${FILTER:-Sm90Transport.Bf16Wire*:Sm90Transport.Nvfp4*}} tool trc
   if ! command -v compute-sanitizer > /dev/null 2>&1; then echo "no compute-sanitizer here"; rc=1; return; fi
@@ -455,6 +519,7 @@ case $sub in
   transport-ab) tests_if_filter || rc=1; for_lines_and_bins "${BENCH:-}" transport_ab_one ;;
   link) link ;;
   harness-ab) harness_ab ;;
+  mega) mega "$@" ;;
   sanitize) sanitize "$@" ;;
   profile) profile ;;
 esac

@@ -167,7 +167,9 @@ int run_check(const CheckOptions& o) {
   }
   if (backend == Backend::kAuto) std::printf("  %s\n", sel.reason.c_str());
   ProcessRanks pr;
-  if (const Status st = process_ranks(R, sel.backend == Backend::kRouted || sel.backend == Backend::kMega, &pr); !st)
+  if (const Status st = process_ranks(R, sel.backend == Backend::kRouted || sel.backend == Backend::kMega, &pr,
+                                      o.layer.shared_gpu);
+      !st)
     throw ToolError(st.code() == StatusCode::kInvalidArgument ? kExitUsage : kExitUnavailable, st.message());
   if (pr.launched) {
     std::printf("  %s\n", pr.describe().c_str());

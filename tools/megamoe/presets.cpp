@@ -41,6 +41,9 @@ void add_layer_options(CLI::App* app, LayerOptions* o, bool with_pow2_scales) {
   app->add_option("--ep", o->ep, "expert-parallel ranks R (host threads for the cpu backend)")
       ->type_name("R")
       ->default_str(o->ep);
+  app->add_flag("--shared-gpu", o->shared_gpu,
+                "GPU backends: the --ep ranks as logical ranks sharing GPU 0 (create_shared_gpu_group), each with "
+                "SMs / R of it, instead of one GPU per rank");
   app->add_option("--experts", o->experts,
                   "override the preset's expert count (for CPU-sized runs); must be divisible by --ep")
       ->type_name("N");

@@ -60,6 +60,7 @@ struct LayerOptions {
   bool no_owner_reduce = false;  // --no-owner-reduce: off (neither: auto)
   bool pow2_scales = false;
   bool pad = false;
+  bool shared_gpu = false;  // --shared-gpu: the --ep ranks as logical ranks of GPU 0 (GPU backends)
 };
 
 void add_layer_options(CLI::App* app, LayerOptions* o, bool with_pow2_scales);

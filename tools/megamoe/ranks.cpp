@@ -86,14 +86,23 @@ Status run_on_ranks(int64_t n, const std::function<Status(int64_t)>& fn) {
 }
 
 std::string ProcessRanks::describe() const {
+  if (shared_gpu) return "all " + std::to_string(ep_size) + " rank(s) in this process, logical ranks sharing cuda:0";
   if (!launched) return "all " + std::to_string(ep_size) + " rank(s) in this process";
   return "rank " + std::to_string(bootstrap.rank) + " of " + std::to_string(ep_size) +
          " in this process (megamoe launch: one process per GPU, cuda:" + std::to_string(device_of(bootstrap.rank)) + ")";
 }
 
-Status process_ranks(int64_t ep_size, bool on_gpu, ProcessRanks* out) {
+Status process_ranks(int64_t ep_size, bool on_gpu, ProcessRanks* out, bool shared_gpu) {
   *out = ProcessRanks();
   out->ep_size = ep_size;
+  if (shared_gpu) {
+    if (!on_gpu)
+      return invalid_argument("flag", "--shared-gpu", "set", "logical ranks of one GPU need a GPU backend (routed, mega)");
+    if (!env_knobs().rank.empty())
+      return invalid_argument("flag", "--shared-gpu", "set", "the logical ranks of one GPU run in one process (not under megamoe launch)");
+    out->shared_gpu = true;
+    return Status::ok();
+  }
   if (env_knobs().rank.empty()) return Status::ok();
   if (!on_gpu)
     return invalid_argument("launch", "backend", "cpu",
@@ -136,6 +145,8 @@ Status build_group(const MoeGeometry& g, const MoeConfig& c, const RankWeightsFn
     if (on_gpu && pr.launched) {
       out->comms.resize(static_cast<size_t>(g.ep_size));
       out->comms[pr.bootstrap.rank] = pr.comm;
+    } else if (on_gpu && pr.shared_gpu) {
+      MEGAMOE_RETURN_IF_ERROR(create_shared_gpu_group(0, static_cast<int>(g.ep_size), &out->comms));
     } else if (on_gpu) {
       std::vector<int> devices;
       for (int64_t r = 0; r < g.ep_size; ++r) devices.push_back(static_cast<int>(r));

@@ -35,10 +35,13 @@ struct ProcessRanks {
   // Launched: this rank's communicator, made once (the id file bootstraps one communicator per
   // launch) and shared by every layer the process builds.
   std::shared_ptr<Communicator> comm;
+  // --shared-gpu: every rank on GPU 0, as logical ranks of one shared-GPU group (not launched).
+  bool shared_gpu = false;
   bool runs(int64_t r) const { return !launched || r == bootstrap.rank; }
   int64_t first() const { return launched ? bootstrap.rank : 0; }  // the first rank this process runs
   // The CUDA device rank r runs on in this process.
   int device_of(int64_t r) const {
+    if (shared_gpu) return 0;
     return launched && bootstrap.device >= 0 ? bootstrap.device : static_cast<int>(r);
   }
   std::string describe() const;
@@ -47,7 +50,8 @@ struct ProcessRanks {
 // All ranks in this process, or (MEGAMOE_RANK set) the launched rank, checked: the world size must
 // equal ep_size and the backend must run on GPUs (the cpu backend's ranks share host memory). A
 // launched rank joins its NCCL communicator here (collective over the launched processes).
-Status process_ranks(int64_t ep_size, bool on_gpu, ProcessRanks* out);
+// shared_gpu: --shared-gpu (refused with megamoe launch and with the cpu backend).
+Status process_ranks(int64_t ep_size, bool on_gpu, ProcessRanks* out, bool shared_gpu = false);
 
 // run_on_ranks over the ranks of `pr` that this process runs.
 Status run_on_local_ranks(const ProcessRanks& pr, const std::function<Status(int64_t)>& fn);

@@ -260,12 +260,14 @@ TEST(MegaGate, NamesTheRule) {
   MoeConfig c;
   c.dispatch_format = DispatchFormat::kBf16;
   cases.push_back({g, c, "dispatch_format"});
-  c = MoeConfig{};
-  c.combine_dtype = CombineDtype::kMxfp8;
-  cases.push_back({g, c, "combine"});
-  c = MoeConfig{};
-  c.owner_reduce = OwnerReduce::kOn;
-  cases.push_back({g, c, "owner_reduce"});
+  for (CombineDtype wire : {CombineDtype::kMxfp8, CombineDtype::kNvfp4}) {  // staged sends: every wire runs
+    MoeConfig q;
+    q.combine_dtype = wire;
+    EXPECT_TRUE(mega_format_gate(g, q).is_ok()) << to_string(wire);
+  }
+  MoeConfig owner;
+  owner.owner_reduce = OwnerReduce::kOn;
+  EXPECT_TRUE(mega_format_gate(g, owner).is_ok());
   c = MoeConfig{};
   c.in_kernel_fc2_reduce = true;
   cases.push_back({g, c, "in-kernel FC2 reduce"});

@@ -102,6 +102,8 @@ struct MegaCase {
   Routing routing;
   bool bf16;
   int32_t block_m;  // Knobs::block_m (0: by T)
+  CombineDtype combine = CombineDtype::kBf16;
+  OwnerReduce owner_reduce = OwnerReduce::kAuto;  // auto: on with a quantised wire
 };
 
 class Sm90Mega : public ::testing::TestWithParam<MegaCase> {};
@@ -115,6 +117,8 @@ TEST_P(Sm90Mega, MatchesCpuBackendRepeatsAndReplaysBitwise) {
   MoeProblem problem = reference::make_random_problem(geometry(c.H, c.I, c.E, c.k, c.T_max), 1234, {c.T}, c.routing);
   MoeConfig cfg;
   cfg.knobs.block_m = c.block_m;
+  cfg.combine_dtype = c.combine;
+  cfg.owner_reduce = c.owner_reduce;
   if (c.bf16) {
     cfg.weight_format = WeightFormat::kBf16;
     cfg.dispatch_format = DispatchFormat::kBf16;
@@ -131,7 +135,7 @@ TEST_P(Sm90Mega, MatchesCpuBackendRepeatsAndReplaysBitwise) {
   const Status err = mega->check_error(s);
   ASSERT_TRUE(err.is_ok()) << err.to_string();
   const std::vector<uint16_t> y = d.output(), y_cpu = cpu_forward(*cpu, in, c.H, c.k);
-  const reference::ErrorBound bound = reference::same_points_bound(CombineDtype::kBf16);
+  const reference::ErrorBound bound = reference::same_points_bound(c.combine);
   const double rel = rel_l2_bf16(y, y_cpu);
   std::printf("[mega] %s: rel-L2 vs cpu backend = %.3e (bound %.2e)\n", c.name, rel, bound.rel_l2);
   EXPECT_LE(rel, bound.rel_l2);
@@ -194,7 +198,18 @@ INSTANTIATE_TEST_SUITE_P(
                       MegaCase{"Fp8_Tiny_TMax1024", 512, 256, 16, 4, 1024, 1024, Routing::kUniform, false, 0},
                       MegaCase{"Fp8_Tiny_T300_of_512", 512, 256, 16, 4, 512, 300, Routing::kWithDropped, false, 0},
                       MegaCase{"Bf16_Tiny_T33", 512, 256, 16, 4, 33, 33, Routing::kUniform, true, 0},
-                      MegaCase{"Bf16_Tiny_T200_BM128", 512, 256, 16, 4, 200, 200, Routing::kUniform, true, 128}),
+                      MegaCase{"Bf16_Tiny_T200_BM128", 512, 256, 16, 4, 200, 200, Routing::kUniform, true, 128},
+                      // staged combines: FC2's rows sent after FC2 in the wire's format
+                      MegaCase{"Fp8_Qwen3_30B_T96_Mxfp8Wire", 2048, 768, 128, 8, 96, 96, Routing::kWithDropped, false, 0,
+                               CombineDtype::kMxfp8},
+                      MegaCase{"Fp8_Tiny_T64_Nvfp4Wire", 512, 256, 16, 4, 64, 64, Routing::kUniform, false, 0,
+                               CombineDtype::kNvfp4},
+                      MegaCase{"Fp8_Tiny_T64_Mxfp8Wire_PerSlot", 512, 256, 16, 4, 64, 64, Routing::kUniform, false, 0,
+                               CombineDtype::kMxfp8, OwnerReduce::kOff},
+                      MegaCase{"Fp8_Tiny_T64_Bf16Wire_OwnerReduce", 512, 256, 16, 4, 64, 64, Routing::kUniform, false, 16,
+                               CombineDtype::kBf16, OwnerReduce::kOn},
+                      MegaCase{"Fp8_DeepSeekV3Dims_E16_T8_Mxfp8Wire", 7168, 2048, 16, 8, 8, 8, Routing::kUniform, false, 0,
+                               CombineDtype::kMxfp8}),
     [](const ::testing::TestParamInfo<MegaCase>& info) { return std::string(info.param.name); });
 
 // A 0-token forward launches and returns (y is empty), and the next forward is still right: the
@@ -220,16 +235,21 @@ TEST(Sm90MegaEdges, ZeroTokensThenTokens) {
   EXPECT_LE(rel, reference::kSamePointsRelL2);
 }
 
-// Bitwise equal to the routed backend where the arithmetic is the same: fp8-block weights, bf16 wire
-// one row per slot, the same BLOCK_M for both GEMMs (the dispatch quantisation, the GEMMs' K order
-// and promotion, the SwiGLU requant and the slot-order combine are the same code).
+// Bitwise equal to the routed backend where the arithmetic is the same: fp8-block weights, the same
+// BLOCK_M for both GEMMs (the dispatch quantisation, the GEMMs' K order and promotion, the SwiGLU
+// requant are the same code), and the same combine: a bf16 wire one row per slot (FC2's epilogue
+// weights and rounds each row once in both), or an mxfp8 wire with the owner reduce (both send from
+// FC2's unweighted bf16 rows through the same encoder and reduce).
 TEST(Sm90MegaEdges, BitwiseEqualToRoutedAtTheSameTiles) {
   MEGAMOE_REQUIRE_SM90_GPUS(1);
   cudaSetDevice(0);
-  for (int bm : {16, 64, 128}) {
+  for (int run = 0; run < 4; ++run) {
+    constexpr int kBlockMs[] = {16, 64, 128, 64};
+    const int bm = kBlockMs[run];
     MoeProblem problem = reference::make_random_problem(geometry(2048, 768, 128, 8, 96), 5, {96}, Routing::kWithDropped);
     MoeConfig c;
     c.knobs.block_m = bm;
+    if (run == 3) c.combine_dtype = CombineDtype::kMxfp8;  // staged send + owner reduce in both backends
     std::unique_ptr<MoeLayer> mega, routed;
     ASSERT_TRUE(make_layer(problem, c, Backend::kMega, &mega));
     ASSERT_TRUE(make_layer(problem, c, Backend::kRouted, &routed));
@@ -243,7 +263,8 @@ TEST(Sm90MegaEdges, BitwiseEqualToRoutedAtTheSameTiles) {
     const std::vector<uint16_t> yr = d.output();
     int64_t differ = 0;
     for (size_t i = 0; i < ym.size(); ++i) differ += ym[i] != yr[i];
-    std::printf("[mega] BLOCK_M %d: %lld of %zu outputs differ from routed's (rel-L2 %.3e)\n", bm,
+    std::printf("[mega] BLOCK_M %d, %s wire: %lld of %zu outputs differ from routed's (rel-L2 %.3e)\n", bm,
+                to_string(c.combine_dtype),
                 static_cast<long long>(differ), ym.size(), rel_l2_bf16(ym, yr));
     EXPECT_EQ(differ, 0) << "BLOCK_M " << bm;
   }
@@ -265,10 +286,10 @@ TEST(Sm90MegaEdges, AutoSelectsMegaUpToTheThresholdAndTheGateNamesTheRule) {
     EXPECT_EQ(layer->backend(), validated && T_max <= 64 ? Backend::kMega : Backend::kRouted) << layer->selection().reason;
   }
   MoeConfig q;
-  q.combine_dtype = CombineDtype::kMxfp8;
+  q.in_kernel_fc2_reduce = true;
   const Status gate = mega_capability(geometry(512, 256, 16, 4, 64), q);
   EXPECT_FALSE(gate.is_ok());
-  EXPECT_NE(gate.message().find("combine"), std::string::npos) << gate.message();
+  EXPECT_NE(gate.message().find("in-kernel FC2 reduce"), std::string::npos) << gate.message();
   EXPECT_FALSE(mega_capability(geometry(640, 256, 16, 4, 64), MoeConfig{}).is_ok());  // hidden % 256
 }
 
@@ -323,6 +344,7 @@ struct MegaEpCase {
   const char* name;
   int64_t H, I, E, k, R, T_max;
   Routing routing;
+  CombineDtype combine = CombineDtype::kBf16;
 };
 class Sm90MegaSharedGpu : public ::testing::TestWithParam<MegaEpCase> {};
 
@@ -334,11 +356,13 @@ TEST_P(Sm90MegaSharedGpu, MatchesCpuBackendWithUnevenAndEmptyRanks) {
   std::vector<int64_t> tokens(c.R);
   for (int64_t r = 0; r < c.R; ++r) tokens[r] = r == 0 ? 0 : r == 1 ? c.T_max : (c.T_max * r) / (c.R + 1);
   MoeProblem problem = reference::make_random_problem(g, 4321, tokens, c.routing);
-  Harness h(problem, MoeConfig{}, GroupKind::kSharedGpu, Backend::kMega);
+  MoeConfig cfg;
+  cfg.combine_dtype = c.combine;
+  Harness h(problem, cfg, GroupKind::kSharedGpu, Backend::kMega);
   ASSERT_TRUE(h.build());
   std::vector<std::vector<uint16_t>> y, y_cpu, y_again, y_graph, unused;
   ASSERT_TRUE(h.run(problem.ranks, &y, &y_cpu));
-  const double bound = reference::same_points_bound(CombineDtype::kBf16).rel_l2;
+  const double bound = reference::same_points_bound(c.combine).rel_l2;
   for (int64_t r = 0; r < c.R; ++r) {
     ASSERT_EQ(y[r].size(), y_cpu[r].size());
     if (y[r].empty()) continue;
@@ -360,7 +384,11 @@ INSTANTIATE_TEST_SUITE_P(
                       MegaEpCase{"Fp8_R2_DeepSeekV3Dims_E16_T8", 7168, 2048, 16, 8, 2, 8, Routing::kUniform},
                       MegaEpCase{"Fp8_R2_SingleExpert_T64", 512, 256, 16, 4, 2, 64, Routing::kSingleExpert},
                       MegaEpCase{"Fp8_R4_Tiny_T48", 512, 256, 16, 4, 4, 48, Routing::kUniform},
-                      MegaEpCase{"Fp8_R4_Qwen3_30B_T300", 2048, 768, 128, 8, 4, 300, Routing::kWithDropped}),
+                      MegaEpCase{"Fp8_R4_Qwen3_30B_T300", 2048, 768, 128, 8, 4, 300, Routing::kWithDropped},
+                      MegaEpCase{"Fp8_R2_Qwen3_30B_T64_Mxfp8Wire", 2048, 768, 128, 8, 2, 64, Routing::kWithDropped,
+                                 CombineDtype::kMxfp8},
+                      MegaEpCase{"Fp8_R4_Tiny_T48_Nvfp4Wire", 512, 256, 16, 4, 4, 48, Routing::kUniform,
+                                 CombineDtype::kNvfp4}),
     [](const ::testing::TestParamInfo<MegaEpCase>& info) { return std::string(info.param.name); });
 
 // Rank 1 of two logical ranks skips a launch: rank 0's kernel gives up at its dispatch wait and

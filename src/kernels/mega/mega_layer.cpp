@@ -2,7 +2,8 @@
 // FC1 + SwiGLU, FC2, combine) is one persistent kernel on the caller's stream
 // (src/kernels/mega/sm90_mega_kernel.cuh); no host synchronisation inside forward(); a captured
 // forward is one kernel node. Formats: fp8-block weights with fp8-block dispatch, or bf16 weights
-// with bf16 dispatch; a bf16 combine wire, one row per (token, slot); hidden a multiple of 256.
+// with bf16 dispatch; every combine wire (bf16 rows per slot written by FC2's epilogue; a quantised
+// wire or the owner reduce sent after FC2 from FC2's bf16 rows); hidden a multiple of 256.
 //
 // Buffers: the symmetric workspace (EpTransport, mega layout, shared through WorkspacePool by every
 // layer of the same geometry); the prepared weights (per layer); the kernel's local counters
@@ -88,11 +89,19 @@ class MegaMoeLayer final : public MoeLayer {
     for (int r = 0; r < transport_->size(); ++r)
       pa.peer_combine[r] = static_cast<char*>(transport_->peer_base(r)) + l.combine.offset;
     pa.scratch = scratch_->ptr;
+    if (mega::mega_staged_combine(l.params.combine_format, l.params.owner_reduce != 0)) {
+      // FC2's unweighted bf16 rows for the staged send (shared like the routed backend's expert_out).
+      if (!expert_out_)
+        MEGAMOE_RETURN_IF_ERROR(shared_scratch(device_, group_id_, rank_, kScratchExpertOut,
+                                               l.pool_rows * geometry_.hidden * 2, &expert_out_));
+      pa.expert_out = expert_out_->ptr;
+    }
     // One CTA per SM (fewer with Knobs::num_sms, to leave SMs to concurrent work; at most the rank's
     // SM budget on a shared device).
     const int budget = sm_budget_ > 0 ? std::min(sm_budget_, sms) : sms;
     pa.grid = config_.knobs.num_sms > 0 ? std::min(config_.knobs.num_sms, budget) : budget;
     pa.block_m_knob = config_.knobs.block_m;
+    pa.cooperative = sm_budget_ == 0;
     MEGAMOE_RETURN_IF_ERROR(mega::make_mega_plan(pa, &plan_));
     return Status::ok();
   }
@@ -197,7 +206,7 @@ class MegaMoeLayer final : public MoeLayer {
   int last_block_m_ = 0;
   std::unique_ptr<EpTransport> transport_;
   ExpertWeightBuffers weights_dev_;
-  std::shared_ptr<DeviceBuffer> scratch_, trace_buf_;
+  std::shared_ptr<DeviceBuffer> scratch_, expert_out_, trace_buf_;
   uint64_t* trace_ = nullptr;
   cudaEvent_t trace_done_ = nullptr;  // recorded after each traced forward
   mega::MegaPlanPtr plan_;
@@ -217,11 +226,6 @@ Status mega_format_gate(const MoeGeometry& g, const MoeConfig& c) {
   if (c.weight_format != WeightFormat::kFp8Block && c.weight_format != WeightFormat::kBf16)
     return Status(StatusCode::kUnavailable, std::string("the mega backend has no ") + to_string(c.weight_format) +
                                                 " weights yet (fp8-block or bf16)");
-  if (c.combine_dtype != CombineDtype::kBf16)
-    return Status(StatusCode::kUnavailable, std::string("the mega backend has no ") + to_string(c.combine_dtype) +
-                                                " combine wire yet (combine_dtype=bf16)");
-  if (c.uses_owner_reduce())
-    return Status(StatusCode::kUnavailable, "the mega backend sends one combine row per (token, slot): owner_reduce must be off");
   if (c.in_kernel_fc2_reduce)
     return Status(StatusCode::kUnavailable, "the mega backend has no in-kernel FC2 reduce yet");
   if (g.hidden % mega::kMegaBlockN != 0)

@@ -45,11 +45,10 @@ Status bad(const std::string& field, const std::string& value, const std::string
 }
 
 // How many CTAs of the configuration at (block_m, fp8) an SM holds (raising its shared-memory limit).
-cudaError_t occupancy(int bm, bool fp8, int combine_format, int* ctas) {
+cudaError_t occupancy(int bm, bool fp8, int* ctas) {
   cudaError_t err = cudaErrorInvalidConfiguration;
-#define MEGAMOE_MEGA_OCC(BM, FP8, FMT)                                                                     \
-  if (bm == BM && fp8 == FP8 && combine_format == FMT)                                                    \
-    err = mega_config_occupancy<MegaFc2Cfg<BM, FP8>, MegaFc1Cfg<BM, FP8>, FMT>(ctas);
+#define MEGAMOE_MEGA_OCC(BM, FP8) \
+  if (bm == BM && fp8 == FP8) err = mega_config_occupancy<MegaFc2Cfg<BM, FP8>, MegaFc1Cfg<BM, FP8>>(ctas);
   MEGAMOE_MEGA_CONFIGS(MEGAMOE_MEGA_OCC)
 #undef MEGAMOE_MEGA_OCC
   return err;
@@ -68,8 +67,10 @@ Status make_mega_plan(const MegaPlanArgs& args, MegaPlanPtr* out) {
   if (H % kMegaBlockN != 0) return bad("hidden", std::to_string(H), "must be a multiple of 256 (FC2's 256-wide tiles)");
   if (El > kMegaMaxLocalExperts) return bad("experts_per_rank", std::to_string(El), "must be <= 512");
   if (t.num_experts > kMegaMaxExperts) return bad("num_experts", std::to_string(t.num_experts), "must be <= 4096");
-  if (wp.combine_format != kWsBf16 || wp.owner_reduce || wp.in_kernel_fc2_reduce)
-    return bad("combine", std::to_string(wp.combine_format), "the kernel sends bf16 rows per slot");
+  if (wp.in_kernel_fc2_reduce) return bad("in_kernel_fc2_reduce", "1", "not built for the mega kernel");
+  const bool staged = mega_staged_combine(wp.combine_format, wp.owner_reduce != 0);
+  if (staged && args.expert_out == nullptr)
+    return bad("expert_out", "null", "required with a quantised combine wire or the owner reduce (the staged send)");
   if (args.fp8 != (wp.dispatch_format == kWsFp8Block) || args.fp8 != (wp.intermediate_format == kWsFp8Block))
     return bad("dispatch_format", std::to_string(wp.dispatch_format), "must match the weights (fp8-block or bf16)");
   if (args.grid < 1) return bad("grid", std::to_string(args.grid), "must be >= 1");
@@ -128,11 +129,15 @@ Status make_mega_plan(const MegaPlanArgs& args, MegaPlanPtr* out) {
     fc2.ldd = H;
     fc2.d_scales = nullptr;
     fc2.ld_d_scales = 0;
-    fc2.row_map = t.pool_dst;
-    fc2.row_weight = t.pool_weight;
-    fc2.num_peer_d = t.sig.num_ranks;
-    fc2.peer_d_rows = static_cast<int32_t>(wp.max_tokens_per_rank * wp.top_k);
-    for (int r = 0; r < t.sig.num_ranks; ++r) fc2.peer_d[r] = args.peer_combine[r];
+    if (staged) {  // unweighted bf16 rows of the pool, sent after FC2 in the wire's format
+      fc2.d = args.expert_out;
+    } else {  // each row's weighted bf16 partial into its source's combine row (the routed FC2's sink)
+      fc2.row_map = t.pool_dst;
+      fc2.row_weight = t.pool_weight;
+      fc2.num_peer_d = t.sig.num_ranks;
+      fc2.peer_d_rows = static_cast<int32_t>(wp.max_tokens_per_rank * wp.top_k);
+      for (int r = 0; r < t.sig.num_ranks; ++r) fc2.peer_d[r] = args.peer_combine[r];
+    }
     if (args.fp8) {
       fc2.a_scales = fc1.d_scales;
       fc2.ld_a_scales = plan->ld_pool;
@@ -147,7 +152,7 @@ Status make_mega_plan(const MegaPlanArgs& args, MegaPlanPtr* out) {
         return Status(StatusCode::kInternal, "mega plan: the GEMM planner chose other tiles (" + gp->tiles.to_string() +
                                                  ") than the kernel's " + std::to_string(bm) + " x 256");
     int ctas = 0;
-    const cudaError_t err = occupancy(bm, args.fp8, wp.combine_format, &ctas);
+    const cudaError_t err = occupancy(bm, args.fp8, &ctas);
     if (err != cudaSuccess)
       return Status(StatusCode::kCudaError, std::string("mega plan: occupancy query failed: ") + cudaGetErrorString(err));
     // invariant: all CTAs resident (the kernel's CTAs wait for each other): refuse a grid that may not be.
@@ -193,6 +198,15 @@ Status launch_mega(const MegaPlan& plan, const MegaForwardArgs& f, cudaStream_t 
   a.reduce_parts = mega_reduce_parts(T, int64_t(pa.grid) * mega_math_warps(bm),
                                      kernels::combine_reduce_rounds(wp.combine_format, wp.hidden));
   a.ld_pool = plan.ld_pool;
+  a.staged = mega_staged_combine(wp.combine_format, wp.owner_reduce != 0) ? 1 : 0;
+  a.expert_out = static_cast<uint16_t*>(pa.expert_out);
+  {
+    // (row, part) items of the send: about two per math warp at small T (this rank's T * rows per
+    // token as the estimate of the rows it owns), at most the row's rounds.
+    const int64_t per_token = wp.owner_reduce ? std::min<int64_t>(wp.top_k, wp.ep_size) : wp.top_k;
+    a.send_parts = mega_reduce_parts(T * per_token, 2 * int64_t(pa.grid) * mega_math_warps(bm),
+                                     kernels::combine_send_rounds(wp.combine_format, wp.hidden));
+  }
   char* scratch = static_cast<char*>(pa.scratch);
   a.ctr = reinterpret_cast<MegaCounters*>(scratch + plan.scratch.counters);
   a.expert_fill = reinterpret_cast<int32_t*>(scratch + plan.scratch.expert_fill);
@@ -201,9 +215,9 @@ Status launch_mega(const MegaPlan& plan, const MegaForwardArgs& f, cudaStream_t 
   a.trace = f.trace;
   const MegaGemms& g = plan.gemms[block_m_index(bm)];
   cudaError_t err = cudaErrorInvalidConfiguration;
-#define MEGAMOE_MEGA_LAUNCH(BM, FP8, FMT)                                                                  \
-  if (bm == BM && pa.fp8 == FP8 && wp.combine_format == FMT)                                             \
-    err = launch_mega_config<MegaFc2Cfg<BM, FP8>, MegaFc1Cfg<BM, FP8>, FMT>(g, a, pa.grid, stream);
+#define MEGAMOE_MEGA_LAUNCH(BM, FP8) \
+  if (bm == BM && pa.fp8 == FP8)    \
+    err = launch_mega_config<MegaFc2Cfg<BM, FP8>, MegaFc1Cfg<BM, FP8>>(g, a, pa.grid, pa.cooperative, stream);
   MEGAMOE_MEGA_CONFIGS(MEGAMOE_MEGA_LAUNCH)
 #undef MEGAMOE_MEGA_LAUNCH
   if (err != cudaSuccess)

@@ -27,9 +27,24 @@ struct MegaPlanArgs {
   bool pow2_scales = false;            // FC1's requant scales
   void* peer_combine[kernels::kMaxTransportRanks] = {};  // every rank's combine region (FC2's rows)
   void* scratch = nullptr;             // MegaScratchLayout (mega_schedule.h), zero at rest
+  // FC2's bf16 rows [pool_rows, H] (local) when the combine sends them after FC2 (a quantised wire or
+  // the owner reduce: mega_staged_combine); null otherwise.
+  void* expert_out = nullptr;
   int grid = 0;                        // CTAs of every launch: <= the SMs this rank may occupy
+  // A cooperative launch (the driver refuses a grid that cannot be resident at once). false on a GPU
+  // shared by logical ranks: each rank's grid is within its SM budget, so all ranks' CTAs are resident
+  // together, and a plain launch does not depend on how the driver schedules cooperative grids of
+  // several streams.
+  bool cooperative = true;
   int block_m_knob = 0;                // Knobs::block_m (0: by the forward's tokens)
 };
+
+// Whether the combine is staged: FC2 writes unweighted bf16 rows and the kernel sends them after
+// every CTA's FC2 (a quantised wire, or the owner reduce's per-(token, owner) sums); else FC2's
+// epilogue writes each row's weighted bf16 partial straight into its source's combine row.
+inline bool mega_staged_combine(int32_t combine_format, bool owner_reduce) {
+  return combine_format != kWsBf16 || owner_reduce;
+}
 
 class MegaPlan;
 struct MegaPlanDeleter {

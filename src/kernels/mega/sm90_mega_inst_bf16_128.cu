@@ -2,5 +2,5 @@
 #include "kernels/mega/sm90_mega_launch.cuh"
 
 namespace megamoe::mega {
-MEGAMOE_MEGA_INSTANTIATE(128, false, kWsBf16)
+MEGAMOE_MEGA_INSTANTIATE(128, false)
 }  // namespace megamoe::mega

@@ -2,5 +2,5 @@
 #include "kernels/mega/sm90_mega_launch.cuh"
 
 namespace megamoe::mega {
-MEGAMOE_MEGA_INSTANTIATE(16, true, kWsBf16)
+MEGAMOE_MEGA_INSTANTIATE(16, true)
 }  // namespace megamoe::mega

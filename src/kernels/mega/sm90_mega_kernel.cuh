@@ -60,6 +60,7 @@
 #include "kernels/gemm/sm90_gemm_producer.cuh"
 #include "kernels/mega/mega_schedule.h"
 #include "kernels/transport/sm90_combine_reduce.cuh"
+#include "kernels/transport/sm90_combine_wire.cuh"
 #include "kernels/transport/sm90_dispatch.cuh"
 
 namespace megamoe::mega {
@@ -99,6 +100,14 @@ struct MegaArgs {
   int32_t tokens_per_cta;         // dispatch chunk (<= threads)
   int32_t dispatch_parts;         // work items per token
   int32_t reduce_parts;           // (token, part) items of the reduce
+  // 0: FC2's epilogue writes each row's weighted bf16 partial into its source's combine row (bf16
+  // wire, one row per slot). 1: FC2 writes unweighted bf16 rows into expert_out, and after every
+  // CTA's FC2 (a grid barrier) the math warps send them in the combine wire's format (combine_format;
+  // with the owner reduce, one fp32 sum of a token's local slots per (token, owner)): the transport's
+  // encoders (sm90_combine_wire.cuh).
+  int32_t staged;
+  int32_t send_parts;             // staged: (row or token, part) items of the send
+  uint16_t* expert_out;           // staged: [P, H] bf16 (local)
   int64_t ld_pool;                // M-major stride of pool_x_scales and intermediate_scales (rows)
   MegaCounters* ctr;
   int32_t* expert_fill;           // [E_l]
@@ -172,12 +181,14 @@ __device__ __forceinline__ bool wait_local(const SignalCtx& sig, int32_t stage, 
   }
 }
 
-// Grid barrier of one launch's CTAs (every thread of the CTA calls it; all CTAs resident). Thread 0
+// Grid barrier of one launch's CTAs (the threads cta_sync() covers call it, thread 0 among them; all
+// CTAs resident). Thread 0
 // arrives (acq_rel: the CTA's writes before the barrier are released, the last arriver acquires them
 // all) and waits for the generation to move; the last arriver resets the count and bumps the
 // generation (release). Bounded: false after a timeout or an abort (recorded).
-__device__ __forceinline__ bool grid_barrier(MegaCounters* c, const SignalCtx& sig, bool* s_ok) {
-  __syncthreads();
+template <class CtaSync>
+__device__ __forceinline__ bool grid_barrier(MegaCounters* c, const SignalCtx& sig, bool* s_ok, const CtaSync& cta_sync) {
+  cta_sync();
   if (threadIdx.x == 0) {
     const uint32_t gen = ld_acquire_gpu_u32(&c->bar_generation);  // read before arriving
     bool ok = true;
@@ -193,8 +204,12 @@ __device__ __forceinline__ bool grid_barrier(MegaCounters* c, const SignalCtx& s
     }
     *s_ok = ok;
   }
-  __syncthreads();
+  cta_sync();
   return *s_ok;
+}
+// ... of every thread of the CTA.
+__device__ __forceinline__ bool grid_barrier(MegaCounters* c, const SignalCtx& sig, bool* s_ok) {
+  return grid_barrier(c, sig, s_ok, [] { __syncthreads(); });
 }
 
 // Shared memory of the prologue (aliases the GEMM's B ring, which TMA fills only afterwards).
@@ -364,15 +379,24 @@ __device__ __forceinline__ bool mega_prologue(const MegaArgs& a, MegaPrologueSme
     const int32_t* meta = reinterpret_cast<const int32_t*>(sig.own_base + tr.layout.recv_meta.offset +
                                                            recv_row * tr.layout.meta_bytes);
     const int32_t e = meta[1 + j];  // the slot's local expert, -1 when not here (never trusted blindly)
-    if (e < 0 || e >= El) continue;  // warp-uniform: every lane read the same word
+    // The owner reduce's inverse map: every slot of every received row gets its pool row or -1.
+    int32_t* const recv_pool_row = tr.layout.params.owner_reduce ? tr.recv_pool_row + recv_row * k + j : nullptr;
+    if (e < 0 || e >= El) {  // warp-uniform: every lane read the same word
+      if (recv_pool_row != nullptr && lane == 0) *recv_pool_row = -1;
+      continue;
+    }
     int32_t idx = 0;
     if (lane == 0) idx = atomicAdd(&a.expert_fill[e], 1);
     idx = __shfl_sync(0xffffffffu, idx, 0);
     if (idx >= s.counts[e]) {  // more rows than the sources counted: inconsistent input
-      if (lane == 0) atomicAdd(&tr.input_status->pool_overflow, 1);
+      if (lane == 0) {
+        atomicAdd(&tr.input_status->pool_overflow, 1);
+        if (recv_pool_row != nullptr) *recv_pool_row = -1;
+      }
       continue;
     }
     const int64_t p = s.offsets[e] + idx;
+    if (recv_pool_row != nullptr && lane == 0) *recv_pool_row = static_cast<int32_t>(p);
     copy_row_batched(reinterpret_cast<const uint4*>(recv_x + recv_row * row_bytes),
                      reinterpret_cast<uint4*>(pool_x + p * row_bytes), row_bytes / 16, lane);
     if constexpr (kFp8Wire) {  // M-major: FC1's TMA reads [kb][row]
@@ -399,6 +423,82 @@ __device__ __forceinline__ bool mega_prologue(const MegaArgs& a, MegaPrologueSme
   return dispatched && *reinterpret_cast<volatile int32_t*>(&sig.error_cell->flag) == 0;
 }
 
+// Per-warp shared staging of the staged send (kMaxWarps: the most math warps a CTA has).
+constexpr int kMegaMaxMathWarps = 8;
+struct MegaSendSmem {
+  uint8_t scales[kMegaMaxMathWarps][32];                        // a block scale row (mxfp8 / nvfp4)
+  int32_t rows[kMegaMaxMathWarps][kernels::kMaxTopK];           // owner reduce: a token's local pool rows
+  float weights[kMegaMaxMathWarps][kernels::kMaxTopK];          // ... and their routing weights
+  int32_t start[kernels::kMaxTransportRanks + 1];               // owner reduce: received tokens per source
+};
+
+// The staged send: every pool row's weighted partial (kOwner: every received token's slot-order sum
+// of them) from expert_out, encoded in kFormat, into its source's combine row; (unit, part) items
+// over the grid's math warps. The transport's encoders, so the rows are the routed backend's bits.
+template <int kFormat, bool kOwner>
+__device__ __forceinline__ void mega_send_rows(const MegaArgs& a, MegaSendSmem& s, int64_t warp_id, int64_t num_warps,
+                                               int warp, int lane) {
+  const TransportArgs& tr = a.tr;
+  const int R = tr.sig.num_ranks;
+  const int64_t k = tr.top_k(), H = tr.hidden(), T_max = tr.t_max(), wire = tr.layout.wire_row_bytes;
+  const int64_t units = kOwner ? s.start[R] : tr.own<int32_t>(tr.layout.expert_offsets)[tr.experts_per_rank()];
+  const int64_t rounds = kernels::combine_send_rounds(kFormat, H);
+  const uint32_t uparts = static_cast<uint32_t>(a.send_parts), urounds = static_cast<uint32_t>(rounds);
+  // invariant: units * parts < 2^31 (pool rows <= R * T_max * k, parts <= the row's rounds)
+  for (int64_t item = warp_id; item < units * uparts; item += num_warps) {
+    const uint32_t u = static_cast<uint32_t>(item) / uparts, part = static_cast<uint32_t>(item) - u * uparts;
+    const int64_t rb = urounds * part / uparts, re = urounds * (part + 1) / uparts;
+    if constexpr (kOwner) {
+      int src;
+      uint32_t i;
+      kernels::locate_recv_row(s.start, R, u, &src, &i);
+      const int64_t w = src * T_max + i, t = kernels::recv_row_token(tr, w);
+      if (t < 0) continue;  // warp-uniform, as n below
+      const int n = kernels::owner_slots(tr, w, lane, s.rows[warp], s.weights[warp]);
+      if (n == 0) continue;
+      const kernels::OwnerSum<uint16_t> from{a.expert_out, H, s.rows[warp], s.weights[warp], n};
+      kernels::send_row<kFormat>(tr, from, tr.sig.peer_ptr(src, tr.layout.combine.offset) + (t * R + tr.sig.rank) * wire,
+                                 rb, re, lane, s.scales[warp]);
+    } else {
+      const int32_t dst = tr.pool_dst[u];  // (source * T_max + token) * k + slot, -1: none
+      if (dst < 0) continue;
+      const int64_t per_rank = T_max * k;
+      const int src = static_cast<int>(dst / per_rank);
+      const kernels::SlotPartial<uint16_t> from{a.expert_out + int64_t(u) * H, tr.pool_weight[u]};
+      kernels::send_row<kFormat>(tr, from, tr.sig.peer_ptr(src, tr.layout.combine.offset) + (dst - src * per_rank) * wire,
+                                 rb, re, lane, s.scales[warp]);
+    }
+  }
+}
+
+// This rank's tokens, (token, part) items over the grid's math warps (every owner's rows are here).
+template <int kFormat, bool kOwner>
+__device__ __forceinline__ void mega_reduce_tokens(const MegaArgs& a, int64_t warp_id, int64_t num_warps, int lane) {
+  const int64_t rounds = kernels::combine_reduce_rounds(kFormat, a.tr.hidden());
+  const uint32_t uparts = static_cast<uint32_t>(a.reduce_parts), urounds = static_cast<uint32_t>(rounds);
+  for (int64_t item = warp_id; item < a.tr.num_tokens * a.reduce_parts; item += num_warps) {
+    const uint32_t tok = static_cast<uint32_t>(item) / uparts;
+    const uint32_t part = static_cast<uint32_t>(item) - tok * uparts;
+    kernels::reduce_token<kFormat, kOwner>(a.tr, a.topk_ids, a.y, tok, urounds * part / uparts,
+                                           urounds * (part + 1) / uparts, lane);
+  }
+}
+
+// The wire format and mode as template arguments (the staged path's choice, made once per launch).
+template <class F>
+__device__ __forceinline__ void with_wire(int32_t format, bool owner, const F& f) {
+  if (format == kWsMxfp8) {
+    if (owner) f(std::integral_constant<int, kWsMxfp8>(), std::true_type());
+    else f(std::integral_constant<int, kWsMxfp8>(), std::false_type());
+  } else if (format == kWsNvfp4) {
+    if (owner) f(std::integral_constant<int, kWsNvfp4>(), std::true_type());
+    else f(std::integral_constant<int, kWsNvfp4>(), std::false_type());
+  } else {
+    if (owner) f(std::integral_constant<int, kWsBf16>(), std::true_type());
+    else f(std::integral_constant<int, kWsBf16>(), std::false_type());
+  }
+}
+
 // GroupedGemmSmem of another configuration with the same ring (FC1's SwiGLU epilogue over the FC2
 // configuration's carve).
 template <class To, class From>
@@ -422,8 +522,8 @@ __device__ __forceinline__ gemm::GroupedGemmSmem<To> rebind_smem(const gemm::Gro
 }
 
 // Cfg: the FC2 configuration (store-bf16; the carve, producer and math of both GEMMs); Cfg1 the FC1
-// configuration (SwiGLU epilogue); kFormat the combine wire.
-template <class Cfg, class Cfg1, int kFormat>
+// configuration (SwiGLU epilogue). The combine's wire and mode are MegaArgs' (staged, format, owner).
+template <class Cfg, class Cfg1>
 __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
     sm90_mega_kernel(const __grid_constant__ CUtensorMap tmap_a1, const __grid_constant__ CUtensorMap tmap_b1,
                      const __grid_constant__ CUtensorMap tmap_sfa1, const __grid_constant__ CUtensorMap tmap_a2,
@@ -437,6 +537,7 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
   constexpr int kThreads = Cfg::kNumThreads;
   constexpr int kMathWarps = Cfg::kMathThreads / 32;
   static_assert(kThreads == mega_threads(Cfg::kBlockM) && kMathWarps == mega_math_warps(Cfg::kBlockM), "mega_schedule.h");
+  static_assert(kMathWarps <= kMegaMaxMathWarps, "the send's per-warp staging");
   extern __shared__ uint8_t smem_raw[];
   const gemm::GroupedGemmSmem<Cfg> sm = gemm::GroupedGemmSmem<Cfg>::carve(smem_raw, p1.num_experts);
   static_assert(sizeof(MegaPrologueSmem<kThreads>) <= Cfg::kStages * Cfg::kStageB, "the prologue fits the B ring");
@@ -550,8 +651,25 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
     }
     // ---- combine ----
     constexpr uint32_t kMathBarrier = 2;  // named barrier of the math threads (the epilogues use 1)
-    gemm::ptx::named_barrier_sync(kMathBarrier, Cfg::kMathThreads);  // every partial of this CTA is stored
+    const auto math_sync = [] { gemm::ptx::named_barrier_sync(kMathBarrier, Cfg::kMathThreads); };
+    const int warp = threadIdx.x / 32;
+    const int64_t warp_id = int64_t(blockIdx.x) * kMathWarps + warp, num_warps = int64_t(gridDim.x) * kMathWarps;
+    const int32_t format = a.tr.layout.params.combine_format;
+    const bool owner = a.tr.layout.params.owner_reduce != 0;
     __shared__ bool s_combine_ok;
+    __shared__ MegaSendSmem s_send;
+    if (a.staged) {
+      // Every CTA's FC2 rows are in expert_out (the owner reduce sums rows of several CTAs' tiles).
+      bool sent_ok = grid_barrier(a.ctr, sig, &s_combine_ok, math_sync);
+      if (threadIdx.x == 0 && owner) kernels::recv_row_starts(a.tr, s_send.start);
+      math_sync();
+      if (sent_ok) {
+        with_wire(format, owner, [&](auto fmt, auto own) {
+          mega_send_rows<decltype(fmt)::value, decltype(own)::value>(a, s_send, warp_id, num_warps, warp, lane);
+        });
+      }
+    }
+    math_sync();  // every partial of this CTA is stored
     if (threadIdx.x == 0) {
       if (trace != nullptr) {
         trace[kTraceFc1Done] = fc1_last;
@@ -566,21 +684,18 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
       s_combine_ok = kernels::wait_combine_all(local, epoch);
       if (trace != nullptr) trace[kTraceCombineIn] = kernels::globaltimer_ns();
     }
-    gemm::ptx::named_barrier_sync(kMathBarrier, Cfg::kMathThreads);
+    math_sync();
     if (s_combine_ok) {
-      const int64_t rounds = kernels::combine_reduce_rounds(kFormat, a.tr.hidden());
-      const uint32_t uparts = static_cast<uint32_t>(a.reduce_parts), urounds = static_cast<uint32_t>(rounds);
-      const int64_t warps = int64_t(gridDim.x) * kMathWarps;
-      for (int64_t item = int64_t(blockIdx.x) * kMathWarps + threadIdx.x / 32; item < a.tr.num_tokens * a.reduce_parts;
-           item += warps) {
-        const uint32_t tok = static_cast<uint32_t>(item) / uparts;
-        const uint32_t part = static_cast<uint32_t>(item) - tok * uparts;
-        kernels::reduce_token<kFormat, false>(a.tr, a.topk_ids, a.y, tok, urounds * part / uparts,
-                                              urounds * (part + 1) / uparts, lane);
+      if (a.staged) {
+        with_wire(format, owner, [&](auto fmt, auto own) {
+          mega_reduce_tokens<decltype(fmt)::value, decltype(own)::value>(a, warp_id, num_warps, lane);
+        });
+      } else {
+        mega_reduce_tokens<kWsBf16, false>(a, warp_id, num_warps, lane);
       }
     }
     if (trace != nullptr) {
-      gemm::ptx::named_barrier_sync(kMathBarrier, Cfg::kMathThreads);
+      math_sync();
       if (threadIdx.x == 0) trace[kTraceDone] = kernels::globaltimer_ns();
     }
   }

@@ -24,7 +24,7 @@ constexpr int mega_smem_bytes() {
 
 // Raises the dynamic shared memory limit (once per device) and returns how many CTAs of this
 // configuration one SM holds.
-template <class Cfg, class Cfg1, int kFormat>
+template <class Cfg, class Cfg1>
 cudaError_t mega_config_occupancy(int* ctas_per_sm) {
   static std::mutex mutex;
   static uint64_t raised_on = 0;  // bit d: raised on CUDA device d (d < 64)
@@ -32,7 +32,7 @@ cudaError_t mega_config_occupancy(int* ctas_per_sm) {
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
   if (device < 0 || device >= 64) return cudaErrorInvalidDevice;
-  const auto kernel = sm90_mega_kernel<Cfg, Cfg1, kFormat>;
+  const auto kernel = sm90_mega_kernel<Cfg, Cfg1>;
   {
     std::lock_guard<std::mutex> lock(mutex);
     if (!(raised_on >> device & 1u)) {
@@ -44,9 +44,10 @@ cudaError_t mega_config_occupancy(int* ctas_per_sm) {
   return cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas_per_sm, kernel, Cfg::kNumThreads, mega_smem_bytes<Cfg>());
 }
 
-// A cooperative launch: the driver refuses it unless every CTA can be resident at once.
-template <class Cfg, class Cfg1, int kFormat>
-cudaError_t launch_mega_config(const MegaGemms& g, const MegaArgs& a, int grid, cudaStream_t stream) {
+// A cooperative launch (the driver refuses it unless every CTA can be resident at once), or a plain one
+// whose residency the plan checked (a shared GPU: MegaPlanArgs::cooperative).
+template <class Cfg, class Cfg1>
+cudaError_t launch_mega_config(const MegaGemms& g, const MegaArgs& a, int grid, bool cooperative, cudaStream_t stream) {
   cudaLaunchConfig_t lc{};
   lc.gridDim = dim3(unsigned(grid));
   lc.blockDim = dim3(unsigned(Cfg::kNumThreads));
@@ -55,33 +56,32 @@ cudaError_t launch_mega_config(const MegaGemms& g, const MegaArgs& a, int grid, 
   cudaLaunchAttribute attr{};
   attr.id = cudaLaunchAttributeCooperative;
   attr.val.cooperative = 1;
-  lc.attrs = &attr;
-  lc.numAttrs = 1;
-  return cudaLaunchKernelEx(&lc, sm90_mega_kernel<Cfg, Cfg1, kFormat>, g.fc1.tmap_a, g.fc1.tmap_b, g.fc1.tmap_sfa,
+  lc.attrs = cooperative ? &attr : nullptr;
+  lc.numAttrs = cooperative ? 1 : 0;
+  return cudaLaunchKernelEx(&lc, sm90_mega_kernel<Cfg, Cfg1>, g.fc1.tmap_a, g.fc1.tmap_b, g.fc1.tmap_sfa,
                             g.fc2.tmap_a, g.fc2.tmap_b, g.fc2.tmap_sfa, g.fc1.params, g.fc2.params, a);
 }
 
-// X(BLOCK_M, fp8, combine format)
+// X(BLOCK_M, fp8): the combine's wire and mode are runtime arguments (MegaArgs).
 #define MEGAMOE_MEGA_CONFIGS(X) \
-  X(16, true, kWsBf16)          \
-  X(64, true, kWsBf16)          \
-  X(128, true, kWsBf16)         \
-  X(64, false, kWsBf16)         \
-  X(128, false, kWsBf16)
+  X(16, true)                   \
+  X(64, true)                   \
+  X(128, true)                  \
+  X(64, false)                  \
+  X(128, false)
 
 template <int BM, bool kFp8>
 using MegaFc2Cfg = gemm::GroupedGemmConfig<BM, kMegaBlockN, kFp8, gemm::kEpiStoreBf16, 1>;
 template <int BM, bool kFp8>
 using MegaFc1Cfg = gemm::GroupedGemmConfig<BM, kMegaBlockN, kFp8, kFp8 ? gemm::kEpiSwigluFp8 : gemm::kEpiSwigluBf16, 1>;
 
-#define MEGAMOE_MEGA_EXTERN(BM, FP8, FMT)                                                                          \
-  extern template cudaError_t launch_mega_config<MegaFc2Cfg<BM, FP8>, MegaFc1Cfg<BM, FP8>, FMT>(                   \
-      const MegaGemms&, const MegaArgs&, int, cudaStream_t);                                                       \
-  extern template cudaError_t mega_config_occupancy<MegaFc2Cfg<BM, FP8>, MegaFc1Cfg<BM, FP8>, FMT>(int*);
-#define MEGAMOE_MEGA_INSTANTIATE(BM, FP8, FMT)                                                                     \
-  template cudaError_t launch_mega_config<MegaFc2Cfg<BM, FP8>, MegaFc1Cfg<BM, FP8>, FMT>(const MegaGemms&,        \
-                                                                                     const MegaArgs&, int,         \
-                                                                                     cudaStream_t);                \
-  template cudaError_t mega_config_occupancy<MegaFc2Cfg<BM, FP8>, MegaFc1Cfg<BM, FP8>, FMT>(int*);
+#define MEGAMOE_MEGA_EXTERN(BM, FP8)                                                                               \
+  extern template cudaError_t launch_mega_config<MegaFc2Cfg<BM, FP8>, MegaFc1Cfg<BM, FP8>>(                        \
+      const MegaGemms&, const MegaArgs&, int, bool, cudaStream_t);                                                 \
+  extern template cudaError_t mega_config_occupancy<MegaFc2Cfg<BM, FP8>, MegaFc1Cfg<BM, FP8>>(int*);
+#define MEGAMOE_MEGA_INSTANTIATE(BM, FP8)                                                                          \
+  template cudaError_t launch_mega_config<MegaFc2Cfg<BM, FP8>, MegaFc1Cfg<BM, FP8>>(                               \
+      const MegaGemms&, const MegaArgs&, int, bool, cudaStream_t);                                                 \
+  template cudaError_t mega_config_occupancy<MegaFc2Cfg<BM, FP8>, MegaFc1Cfg<BM, FP8>>(int*);
 
 }  // namespace megamoe::mega

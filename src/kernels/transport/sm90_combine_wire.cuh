@@ -420,5 +420,77 @@ __device__ __forceinline__ void send_row(const TransportArgs& a, const Src& src,
   else send_nvfp4_part(src, dst, H, rb, re, lane, scales);
 }
 
+// Where pool row p's partial goes, from pool_src and its recv row's metadata: false for padding
+// rows and rows whose source or token is out of range.
+struct RowTarget {
+  int s;          // source rank
+  int64_t i;      // recv row within the source's region (the source's i-th token sent here)
+  int64_t t, j;   // source token and slot
+  float w;
+};
+__device__ __forceinline__ bool row_target(const TransportArgs& a, int64_t p, RowTarget* rt) {
+  const int32_t src = a.own<int32_t>(a.layout.pool_src)[p];
+  if (src < 0) return false;
+  const int64_t k = a.top_k(), T_max = a.t_max();
+  // 32-bit divisions (src < R * T_max * k < 2^24): a 64-bit one is a call of ~70 instructions.
+  const uint32_t uk = static_cast<uint32_t>(k), utm = static_cast<uint32_t>(T_max);
+  const uint32_t recv_row = static_cast<uint32_t>(src) / uk, s = recv_row / utm;
+  rt->j = static_cast<uint32_t>(src) - recv_row * uk;
+  rt->s = static_cast<int>(s);
+  rt->i = recv_row - s * utm;
+  if (rt->s >= a.sig.num_ranks) return false;
+  const int32_t* meta = reinterpret_cast<const int32_t*>(a.sig.own_base + a.layout.recv_meta.offset +
+                                                         recv_row * a.layout.meta_bytes);
+  rt->t = meta[0];
+  if (rt->t < 0 || rt->t >= T_max) return false;
+  rt->w = __int_as_float(meta[1 + k + rt->j]);
+  return true;
+}
+
+// Owner reduce: the received tokens in (source, recv row) order. start[s] = received tokens of the
+// sources before s (clamped to T_max), start[R] = all; by one thread, into shared memory.
+__device__ __forceinline__ void recv_row_starts(const TransportArgs& a, int32_t* start) {
+  const int32_t* counts = a.own<int32_t>(a.layout.recv_token_counts);
+  const int32_t T_max = static_cast<int32_t>(a.t_max());
+  int32_t acc = 0;
+  start[0] = 0;
+  for (int s = 0; s < a.sig.num_ranks; ++s) {
+    acc += min(max(counts[s], 0), T_max);
+    start[s + 1] = acc;
+  }
+}
+
+// The u-th received token (u < start[R]): its source and recv row within the source's region.
+__device__ __forceinline__ void locate_recv_row(const int32_t* start, int R, uint32_t u, int* s, uint32_t* i) {
+  int r = 0;
+  while (r + 1 < R && u >= static_cast<uint32_t>(start[r + 1])) ++r;
+  *s = r;
+  *i = u - static_cast<uint32_t>(start[r]);
+}
+
+// Owner reduce, by the whole warp: the pool rows and weights of recv row w's local slots, in slot
+// order, into the warp's staging; returns how many (warp-uniform; 0 only for inconsistent input).
+__device__ __forceinline__ int owner_slots(const TransportArgs& a, int64_t w, int lane, int32_t* rows, float* weights) {
+  const int k = static_cast<int>(a.top_k());
+  const int32_t* meta = reinterpret_cast<const int32_t*>(a.sig.own_base + a.layout.recv_meta.offset + w * a.layout.meta_bytes);
+  const int32_t p = lane < k ? a.recv_pool_row[w * k + lane] : -1;
+  const float wt = lane < k ? __int_as_float(meta[1 + k + lane]) : 0.f;
+  const uint32_t on = __ballot_sync(0xFFFFFFFFu, p >= 0);
+  __syncwarp();  // the previous row's staging is read by every lane before it is rewritten
+  if (p >= 0) {
+    const int at = __popc(on & ((1u << lane) - 1u));
+    rows[at] = p;
+    weights[at] = wt;
+  }
+  __syncwarp();
+  return __popc(on);
+}
+
+// Owner reduce: the source token of recv row w, or -1 when out of range.
+__device__ __forceinline__ int64_t recv_row_token(const TransportArgs& a, int64_t w) {
+  const int32_t t = *reinterpret_cast<const int32_t*>(a.sig.own_base + a.layout.recv_meta.offset + w * a.layout.meta_bytes);
+  return (t >= 0 && t < a.t_max()) ? t : -1;
+}
+
 }  // namespace kernels
 }  // namespace megamoe

@@ -38,6 +38,11 @@ EnvKnobs read_env() {
     if (end && *end == '\0' && lvl >= 0 && lvl <= 2) k.log_level = static_cast<int>(lvl);
     else log_warn("ignoring MEGAMOE_LOG=%s: must be 0, 1 or 2", v);
   }
+  if (const char* v = std::getenv("MEGAMOE_MEGA_LAUNCH"); v && *v) {
+    const std::string s(v);
+    if (s == "plain") k.mega_plain_launch = true;
+    else if (s != "cooperative") log_warn("ignoring MEGAMOE_MEGA_LAUNCH=%s: must be cooperative or plain", v);
+  }
   auto text = [](const char* name) {
     const char* v = std::getenv(name);
     return std::string(v ? v : "");

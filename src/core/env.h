@@ -17,6 +17,10 @@ struct EnvKnobs {
   // launch`; the benches' lockstep), default 120000: ranks may reach it after setups of different
   // lengths, so it is apart from (and longer than) the wait bound above.
   int64_t barrier_timeout_ms = 120000;
+  // MEGAMOE_MEGA_LAUNCH: how the mega kernel is launched on a GPU of its own: "cooperative" (default:
+  // the driver guarantees every CTA resident) or "plain" (the warmup's residency check only; a GPU
+  // shared by logical ranks always launches plainly).
+  bool mega_plain_launch = false;
   // MEGAMOE_LOG: 0 quiet, 1 warnings and selection (default), 2 verbose.
   int log_level = 1;
   // One process per GPU (comm.h NcclBootstrap::from_env, set by `megamoe launch` or an engine's

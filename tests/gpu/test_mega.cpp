@@ -235,6 +235,23 @@ TEST(Sm90MegaEdges, ZeroTokensThenTokens) {
   EXPECT_LE(rel, reference::kSamePointsRelL2);
 }
 
+// A bad expert id is skipped (as -1) and reported by check_error with the first bad (token, slot).
+TEST(Sm90MegaEdges, BadExpertIdsAreReportedAndSkipped) {
+  MEGAMOE_REQUIRE_SM90_GPUS(1);
+  cudaSetDevice(0);
+  MoeProblem problem = reference::make_random_problem(geometry(512, 256, 16, 4, 32), 21, {32});
+  RankInputs in = problem.ranks[0];
+  in.topk_ids[5 * 4 + 2] = 16;  // E = 16: out of range
+  std::unique_ptr<MoeLayer> mega;
+  ASSERT_TRUE(make_layer(problem, MoeConfig{}, Backend::kMega, &mega));
+  DeviceInputs d(in, 512, 4);
+  ASSERT_TRUE(d.forward(*mega, nullptr).is_ok());
+  const Status st = mega->check_error(nullptr);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+  EXPECT_NE(st.message().find("topk_ids[5, 2]=16"), std::string::npos) << st.message();
+  EXPECT_TRUE(mega->check_error(nullptr).is_ok()) << "reported once, then cleared";
+}
+
 // Bitwise equal to the routed backend where the arithmetic is the same: fp8-block weights, the same
 // BLOCK_M for both GEMMs (the dispatch quantisation, the GEMMs' K order and promotion, the SwiGLU
 // requant are the same code), and the same combine: a bf16 wire one row per slot (FC2's epilogue

@@ -37,8 +37,29 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t by
                : "memory");
 }
 
-// Spins until the barrier's phase with the given parity has completed.
+// Spins until the barrier's phase with the given parity has completed. With
+// MEGAMOE_BOUNDED_MBARRIER_WAITS (cmake -DMEGAMOE_DEBUG_WAITS=ON: debug and test builds of a new
+// kernel) the wait gives up after ~2^35 cycles (~20 s) with a trap, so a barrier that can never
+// complete (a transaction count that disagrees with the bytes loaded, a producer that stopped) ends
+// the kernel with an error instead of a hang.
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+#if defined(MEGAMOE_BOUNDED_MBARRIER_WAITS)
+  const long long start = clock64();
+  for (;;) {
+    uint32_t done;
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
+    if (done) return;
+    if (clock64() - start > (1ll << 35)) __trap();
+  }
+#else
   asm volatile(
       "{\n"
       ".reg .pred p;\n"
@@ -48,6 +69,7 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       "}\n" ::"r"(smem_addr(bar)),
       "r"(parity)
       : "memory");
+#endif
 }
 
 // ---- thread-block clusters ---------------------------------------------------------------------------

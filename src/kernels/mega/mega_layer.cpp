@@ -17,6 +17,7 @@
 #include "comm/gpu_comm.h"
 #include "core/backends.h"
 #include "core/cuda_check.h"
+#include "core/env.h"
 #include "kernels/common/layer_buffers.h"
 #include "kernels/mega/mega_schedule.h"
 #include "kernels/mega/sm90_mega.h"
@@ -101,7 +102,7 @@ class MegaMoeLayer final : public MoeLayer {
     const int budget = sm_budget_ > 0 ? std::min(sm_budget_, sms) : sms;
     pa.grid = config_.knobs.num_sms > 0 ? std::min(config_.knobs.num_sms, budget) : budget;
     pa.block_m_knob = config_.knobs.block_m;
-    pa.cooperative = sm_budget_ == 0;
+    pa.cooperative = sm_budget_ == 0 && !env_knobs().mega_plain_launch;
     MEGAMOE_RETURN_IF_ERROR(mega::make_mega_plan(pa, &plan_));
     return Status::ok();
   }

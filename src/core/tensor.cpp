@@ -31,6 +31,7 @@ int64_t TensorView::numel() const {
 }
 
 bool TensorView::is_contiguous() const {
+  if (ndim > 0 && numel() == 0) return true;  // no element to misplace (numpy and torch give empty tensors any strides)
   int64_t stride = 1;
   for (int d = ndim - 1; d >= 0; --d) {
     if (shape[d] != 1 && strides[d] != stride) return false;

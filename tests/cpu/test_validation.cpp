@@ -281,5 +281,20 @@ TEST(Validation, ZeroTokensAreValid) {
   EXPECT_TRUE(validate_forward_args(g, c, Device::cpu(), a.vx, a.vscale, a.vids, a.vweights, a.vy).is_ok());
 }
 
+// numpy and torch give empty arrays strides like (0, 0); a view with no element is contiguous.
+TEST(Validation, EmptyViewsAreContiguousWhateverTheirStrides) {
+  TensorView v(nullptr, DType::kBFloat16, {0, 256});
+  v.strides = {0, 0};
+  EXPECT_TRUE(v.is_contiguous());
+  TensorView w(nullptr, DType::kBFloat16, {4, 256});
+  w.strides = {0, 0};
+  EXPECT_FALSE(w.is_contiguous());
+  MoeGeometry g = good_geometry();
+  ForwardArgs a(g, 0);
+  a.vx.strides = {0, 0};
+  a.vy.strides = {0, 0};
+  EXPECT_TRUE(validate_forward_args(g, MoeConfig(), Device::cpu(), a.vx, a.vscale, a.vids, a.vweights, a.vy).is_ok());
+}
+
 }  // namespace
 }  // namespace megamoe

@@ -21,6 +21,19 @@ if [ "${#missing[@]}" -gt 0 ]; then
   sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
 fi
 
+# The Python package (pip install .) builds with scikit-build-core + nanobind; its tests need numpy,
+# ml_dtypes (bf16 / e4m3 numpy dtypes) and pytest. torch is optional (megamoe.torch, the adapters).
+PY_MODULES=(nanobind scikit_build_core numpy ml_dtypes pytest)
+PY_PACKAGES=(nanobind scikit-build-core numpy ml_dtypes pytest)
+py_missing=()
+for i in "${!PY_MODULES[@]}"; do
+  python3 -c "import ${PY_MODULES[$i]}" >/dev/null 2>&1 || py_missing+=("${PY_PACKAGES[$i]}")
+done
+if [ "${#py_missing[@]}" -gt 0 ]; then
+  echo "setup: installing Python packages: ${py_missing[*]}"
+  python3 -m pip install -q "${py_missing[@]}"
+fi
+
 if ! command -v nvcc >/dev/null 2>&1 && [ ! -x /usr/local/cuda/bin/nvcc ]; then
   echo "setup: no nvcc found. megamoe needs the CUDA toolkit (>= 12.8; 13.0 tested) with NCCL >= 2.28." >&2
   echo "       Install it from NVIDIA's packages, then re-run." >&2

@@ -1,0 +1,482 @@
+// megamoe._C: the public C++ API (include/megamoe) as a nanobind module, with no torch dependency.
+//
+// Conventions (python/megamoe wraps this module; users call that, not _C):
+// - A non-ok Status becomes a Python exception of the class registered for its code through
+//   _set_error_classes() (megamoe/errors.py), with the C++ message unchanged.
+// - Tensors cross as plain tuples (data_ptr, dtype, shape, strides, device_kind, device_index), so
+//   numpy arrays, torch tensors and raw device pointers all use one path and nothing here knows a
+//   framework. The caller keeps the memory alive for the duration of the call (and, on a GPU
+//   backend, until the stream has consumed it, as with any stream-ordered library).
+// - The GIL is released around every call that launches kernels, blocks on peers or runs the cpu
+//   backend's rank threads (create, warmup, forward, check_error, NCCL bootstraps), so ranks driven
+//   from Python threads make progress together.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/map.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/device.h"
+#include "megamoe/comm.h"
+#include "megamoe/config.h"
+#include "megamoe/layer.h"
+#include "megamoe/status.h"
+#include "megamoe/tensor.h"
+#include "megamoe/types.h"
+#include "megamoe/weights.h"
+#include "reference/error_model.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace megamoe {
+namespace {
+
+// A non-ok Status on its way to Python (translated by the handler registered in the module).
+struct StatusError {
+  StatusCode code;
+  std::string message;
+};
+
+void check(const Status& st) {
+  if (!st.is_ok()) throw StatusError{st.code(), st.message()};
+}
+
+// Python classes per StatusCode, set by megamoe/errors.py at import; RuntimeError until then.
+PyObject* g_error_classes[static_cast<int>(StatusCode::kInternal) + 1] = {};
+
+void set_error_classes(nb::dict classes) {
+  for (auto [key, value] : classes) {
+    const int code = nb::cast<int>(key);
+    if (code <= 0 || code > static_cast<int>(StatusCode::kInternal))
+      throw nb::value_error(("_set_error_classes: no StatusCode " + std::to_string(code)).c_str());
+    Py_XDECREF(g_error_classes[code]);
+    g_error_classes[code] = value.ptr();
+    Py_INCREF(value.ptr());
+  }
+}
+
+// ---- tensors ----
+
+// (data_ptr, dtype, shape, strides, device_kind, device_index) -> TensorView; None -> absent view.
+TensorView to_view(nb::handle obj, const char* name) {
+  TensorView v;
+  if (obj.is_none()) return v;
+  nb::tuple t = nb::cast<nb::tuple>(obj);
+  if (t.size() != 6)
+    throw nb::value_error((std::string(name) + ": a tensor crosses as (data_ptr, dtype, shape, strides, "
+                                               "device_kind, device_index)").c_str());
+  v.data = reinterpret_cast<void*>(nb::cast<uintptr_t>(t[0]));
+  v.dtype = static_cast<DType>(nb::cast<int>(t[1]));
+  nb::tuple shape = nb::cast<nb::tuple>(t[2]);
+  nb::tuple strides = nb::cast<nb::tuple>(t[3]);
+  if (shape.size() > static_cast<size_t>(TensorView::kMaxDims))
+    throw StatusError{StatusCode::kInvalidArgument,
+                      "invalid argument: " + std::string(name) + ".ndim=" + std::to_string(shape.size()) +
+                          ", must be at most " + std::to_string(TensorView::kMaxDims)};
+  if (strides.size() != shape.size())
+    throw nb::value_error((std::string(name) + ": strides and shape differ in length").c_str());
+  v.ndim = static_cast<int>(shape.size());
+  for (int i = 0; i < v.ndim; ++i) {
+    v.shape[i] = nb::cast<int64_t>(shape[i]);
+    v.strides[i] = nb::cast<int64_t>(strides[i]);
+  }
+  v.device.kind = static_cast<DeviceKind>(nb::cast<int>(t[4]));
+  v.device.index = nb::cast<int>(t[5]);
+  return v;
+}
+
+nb::tuple device_tuple(const Device& d) { return nb::make_tuple(static_cast<int>(d.kind), d.index); }
+
+// ---- layers ----
+
+// The Python handle of one MoeLayer. The layer object goes away with the handle (or destroy()).
+class PyLayer {
+ public:
+  explicit PyLayer(std::unique_ptr<MoeLayer> layer) : layer_(std::move(layer)) {}
+
+  MoeLayer& get() const {
+    if (!layer_)
+      throw StatusError{StatusCode::kFailedPrecondition, "the layer was destroyed (destroy() was called on it)"};
+    return *layer_;
+  }
+  bool alive() const { return layer_ != nullptr; }
+  void destroy() {
+    std::unique_ptr<MoeLayer> gone = std::move(layer_);
+    nb::gil_scoped_release release;
+    gone.reset();
+  }
+
+ private:
+  std::unique_ptr<MoeLayer> layer_;
+};
+
+PyLayer* create_layer(const MoeGeometry& g, const MoeConfig& c, nb::handle w13, nb::handle w13_scale, nb::handle w2,
+                      nb::handle w2_scale, std::shared_ptr<Communicator> comm) {
+  MoeWeights w{to_view(w13, "w13"), to_view(w13_scale, "w13_scale"), to_view(w2, "w2"), to_view(w2_scale, "w2_scale")};
+  std::unique_ptr<MoeLayer> layer;
+  Status st;
+  {
+    nb::gil_scoped_release release;
+    st = MoeLayer::create(g, c, w, std::move(comm), &layer);
+  }
+  check(st);
+  return new PyLayer(std::move(layer));
+}
+
+void forward(PyLayer& self, nb::handle x, nb::handle topk_ids, nb::handle topk_weights, nb::handle y, uintptr_t stream,
+             nb::handle x_scale) {
+  MoeLayer& layer = self.get();
+  const TensorView vx = to_view(x, "x"), vids = to_view(topk_ids, "topk_ids"),
+                   vw = to_view(topk_weights, "topk_weights"), vy = to_view(y, "y"), vs = to_view(x_scale, "x_scale");
+  Status st;
+  {
+    nb::gil_scoped_release release;
+    st = layer.forward(vx, vids, vw, vy, reinterpret_cast<void*>(stream), vs);
+  }
+  check(st);
+}
+
+nb::tuple status_tuple(const Status& s) { return nb::make_tuple(static_cast<int>(s.code()), s.message()); }
+
+Status status_from(nb::handle gate) {
+  if (gate.is_none()) return Status::ok();
+  nb::tuple t = nb::cast<nb::tuple>(gate);
+  return Status(static_cast<StatusCode>(nb::cast<int>(t[0])), nb::cast<std::string>(t[1]));
+}
+
+// ---- enums given as enum values or their canonical names ----
+
+template <typename E>
+E enum_arg(nb::handle v, Status (*parse)(const std::string&, E*)) {
+  if (nb::isinstance<nb::str>(v)) {
+    E out{};
+    check(parse(nb::cast<std::string>(v), &out));
+    return out;
+  }
+  return nb::cast<E>(v);
+}
+
+template <typename E, typename Cls>
+void enum_field(Cls& cls, const char* name, E MoeConfig::*field, Status (*parse)(const std::string&, E*)) {
+  cls.def_prop_rw(
+      name, [field](const MoeConfig& c) { return c.*field; },
+      [field, parse](MoeConfig& c, nb::handle v) { c.*field = enum_arg<E>(v, parse); });
+}
+
+Status parse_dtype(const std::string& s, DType* out) {
+  for (int i = 0; i <= static_cast<int>(DType::kUInt8); ++i) {
+    if (s == to_string(static_cast<DType>(i))) {
+      *out = static_cast<DType>(i);
+      return Status::ok();
+    }
+  }
+  return invalid_argument("value", "dtype", "'" + s + "'", "is not a megamoe dtype name");
+}
+
+// Sets attributes from keyword arguments (constructors of the plain structs): `cpp` was just
+// constructed in place by the binding's __init__.
+template <typename T>
+void set_fields(T* cpp, nb::kwargs kwargs) {
+  nb::handle self = nb::find(cpp);
+  nb::inst_mark_ready(self);
+  for (auto [key, value] : kwargs) {
+    const std::string name = nb::cast<std::string>(key);
+    if (!nb::hasattr(self, name.c_str()))
+      throw nb::type_error(("unexpected keyword argument '" + name + "'").c_str());
+    nb::setattr(self, key, value);
+  }
+}
+
+}  // namespace
+}  // namespace megamoe
+
+NB_MODULE(_C, m) {
+  using namespace megamoe;
+  m.doc() = "megamoe C++ API (use the megamoe package; this module is its binding)";
+  m.attr("__version__") = MEGAMOE_VERSION;
+
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const StatusError& e) {
+      PyObject* cls = g_error_classes[static_cast<int>(e.code)];
+      PyErr_SetString(cls ? cls : PyExc_RuntimeError, e.message.c_str());
+    }
+  });
+  m.def("_set_error_classes", &set_error_classes);
+
+  nb::enum_<StatusCode>(m, "StatusCode", nb::is_arithmetic())
+      .value("ok", StatusCode::kOk)
+      .value("invalid_argument", StatusCode::kInvalidArgument)
+      .value("unavailable", StatusCode::kUnavailable)
+      .value("failed_precondition", StatusCode::kFailedPrecondition)
+      .value("timeout", StatusCode::kTimeout)
+      .value("io_error", StatusCode::kIoError)
+      .value("cuda_error", StatusCode::kCudaError)
+      .value("nccl_error", StatusCode::kNcclError)
+      .value("internal", StatusCode::kInternal);
+  // Raises the exception of `code` with `message` (tests of the mapping; Python-side refusals).
+  m.def("_raise_status", [](int code, const std::string& message) { check(Status(static_cast<StatusCode>(code), message)); });
+
+  nb::enum_<DType>(m, "DType", nb::is_arithmetic())
+      .value("float32", DType::kFloat32)
+      .value("float64", DType::kFloat64)
+      .value("bfloat16", DType::kBFloat16)
+      .value("float16", DType::kFloat16)
+      .value("int32", DType::kInt32)
+      .value("int64", DType::kInt64)
+      .value("float8_e4m3", DType::kFloat8E4M3)
+      .value("float8_e8m0", DType::kFloat8E8M0)
+      .value("float4_e2m1x2", DType::kFloat4E2M1x2)
+      .value("uint8", DType::kUInt8);
+  nb::enum_<Backend>(m, "Backend", nb::is_arithmetic())
+      .value("auto", Backend::kAuto)
+      .value("mega", Backend::kMega)
+      .value("routed", Backend::kRouted)
+      .value("cpu", Backend::kCpu);
+  nb::enum_<WeightFormat>(m, "WeightFormat", nb::is_arithmetic())
+      .value("bf16", WeightFormat::kBf16)
+      .value("fp8_block", WeightFormat::kFp8Block)
+      .value("mxfp8", WeightFormat::kMxfp8)
+      .value("nvfp4", WeightFormat::kNvfp4);
+  nb::enum_<DispatchFormat>(m, "DispatchFormat", nb::is_arithmetic())
+      .value("bf16", DispatchFormat::kBf16)
+      .value("fp8_block", DispatchFormat::kFp8Block);
+  nb::enum_<CombineDtype>(m, "CombineDtype", nb::is_arithmetic())
+      .value("bf16", CombineDtype::kBf16)
+      .value("mxfp8", CombineDtype::kMxfp8)
+      .value("nvfp4", CombineDtype::kNvfp4);
+  nb::enum_<OwnerReduce>(m, "OwnerReduce", nb::is_arithmetic())
+      .value("auto", OwnerReduce::kAuto)
+      .value("off", OwnerReduce::kOff)
+      .value("on", OwnerReduce::kOn);
+  nb::enum_<DeviceKind>(m, "DeviceKind", nb::is_arithmetic()).value("cpu", DeviceKind::kCpu).value("cuda", DeviceKind::kCuda);
+  nb::enum_<CommKind>(m, "CommKind", nb::is_arithmetic()).value("host_threads", CommKind::kHostThreads).value("nccl", CommKind::kNccl);
+
+  // Canonical names (command line, knob cache) of each enum value.
+  m.def("name_of", [](Backend v) { return std::string(to_string(v)); });
+  m.def("name_of", [](WeightFormat v) { return std::string(to_string(v)); });
+  m.def("name_of", [](DispatchFormat v) { return std::string(to_string(v)); });
+  m.def("name_of", [](CombineDtype v) { return std::string(to_string(v)); });
+  m.def("name_of", [](OwnerReduce v) { return std::string(to_string(v)); });
+  m.def("name_of", [](DType v) { return std::string(to_string(v)); });
+  m.def("name_of", [](StatusCode v) { return std::string(to_string(v)); });
+  m.def("parse_dtype", [](const std::string& s) {
+    DType d{};
+    check(parse_dtype(s, &d));
+    return d;
+  });
+  m.def("dtype_bytes", [](DType v) { return dtype_bytes(v); });
+
+  nb::class_<MoeGeometry>(m, "MoeGeometry")
+      .def(nb::init<>())
+      .def("__init__",
+           [](MoeGeometry* g, nb::kwargs kw) {
+             new (g) MoeGeometry();
+             set_fields(g, kw);
+           })
+      .def_rw("hidden", &MoeGeometry::hidden)
+      .def_rw("intermediate", &MoeGeometry::intermediate)
+      .def_rw("num_experts", &MoeGeometry::num_experts)
+      .def_rw("top_k", &MoeGeometry::top_k)
+      .def_rw("ep_size", &MoeGeometry::ep_size)
+      .def_rw("ep_rank", &MoeGeometry::ep_rank)
+      .def_rw("max_tokens_per_rank", &MoeGeometry::max_tokens_per_rank)
+      .def("validate", [](const MoeGeometry& g) { check(g.validate()); })
+      .def_prop_ro("experts_per_rank", &MoeGeometry::experts_per_rank)
+      .def_prop_ro("first_local_expert", &MoeGeometry::first_local_expert)
+      .def("owner_of", &MoeGeometry::owner_of, "expert"_a)
+      .def("padded", &MoeGeometry::padded, "multiple"_a = kDimAlignment)
+      .def("for_rank", &MoeGeometry::for_rank, "rank"_a)
+      .def("same_shape", &MoeGeometry::same_shape)
+      .def("__eq__", [](const MoeGeometry& a, const MoeGeometry& b) { return a.same_shape(b) && a.ep_rank == b.ep_rank; })
+      .def("__copy__", [](const MoeGeometry& g) { return g; })
+      .def("__repr__", &MoeGeometry::to_string);
+  m.attr("DIM_ALIGNMENT") = kDimAlignment;
+
+  nb::class_<Knobs>(m, "Knobs")
+      .def(nb::init<>())
+      .def("__init__",
+           [](Knobs* k, nb::kwargs kw) {
+             new (k) Knobs();
+             set_fields(k, kw);
+           })
+      .def_rw("block_m", &Knobs::block_m)
+      .def_rw("block_n", &Knobs::block_n)
+      .def_rw("num_sms", &Knobs::num_sms)
+      .def_rw("combine_groups", &Knobs::combine_groups)
+      .def_rw("gemm_cluster", &Knobs::gemm_cluster)
+      .def("validate", [](const Knobs& k) { check(k.validate()); })
+      .def("__eq__", [](const Knobs& a, const Knobs& b) { return a == b; })
+      .def("__repr__", &Knobs::to_string);
+
+  auto config = nb::class_<MoeConfig>(m, "MoeConfig");
+  config.def(nb::init<>()).def("__init__", [](MoeConfig* c, nb::kwargs kw) {
+    new (c) MoeConfig();
+    set_fields(c, kw);
+  });
+  enum_field(config, "backend", &MoeConfig::backend, &parse_backend);
+  enum_field(config, "weight_format", &MoeConfig::weight_format, &parse_weight_format);
+  enum_field(config, "dispatch_format", &MoeConfig::dispatch_format, &parse_dispatch_format);
+  enum_field(config, "combine_dtype", &MoeConfig::combine_dtype, &parse_combine_dtype);
+  enum_field(config, "owner_reduce", &MoeConfig::owner_reduce, &parse_owner_reduce);
+  config.def_rw("pow2_scales", &MoeConfig::pow2_scales)
+      .def_rw("in_kernel_fc2_reduce", &MoeConfig::in_kernel_fc2_reduce)
+      .def_rw("mega_max_tokens_per_rank", &MoeConfig::mega_max_tokens_per_rank)
+      .def_rw("knobs", &MoeConfig::knobs)
+      .def(
+          "validate",
+          [](const MoeConfig& c, const MoeGeometry* g) { check(g ? c.validate(*g) : c.validate()); },
+          "geometry"_a = nb::none())
+      .def("uses_owner_reduce", &MoeConfig::uses_owner_reduce)
+      .def_prop_ro("intermediate_format", &MoeConfig::intermediate_format)
+      .def("__copy__", [](const MoeConfig& c) { return c; })
+      .def("__repr__", &MoeConfig::to_string);
+
+  // ---- selection ----
+  m.def(
+      "select_backend",
+      [](const MoeGeometry& g, const MoeConfig& c) {
+        BackendSelection s = select_backend(g, c);
+        return std::make_pair(s.backend, s.reason);
+      },
+      "geometry"_a, "config"_a);
+  // The pure rule with given gates: None = the gate passes, else (code, message).
+  m.def(
+      "select_backend_with_gates",
+      [](const MoeGeometry& g, const MoeConfig& c, nb::handle mega_gate, nb::handle routed_gate) {
+        BackendSelection s = select_backend(g, c, status_from(mega_gate), status_from(routed_gate));
+        return std::make_pair(s.backend, s.reason);
+      },
+      "geometry"_a, "config"_a, "mega_gate"_a.none(), "routed_gate"_a.none());
+  m.def("capability", [](Backend b, const MoeGeometry& g, const MoeConfig& c) {
+    switch (b) {
+      case Backend::kMega: return status_tuple(mega_capability(g, c));
+      case Backend::kRouted: return status_tuple(routed_capability(g, c));
+      case Backend::kCpu: return status_tuple(cpu_capability(g, c));
+      default: return status_tuple(invalid_argument("argument", "backend", "auto", "name one backend: mega, routed or cpu"));
+    }
+  });
+
+  // The rel-L2 bound of a forward against the float64 reference (reference/error_model.h): what
+  // the C++ tests hold the cpu backend to, for the Python tests to use the same.
+  m.def("_error_bound", [](const MoeConfig& c, int64_t top_k) {
+    const reference::ErrorBound b = reference::error_bound(c, top_k);
+    return std::make_pair(b.rel_l2, b.derivation);
+  });
+
+  // ---- devices and versions ----
+  m.def("cuda_device_count", [] { return cuda_device_count(); });
+  m.def("nccl_version", [] { return nccl_version(); });
+  m.def("cuda_runtime_version", [] { return cuda_runtime_version(); });
+
+  // ---- communicators ----
+  nb::class_<Communicator>(m, "Communicator")
+      .def_prop_ro("rank", &Communicator::rank)
+      .def_prop_ro("size", &Communicator::size)
+      .def_prop_ro("kind", &Communicator::kind)
+      .def_prop_ro("group_id", &Communicator::group_id)
+      .def("__repr__", &Communicator::to_string);
+  m.def("create_host_group", [](int size) {
+    std::vector<std::shared_ptr<Communicator>> ranks;
+    check(create_host_group(size, &ranks));
+    return ranks;
+  });
+  m.def("create_nccl_group", [](const std::vector<int>& devices) {
+    std::vector<std::shared_ptr<Communicator>> ranks;
+    Status st;
+    {
+      nb::gil_scoped_release release;
+      st = create_nccl_group(devices, &ranks);
+    }
+    check(st);
+    return ranks;
+  });
+  m.def("nccl_unique_id_hex", [] {
+    std::string hex;
+    check(nccl_unique_id_hex(&hex));
+    return hex;
+  });
+  m.def(
+      "create_nccl_rank",
+      [](int rank, int world_size, int device, const std::string& id_hex) {
+        NcclBootstrap b;
+        b.rank = rank;
+        b.world_size = world_size;
+        b.device = device;
+        b.id_hex = id_hex;
+        std::shared_ptr<Communicator> comm;
+        Status st;
+        {
+          nb::gil_scoped_release release;
+          st = create_nccl_rank(b, &comm);
+        }
+        check(st);
+        return comm;
+      },
+      "rank"_a, "world_size"_a, "device"_a, "id_hex"_a);
+  m.def("nccl_rank_from_env", [] {
+    NcclBootstrap b;
+    check(NcclBootstrap::from_env(&b));
+    std::shared_ptr<Communicator> comm;
+    Status st;
+    {
+      nb::gil_scoped_release release;
+      st = create_nccl_rank(b, &comm);
+    }
+    check(st);
+    return comm;
+  });
+
+  // ---- the layer ----
+  nb::class_<PyLayer>(m, "MoeLayer")
+      .def_static("create", &create_layer, "geometry"_a, "config"_a, "w13"_a, "w13_scale"_a.none(), "w2"_a,
+                  "w2_scale"_a.none(), "comm"_a.none())
+      .def("warmup",
+           [](PyLayer& self) {
+             MoeLayer& layer = self.get();
+             Status st;
+             {
+               nb::gil_scoped_release release;
+               st = layer.warmup();
+             }
+             check(st);
+           })
+      .def("forward", &forward, "x"_a, "topk_ids"_a, "topk_weights"_a, "y"_a, "stream"_a = 0,
+           "x_scale"_a.none() = nb::none())
+      .def(
+          "check_error",
+          [](PyLayer& self, uintptr_t stream) {
+            MoeLayer& layer = self.get();
+            Status st;
+            {
+              nb::gil_scoped_release release;
+              st = layer.check_error(reinterpret_cast<void*>(stream));
+            }
+            check(st);
+          },
+          "stream"_a = 0)
+      .def("destroy", &PyLayer::destroy)
+      .def_prop_ro("alive", &PyLayer::alive)
+      .def_prop_ro("backend", [](const PyLayer& self) { return self.get().backend(); })
+      .def_prop_ro("device", [](const PyLayer& self) { return device_tuple(self.get().device()); })
+      .def_prop_ro("geometry", [](const PyLayer& self) { return self.get().geometry(); })
+      .def_prop_ro("config", [](const PyLayer& self) { return self.get().config(); })
+      .def_prop_ro("selection_reason", [](const PyLayer& self) { return self.get().selection().reason; })
+      .def("set_stage_timing", [](PyLayer& self, bool on) { check(self.get().set_stage_timing(on)); })
+      .def("last_stage_times", [](PyLayer& self) {
+        std::vector<MoeLayer::StageTime> times;
+        check(self.get().last_stage_times(&times));
+        std::vector<std::pair<std::string, double>> out;
+        for (const auto& t : times) out.emplace_back(t.stage, t.us);
+        return out;
+      });
+}

@@ -94,6 +94,9 @@ struct MoeConfig {
   // the routed FC2 writes the per-slot rows itself, behind its GEMM: deepseek-v3's routed layer is 1-2%
   // faster that way at 1024-4096 tokens, qwen3-30b-a3b's 5% slower at 4096 (kOn for it).
   OwnerReduce owner_reduce = OwnerReduce::kAuto;
+  // Multiplies the layer's output (SGLang's routed_scaling_factor): every topk weight is scaled by it
+  // in fp32 before the forward uses it (layer.h). Must be finite.
+  float output_scale = 1.0f;
   // auto: mega when 0 < max_tokens_per_rank <= this, routed above. Overridden by a measured
   // crossover from the knob cache when one exists.
   int64_t mega_max_tokens_per_rank = 1024;

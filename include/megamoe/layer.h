@@ -9,9 +9,12 @@
 //     y[t] = sum_j topk_weights[t, j] * FC2_e(silu(FC1g_e(x_t)) * FC1u_e(x_t)),  e = topk_ids[t, j]
 //   summed in fp32 in slot order j = 0..k-1 and written as bf16. topk_ids = -1 skips a slot.
 //     x            [T, H] bf16, or e4m3 with x_scale [T, H/128] fp32
-//     topk_ids     [T, k] int32, values in [-1, E)
-//     topk_weights [T, k] fp32
+//     topk_ids     [T, k] int32 or int64, values in [-1, E) (int64: converted on the layer's device;
+//                  a value outside int32 saturates and is reported as a bad id)
+//     topk_weights [T, k] fp32 or bf16
 //     y            [T, H] bf16 (written; never read)
+//   With config.output_scale = s != 1 (SGLang's routed_scaling_factor) the layer computes with the
+//   weights fp32(s * topk_weights[t, j]): y = s * (the sum above), rounded once, as bf16.
 //   T may be 0 (the rank still takes part). T > max_tokens_per_rank, wrong shapes, dtypes or devices,
 //   and expert ids outside [-1, E) are refused with a message naming the argument and the rule.
 //   Every rank of the group calls forward() the same number of times.
@@ -75,6 +78,17 @@ class MoeLayer {
     return Status::ok();
   }
 
+  // Per-local-expert receive counts, for expert load balancing (EPLB). While `counts` is set, each
+  // later forward adds to counts[e] the rows local expert e (global expert first_local_expert() + e)
+  // received from every rank, on the layer's device in stream order: no host sync, capturable. The
+  // caller reads and zeroes it when it wants (the layer only adds). counts: [experts_per_rank] int64
+  // or int32, contiguous, on device(); an absent view stops counting. Backends without counters
+  // answer kUnavailable.
+  virtual Status set_expert_counts(const TensorView& counts) {
+    (void)counts;
+    return Status(StatusCode::kUnavailable, "this backend has no per-expert receive counts");
+  }
+
   // Per-stage timing, a diagnostic of the GPU backends (`megamoe bench` prints it). While enabled,
   // forward() records a CUDA event after each of its stages; last_stage_times() synchronises and
   // returns the last forward's stages in order with their durations in microseconds. Not for use
@@ -110,8 +124,12 @@ class MoeLayer {
   PreparedWeights weights_;
 };
 
+// Checks set_expert_counts()'s view: [experts_per_rank] int64 or int32, contiguous, on `device`.
+Status validate_expert_counts(const MoeGeometry& geometry, Device device, const TensorView& counts);
+
 // Checks forward()'s arguments against the geometry (shapes, dtypes, device, T bound). Does not
 // look at the values of topk_ids (backends report out-of-range ids with the first bad token).
+// Accepts what forward() accepts: int32 or int64 ids, fp32 or bf16 weights.
 Status validate_forward_args(const MoeGeometry& geometry, const MoeConfig& config, Device device,
                              const TensorView& x, const TensorView& x_scale, const TensorView& topk_ids,
                              const TensorView& topk_weights, const TensorView& y);

@@ -1,6 +1,7 @@
-#include <sstream>
-
 #include "megamoe/config.h"
+
+#include <cmath>
+#include <sstream>
 
 namespace megamoe {
 namespace {
@@ -118,6 +119,11 @@ Status MoeConfig::validate() const {
   if (pow2_scales && weight_format != WeightFormat::kFp8Block && dispatch_format != DispatchFormat::kFp8Block)
     return invalid_argument("config", "pow2_scales", "true",
                             "applies to fp8-block scales only; weight_format or dispatch_format must be fp8-block");
+  if (!std::isfinite(output_scale)) {
+    std::ostringstream v;
+    v << output_scale;
+    return invalid_argument("config", "output_scale", v.str(), "must be finite (1 = the weighted sum as is)");
+  }
   if (mega_max_tokens_per_rank < 0)
     return invalid_argument("config", "mega_max_tokens_per_rank", str(mega_max_tokens_per_rank),
                             "must be >= 0 (0 = never pick mega in auto)");
@@ -136,7 +142,7 @@ std::string MoeConfig::to_string() const {
      << ", dispatch_format=" << megamoe::to_string(dispatch_format)
      << ", combine_dtype=" << megamoe::to_string(combine_dtype) << ", pow2_scales=" << (pow2_scales ? "true" : "false")
      << ", in_kernel_fc2_reduce=" << (in_kernel_fc2_reduce ? "true" : "false")
-     << ", owner_reduce=" << megamoe::to_string(owner_reduce)
+     << ", owner_reduce=" << megamoe::to_string(owner_reduce) << ", output_scale=" << output_scale
      << ", mega_max_tokens_per_rank=" << mega_max_tokens_per_rank << ", knobs=" << knobs.to_string() << ")";
   return os.str();
 }

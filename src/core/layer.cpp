@@ -165,13 +165,15 @@ Status MoeLayer::create(const MoeGeometry& g, const MoeConfig& c, const MoeWeigh
 
 namespace {
 
+// `dtype2` is a second accepted dtype (or `dtype` again).
 Status check_tensor(const char* name, const TensorView& t, Device device, DType dtype, int64_t rows, int64_t cols,
-                    const char* rows_rule, const char* cols_rule) {
+                    const char* rows_rule, const char* cols_rule, DType dtype2) {
   const std::string n(name);
   if (t.ndim != 2) return invalid_argument("forward argument", n + ".ndim", str(t.ndim), "must be 2");
-  if (t.dtype != dtype)
+  if (t.dtype != dtype && t.dtype != dtype2)
     return invalid_argument("forward argument", n + ".dtype", to_string(t.dtype),
-                            std::string("must be ") + to_string(dtype));
+                            std::string("must be ") + to_string(dtype) +
+                                (dtype2 != dtype ? std::string(" or ") + to_string(dtype2) : std::string()));
   if (t.shape[0] != rows)
     return invalid_argument("forward argument", n + ".shape[0]", str(t.shape[0]),
                             "must equal " + std::string(rows_rule) + "=" + str(rows));
@@ -187,7 +189,27 @@ Status check_tensor(const char* name, const TensorView& t, Device device, DType 
   return Status::ok();
 }
 
+Status check_tensor(const char* name, const TensorView& t, Device device, DType dtype, int64_t rows, int64_t cols,
+                    const char* rows_rule, const char* cols_rule) {
+  return check_tensor(name, t, device, dtype, rows, cols, rows_rule, cols_rule, dtype);
+}
+
 }  // namespace
+
+Status validate_expert_counts(const MoeGeometry& g, Device device, const TensorView& counts) {
+  const int64_t el = g.experts_per_rank();
+  if (counts.ndim != 1 || counts.shape[0] != el)
+    return invalid_argument("expert counts", "counts.shape", counts.to_string(),
+                            "must be [experts_per_rank=" + str(el) + "]");
+  if (counts.dtype != DType::kInt64 && counts.dtype != DType::kInt32)
+    return invalid_argument("expert counts", "counts.dtype", to_string(counts.dtype), "must be int64 or int32");
+  if (counts.device != device)
+    return invalid_argument("expert counts", "counts.device", counts.device.to_string(),
+                            "must be " + device.to_string() + " (the layer's device)");
+  if (!counts.is_contiguous() || counts.data == nullptr)
+    return invalid_argument("expert counts", "counts", counts.to_string(), "must be contiguous with its data set");
+  return Status::ok();
+}
 
 Status validate_forward_args(const MoeGeometry& g, const MoeConfig&, Device device, const TensorView& x,
                              const TensorView& x_scale, const TensorView& topk_ids, const TensorView& topk_weights,
@@ -209,9 +231,10 @@ Status validate_forward_args(const MoeGeometry& g, const MoeConfig&, Device devi
   } else if (x_scale.present()) {
     return invalid_argument("forward argument", "x_scale", x_scale.to_string(), "must be absent for a bfloat16 x");
   }
-  MEGAMOE_RETURN_IF_ERROR(check_tensor("topk_ids", topk_ids, device, DType::kInt32, t, g.top_k, "T", "top_k"));
   MEGAMOE_RETURN_IF_ERROR(
-      check_tensor("topk_weights", topk_weights, device, DType::kFloat32, t, g.top_k, "T", "top_k"));
+      check_tensor("topk_ids", topk_ids, device, DType::kInt32, t, g.top_k, "T", "top_k", DType::kInt64));
+  MEGAMOE_RETURN_IF_ERROR(check_tensor("topk_weights", topk_weights, device, DType::kFloat32, t, g.top_k, "T",
+                                       "top_k", DType::kBFloat16));
   MEGAMOE_RETURN_IF_ERROR(check_tensor("y", y, device, DType::kBFloat16, t, g.hidden, "T", "hidden"));
   return Status::ok();
 }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <climits>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -9,6 +10,7 @@
 #include <thread>
 
 #include "core/backends.h"
+#include "megamoe/formats.h"
 
 namespace megamoe {
 
@@ -41,6 +43,32 @@ void dequantize_experts(const QuantizedTensor& w, int num_workers, std::vector<f
   }
   work();
   for (std::thread& t : helpers) t.join();
+}
+
+// The routing as the protocol reads it: int32 ids (an int64 id outside int32 saturates, so it is
+// still refused as a bad id) and fp32 weights times output_scale (fp32(s * w), as the GPU backends
+// compute it); int32 / fp32 views with s = 1 are used in place.
+void normalize_routing(const TensorView& ids, const TensorView& weights, float output_scale, int64_t n,
+                       std::vector<int32_t>* ids_storage, std::vector<float>* weights_storage, const int32_t** ids_out,
+                       const float** weights_out) {
+  *ids_out = ids.ptr<const int32_t>();
+  if (ids.dtype == DType::kInt64) {
+    const int64_t* src = ids.ptr<const int64_t>();
+    ids_storage->resize(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i)
+      (*ids_storage)[i] = static_cast<int32_t>(std::clamp<int64_t>(src[i], INT32_MIN, INT32_MAX));
+    *ids_out = ids_storage->data();
+  }
+  *weights_out = weights.ptr<const float>();
+  if (weights.dtype == DType::kBFloat16 || output_scale != 1.0f) {
+    weights_storage->resize(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      const float w = weights.dtype == DType::kBFloat16 ? fmt::bf16_to_float(weights.ptr<const uint16_t>()[i])
+                                                         : weights.ptr<const float>()[i];
+      (*weights_storage)[i] = output_scale * w;
+    }
+    *weights_out = weights_storage->data();
+  }
 }
 
 }  // namespace
@@ -164,6 +192,12 @@ Status CpuMoeLayer::warmup() {
   return Status::ok();
 }
 
+Status CpuMoeLayer::set_expert_counts(const TensorView& counts) {
+  if (counts.present()) MEGAMOE_RETURN_IF_ERROR(validate_expert_counts(geometry_, Device::cpu(), counts));
+  expert_counts_ = counts;
+  return Status::ok();
+}
+
 Status CpuMoeLayer::forward(const TensorView& x, const TensorView& topk_ids, const TensorView& topk_weights,
                             const TensorView& y, void* /*stream: host backend*/, const TensorView& x_scale) {
   if (group_) MEGAMOE_RETURN_IF_ERROR(group_->check(rank_));
@@ -175,7 +209,12 @@ Status CpuMoeLayer::forward(const TensorView& x, const TensorView& topk_ids, con
 Status CpuMoeLayer::run_forward(const TensorView& x, const TensorView& x_scale, const TensorView& topk_ids,
                                 const TensorView& topk_weights, const TensorView& y) {
   const int64_t T = x.shape[0];
-  const int32_t* ids = topk_ids.ptr<const int32_t>();
+  std::vector<int32_t> ids_storage;
+  std::vector<float> weights_storage;
+  const int32_t* ids = nullptr;
+  const float* weights = nullptr;
+  normalize_routing(topk_ids, topk_weights, config_.output_scale, T * geometry_.top_k, &ids_storage,
+                    &weights_storage, &ids, &weights);
   DispatchPlan plan;
   Status st = reference::compute_layout(layout_, T, ids, &plan);
   if (!st.is_ok()) return fail(st);
@@ -196,7 +235,7 @@ Status CpuMoeLayer::run_forward(const TensorView& x, const TensorView& x_scale, 
   source.rows = wire_rows.data();
   source.scales = wire_scales.empty() ? nullptr : wire_scales.data();
   source.topk_ids = ids;
-  source.topk_weights = topk_weights.ptr<const float>();
+  source.topk_weights = weights;
   reference::dispatch(layout_, rank_, peer_bases_, plan, source);
 
   std::vector<void*> unused;
@@ -205,6 +244,15 @@ Status CpuMoeLayer::run_forward(const TensorView& x, const TensorView& x_scale, 
   void* base = workspace_->base;
   st = reference::build_expert_pool(layout_, base);
   if (!st.is_ok()) return fail(st);
+  if (expert_counts_.present()) {
+    static_assert(kPoolSegmentAlign == 1, "segment sizes are the received rows only without padding");
+    const int32_t* offsets = layout_.at<int32_t>(base, layout_.expert_offsets);
+    for (int64_t e = 0; e < geometry_.experts_per_rank(); ++e) {
+      const int32_t rows = offsets[e + 1] - offsets[e];
+      if (expert_counts_.dtype == DType::kInt64) expert_counts_.ptr<int64_t>()[e] += rows;
+      else expert_counts_.ptr<int32_t>()[e] += rows;
+    }
+  }
   std::vector<float> fc2_out;
   reference::run_experts(layout_, base, expert_weights_, config_.pow2_scales, expert_fn_, &fc2_out, expert_workers_,
                          expert_min_fmas_per_worker_);

@@ -43,6 +43,9 @@ class CpuMoeLayer final : public MoeLayer {
   Status forward(const TensorView& x, const TensorView& topk_ids, const TensorView& topk_weights, const TensorView& y,
                  void* stream = nullptr, const TensorView& x_scale = TensorView()) override;
 
+  // Adds each forward's received rows per local expert (after the dispatch) to `counts` (host).
+  Status set_expert_counts(const TensorView& counts) override;
+
   Backend backend() const override { return Backend::kCpu; }
   Device device() const override { return Device::cpu(); }
 
@@ -75,6 +78,7 @@ class CpuMoeLayer final : public MoeLayer {
   HostGroup* group_;  // null without a communicator (ep_size == 1)
   std::shared_ptr<Workspace> workspace_;
   std::vector<void*> peer_bases_;
+  TensorView expert_counts_;  // absent: not counting
   std::mutex own_output_lock_;  // the in-kernel reduce's lock when there is no group
   int expert_workers_;                  // run_experts' max_workers
   int64_t expert_min_fmas_per_worker_;  // run_experts' min_fmas_per_worker

@@ -23,7 +23,13 @@ Status device_alloc(int device, int64_t bytes, std::shared_ptr<DeviceBuffer>* ou
 Status upload(int device, const void* src, int64_t bytes, std::shared_ptr<DeviceBuffer>* out);
 
 // What a shared scratch buffer is for (part of its key).
-enum ScratchPurpose { kScratchAScales = 1, kScratchExpertOut = 2, kScratchTileCounter = 3, kScratchMega = 4 };
+enum ScratchPurpose {
+  kScratchAScales = 1,
+  kScratchExpertOut = 2,
+  kScratchTileCounter = 3,
+  kScratchMega = 4,
+  kScratchRouting = 5,  // the routed layer's int32 ids + fp32 weights for converted routing
+};
 
 // Scratch shared by the layers of one EP rank with equal (device, purpose, bytes), like their
 // workspace (the layers of a model run one after another on a stream); freed with its last user. The

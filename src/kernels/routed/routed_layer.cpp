@@ -31,6 +31,7 @@
 #include "kernels/common/layer_buffers.h"
 #include "kernels/gemm/gemm_weights.h"
 #include "kernels/gemm/sm90_fp8_grouped_gemm.h"
+#include "kernels/routed/sm90_routing.h"
 #include "kernels/routed/sm90_scale_transpose.h"
 #include "kernels/transport/ep_transport.h"
 
@@ -84,6 +85,10 @@ class RoutedMoeLayer final : public MoeLayer {
     // reduce's sums); else a bf16 wire is FC2's own output.
     if (!fc2_writes_combine() && !expert_out_)
       MEGAMOE_RETURN_IF_ERROR(shared_scratch(device_, group_id_, rank_, kScratchExpertOut, P * H * 2, &expert_out_));
+    // int32 ids + fp32 (scaled) weights for forwards whose routing the transport cannot read as given.
+    if (!routing_)
+      MEGAMOE_RETURN_IF_ERROR(shared_scratch(device_, group_id_, rank_, kScratchRouting,
+                                             geometry_.max_tokens_per_rank * geometry_.top_k * 8, &routing_));
     // The GEMMs' dynamic tile counter: zero once here, every launch leaves it zero (shared like the
     // workspace: the layers of a group run in stream order).
     if (!tile_counter_) {
@@ -108,11 +113,19 @@ class RoutedMoeLayer final : public MoeLayer {
                     "workspace collectively and must run before any CUDA-graph capture)");
     CudaDeviceGuard guard(device_);
     cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+    TensorView ids = topk_ids, weights = topk_weights;
+    MEGAMOE_RETURN_IF_ERROR(prepare_routing(&ids, &weights, stream));
     // invariant: once dispatch is launched every later stage must launch too, or this rank falls an
     // epoch behind its peers; a failure from here on latches the layer as broken.
-    const Status st = run_stages(x, x_scale, topk_ids, topk_weights, y, stream);
+    const Status st = run_stages(x, x_scale, ids, weights, y, stream);
     if (!st.is_ok()) broken_ = st;
     return st;
+  }
+
+  Status set_expert_counts(const TensorView& counts) override {
+    if (counts.present()) MEGAMOE_RETURN_IF_ERROR(validate_expert_counts(geometry_, device(), counts));
+    expert_counts_ = counts;
+    return Status::ok();
   }
 
   Status check_error(void* stream) override {
@@ -163,6 +176,22 @@ class RoutedMoeLayer final : public MoeLayer {
   // expert_out, which send_and_combine encodes (a quantised wire) or sums per owner first.
   bool fc2_writes_combine() const { return config_.combine_dtype == CombineDtype::kBf16 && !config_.uses_owner_reduce(); }
 
+  // The transport reads int32 ids and fp32 weights: int64 ids, bf16 weights or an output scale go
+  // through one conversion kernel into the routing scratch first (int32 / fp32 with scale 1 launch
+  // nothing). Before dispatch: a failure here leaves the group in step.
+  Status prepare_routing(TensorView* ids, TensorView* weights, cudaStream_t stream) {
+    const bool ids64 = ids->dtype == DType::kInt64, weights_bf16 = weights->dtype == DType::kBFloat16;
+    if (!ids64 && !weights_bf16 && config_.output_scale == 1.0f) return Status::ok();
+    const int64_t T = ids->shape[0], k = geometry_.top_k;
+    int32_t* ids32 = static_cast<int32_t*>(routing_->ptr);
+    float* weights32 = reinterpret_cast<float*>(ids32 + geometry_.max_tokens_per_rank * k);
+    MEGAMOE_CUDA_CHECK(kernels::launch_routing_prep(ids->data, ids64, weights->data, weights_bf16, config_.output_scale,
+                                                    T * k, ids32, weights32, gemm_sms_, stream));
+    *ids = TensorView(ids32, DType::kInt32, {T, k}, device());
+    *weights = TensorView(weights32, DType::kFloat32, {T, k}, device());
+    return Status::ok();
+  }
+
   // dispatch -> pool -> FC1 -> FC2 -> combine_send -> combine, with stage marks.
   Status run_stages(const TensorView& x, const TensorView& x_scale, const TensorView& topk_ids,
                     const TensorView& topk_weights, const TensorView& y, cudaStream_t stream) {
@@ -172,6 +201,13 @@ class RoutedMoeLayer final : public MoeLayer {
     MEGAMOE_RETURN_IF_ERROR(transport_->dispatch(x, x_scale, topk_ids, topk_weights, stream));
     MEGAMOE_RETURN_IF_ERROR(mark(1, stream));
     MEGAMOE_RETURN_IF_ERROR(transport_->build_expert_pool(stream));
+    if (expert_counts_.present()) {
+      static_assert(kPoolSegmentAlign == 1, "segment sizes are the received rows only without padding");
+      MEGAMOE_CUDA_CHECK(kernels::launch_accumulate_expert_counts(
+          reinterpret_cast<const int32_t*>(static_cast<const char*>(transport_->base()) + l.expert_offsets.offset),
+          geometry_.experts_per_rank(), expert_counts_.data, expert_counts_.dtype == DType::kInt64, gemm_sms_,
+          stream));
+    }
     MEGAMOE_RETURN_IF_ERROR(mark(2, stream));
     if (P > 0) {
       const int64_t T = x.ndim == 2 ? x.shape[0] : 0;
@@ -335,7 +371,8 @@ class RoutedMoeLayer final : public MoeLayer {
   cudaEvent_t stage_events_[kNumStages + 1] = {};
   std::unique_ptr<EpTransport> transport_;
   std::shared_ptr<DeviceBuffer> w13_, w13_scales_, w2_, w2_scales_;
-  std::shared_ptr<DeviceBuffer> a_scales_, expert_out_, tile_counter_;
+  std::shared_ptr<DeviceBuffer> a_scales_, expert_out_, tile_counter_, routing_;
+  TensorView expert_counts_;  // absent: not counting
 };
 
 }  // namespace

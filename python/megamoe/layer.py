@@ -79,6 +79,12 @@ class MoeLayer:
         if self._impl.alive:
             self._impl.destroy()
 
+    def set_expert_counts(self, counts) -> None:
+        """Per-local-expert receive counts (EPLB): every later forward adds the rows each local expert
+        received to counts [experts_per_rank] (int64 or int32, on the layer's device); None stops."""
+        self._expert_counts = counts  # the layer writes it: keep it alive
+        self._impl.set_expert_counts(view(counts, "counts"))
+
     def __enter__(self) -> "MoeLayer":
         return self
 
@@ -88,7 +94,7 @@ class MoeLayer:
     # ---- forward ----
     def forward(self, x, topk_ids, topk_weights, out=None, *, x_scale=None, stream: int = 0):
         """y [T, H] bfloat16 for x [T, H] (bfloat16, or float8_e4m3 with x_scale [T, H/128] float32),
-        topk_ids [T, k] int32 or int64, topk_weights [T, k] float32. Writes `out` when given."""
+        topk_ids [T, k] int32 or int64, topk_weights [T, k] float32 or bfloat16. Writes `out` when given."""
         if out is None:
             if not isinstance(x, np.ndarray):
                 raise TypeError("forward: give `out` for non-numpy inputs (or use megamoe.torch)")

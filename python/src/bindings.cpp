@@ -330,6 +330,7 @@ NB_MODULE(_C, m) {
   enum_field(config, "owner_reduce", &MoeConfig::owner_reduce, &parse_owner_reduce);
   config.def_rw("pow2_scales", &MoeConfig::pow2_scales)
       .def_rw("in_kernel_fc2_reduce", &MoeConfig::in_kernel_fc2_reduce)
+      .def_rw("output_scale", &MoeConfig::output_scale)
       .def_rw("mega_max_tokens_per_rank", &MoeConfig::mega_max_tokens_per_rank)
       .def_rw("knobs", &MoeConfig::knobs)
       .def(
@@ -464,6 +465,8 @@ NB_MODULE(_C, m) {
             check(st);
           },
           "stream"_a = 0)
+      .def("set_expert_counts",
+           [](PyLayer& self, nb::handle counts) { check(self.get().set_expert_counts(to_view(counts, "counts"))); }, "counts"_a.none())
       .def("destroy", &PyLayer::destroy)
       .def_prop_ro("alive", &PyLayer::alive)
       .def_prop_ro("backend", [](const PyLayer& self) { return self.get().backend(); })

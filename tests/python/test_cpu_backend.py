@@ -66,6 +66,15 @@ def test_repeats_are_bitwise_equal(ep_size):
             np.testing.assert_array_equal(y.view(np.uint16), first)
 
 
+@pytest.mark.parametrize("ep_size", [1, 2, 4])
+def test_int64_ids_equal_int32_ids_bitwise(ep_size):
+    p = make_problem(seed=4, ep_size=ep_size, tokens=(17,), minus_one_every=5)
+    a = run(p, config(False), ids_dtype=np.int32)
+    b = run(p, config(False), ids_dtype=np.int64)
+    for r in range(ep_size):
+        np.testing.assert_array_equal(a[r][0].view(np.uint16), b[r][0].view(np.uint16))
+
+
 def test_zero_token_ranks_take_part():
     p = make_problem(seed=5, ep_size=4, tokens=(12, 0, 9, 0))
     outs = run(p, config(False))
@@ -100,6 +109,52 @@ def test_forward_allocates_the_output_when_not_given():
         y = layer(p.x[0], p.ids[0], p.weights[0])
         assert y.dtype == BF16 and y.shape == (5, p.hidden)
         assert rel_l2(y, reference(p, 0)) < _C._error_bound(config(False), p.top_k)[0]
+
+
+def test_bf16_weights_and_output_scale():
+    p = make_problem(seed=14, ep_size=2, tokens=(16, 9))
+    for r in range(2):
+        p.weights[r] = p.weights[r].astype(BF16).astype(np.float32)  # bf16 holds these exactly
+    want = run(p, config(False))
+    as_bf16 = make_problem(seed=14, ep_size=2, tokens=(16, 9))
+    as_bf16.weights = [w.astype(BF16) for w in p.weights]
+    got = run(as_bf16, config(False))
+    for r in range(2):
+        np.testing.assert_array_equal(got[r][0].view(np.uint16), want[r][0].view(np.uint16))
+    # output_scale s: the forward with the weights fp32(s * w), bit for bit
+    s = np.float32(2.5)
+    scaled = run(p, config(False, output_scale=float(s)))
+    prescaled = make_problem(seed=14, ep_size=2, tokens=(16, 9))
+    prescaled.weights = [(s * w).astype(np.float32) for w in p.weights]
+    want = run(prescaled, config(False))
+    for r in range(2):
+        np.testing.assert_array_equal(scaled[r][0].view(np.uint16), want[r][0].view(np.uint16))
+        assert rel_l2(scaled[r][0], float(s) * reference(p, r)) < _C._error_bound(config(False), p.top_k)[0]
+
+
+@pytest.mark.parametrize("ep_size", [1, 2, 4])
+def test_expert_counts_are_the_rows_each_local_expert_received(ep_size):
+    p = make_problem(seed=15, ep_size=ep_size, tokens=(13, 0, 21, 5), minus_one_every=7)
+    el = p.num_experts // ep_size
+    truth = np.zeros(p.num_experts, np.int64)
+    for ids in p.ids:
+        np.add.at(truth, ids[ids >= 0], 1)
+    comms = megamoe.host_group(ep_size) if ep_size > 1 else [None]
+
+    def rank(r):
+        w13, w2, _, _ = p.rank_weights(r)
+        with megamoe.MoeLayer(geometry(p, r, 32), megamoe.MoeWeights(w13, w2), config(False), comms[r]) as layer:
+            counts = np.zeros(el, np.int64)
+            layer.set_expert_counts(counts)
+            layer.forward(p.x[r], p.ids[r], p.weights[r])
+            layer.forward(p.x[r], p.ids[r], p.weights[r])
+            layer.set_expert_counts(None)
+            layer.forward(p.x[r], p.ids[r], p.weights[r])
+            return counts
+
+    counts = run_ranks(ep_size, rank)
+    for r in range(ep_size):
+        np.testing.assert_array_equal(counts[r], 2 * truth[r * el:(r + 1) * el])
 
 
 # ---- refusals, with the C++ messages ----

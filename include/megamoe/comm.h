@@ -96,4 +96,13 @@ Status create_nccl_group(const std::vector<int>& devices, std::vector<std::share
 // One process per GPU (ncclCommInitRank). Collective over the `world_size` processes.
 Status create_nccl_rank(const NcclBootstrap& bootstrap, std::shared_ptr<Communicator>* out);
 
+// A handle on an existing ncclComm_t (e.g. the engine's or torch's), which megamoe never destroys:
+// the caller keeps it alive while layers use it. Rank and size come from the communicator; `device`
+// must be its CUDA device. Refused: a null pointer (torch creates its communicator at the first
+// collective on the group), a process with two different libnccl loaded (a communicator of one is
+// meaningless to the other), and, before NCCL 2.31, a runtime NCCL other than the one megamoe was
+// compiled against (the device communicator's layout is fixed at compile time). group_id() is unique
+// within this process (a hash of the pointer), not agreed across processes.
+Status adopt_nccl_comm(void* nccl_comm, int device, std::shared_ptr<Communicator>* out);
+
 }  // namespace megamoe

@@ -2,8 +2,10 @@
 
 #include <cuda_runtime.h>
 #include <fcntl.h>
+#include <link.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -11,6 +13,7 @@
 #include <fstream>
 #include <sstream>
 #include <thread>
+#include <vector>
 
 #include "comm/nccl_check.h"
 #include "comm/nccl_window.h"
@@ -106,8 +109,8 @@ Status read_id_file(const std::string& path, int64_t timeout_ms, int rank, ncclU
 
 }  // namespace
 
-NcclRankComm::NcclRankComm(ncclComm_t comm, int rank, int size, int device, uint64_t group_id)
-    : comm_(comm), rank_(rank), size_(size), device_(device), group_id_(group_id) {
+NcclRankComm::NcclRankComm(ncclComm_t comm, int rank, int size, int device, uint64_t group_id, bool owns_comm)
+    : comm_(comm), owns_comm_(owns_comm), rank_(rank), size_(size), device_(device), group_id_(group_id) {
   if (cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device_) != cudaSuccess) {
     cudaGetLastError();
     num_sms_ = 1;
@@ -119,7 +122,7 @@ NcclRankComm::~NcclRankComm() {
   device_state_.reset();  // the ncclDevComm goes before its communicator
   // A broken group may have operations pending on a dead peer (a barrier's all-reduce) that would
   // keep ncclCommDestroy from returning: abort it instead, which never waits.
-  if (comm_) (broken() ? ncclCommAbort : ncclCommDestroy)(comm_);
+  if (comm_ && owns_comm_) (broken() ? ncclCommAbort : ncclCommDestroy)(comm_);
   if (barrier_stream_) cudaStreamDestroy(static_cast<cudaStream_t>(barrier_stream_));
   if (barrier_cell_) cudaFree(barrier_cell_);
 }
@@ -333,6 +336,61 @@ Status create_nccl_rank(const NcclBootstrap& b, std::shared_ptr<Communicator>* o
   ncclComm_t comm = nullptr;
   MEGAMOE_NCCL_CHECK(ncclCommInitRank(&comm, b.world_size, id, b.rank));
   *out = std::make_shared<NcclRankComm>(comm, b.rank, b.world_size, device, group_id_of(id));
+  return Status::ok();
+}
+
+namespace {
+
+// The distinct paths of the libnccl objects mapped in this process.
+int collect_libnccl(dl_phdr_info* info, size_t, void* data) {
+  const std::string path = info->dlpi_name ? info->dlpi_name : "";
+  const size_t slash = path.rfind('/');
+  const std::string base = slash == std::string::npos ? path : path.substr(slash + 1);
+  auto* paths = static_cast<std::vector<std::string>*>(data);
+  if (base.rfind("libnccl.so", 0) == 0 && std::find(paths->begin(), paths->end(), path) == paths->end())
+    paths->push_back(path);
+  return 0;
+}
+
+}  // namespace
+
+Status adopt_nccl_comm(void* nccl_comm, int device, std::shared_ptr<Communicator>* out) {
+  if (!out) return invalid_argument("argument", "out", "null", "must point to a Communicator handle");
+  if (!nccl_comm)
+    return invalid_argument("NCCL adoption", "nccl_comm", "null",
+                            "must be a live ncclComm_t (torch creates its communicator at the first collective on "
+                            "the group: run one first, or use comm_from_process_group)");
+  std::vector<std::string> libs;
+  dl_iterate_phdr(collect_libnccl, &libs);
+  if (libs.size() > 1) {
+    std::string all;
+    for (const std::string& l : libs) all += (all.empty() ? "" : ", ") + l;
+    return Status(StatusCode::kFailedPrecondition,
+                  "NCCL adoption: " + std::to_string(libs.size()) + " libnccl are loaded (" + all +
+                      "); a communicator of one cannot be used through the other: load one NCCL (put torch's "
+                      "nvidia-nccl first on LD_LIBRARY_PATH)");
+  }
+  MEGAMOE_RETURN_IF_ERROR(check_nccl_runtime());
+  int runtime = 0;
+  MEGAMOE_NCCL_CHECK(ncclGetVersion(&runtime));
+  constexpr int kStableDevCommVersion = 23100;  // NCCL 2.31: the device communicator's layout is versioned
+  if (runtime < kStableDevCommVersion && runtime != NCCL_VERSION_CODE)
+    return Status(StatusCode::kUnavailable,
+                  "NCCL adoption: the loaded NCCL is " + std::to_string(runtime) + " but megamoe was compiled against " +
+                      std::to_string(NCCL_VERSION_CODE) +
+                      "; before NCCL 2.31 the device communicator's layout is fixed at compile time: load the same "
+                      "NCCL, or use comm_from_process_group (megamoe's own communicator)");
+  MEGAMOE_RETURN_IF_ERROR(check_cuda_device(device));
+  ncclComm_t comm = static_cast<ncclComm_t>(nccl_comm);
+  int rank = 0, size = 0, comm_device = -1;
+  MEGAMOE_NCCL_CHECK(ncclCommUserRank(comm, &rank));
+  MEGAMOE_NCCL_CHECK(ncclCommCount(comm, &size));
+  MEGAMOE_NCCL_CHECK(ncclCommCuDevice(comm, &comm_device));
+  if (comm_device != device)
+    return invalid_argument("NCCL adoption", "device", std::to_string(device),
+                            "must be the communicator's device cuda:" + std::to_string(comm_device));
+  const uint64_t gid = (reinterpret_cast<uintptr_t>(nccl_comm) * 0x9E3779B97F4A7C15ull) | (1ull << 63);
+  *out = std::make_shared<NcclRankComm>(comm, rank, size, device, gid, /*owns_comm=*/false);
   return Status::ok();
 }
 

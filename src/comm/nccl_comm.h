@@ -34,7 +34,8 @@ constexpr int kMinNcclVersionCode = 22800;
 
 class NcclRankComm final : public GpuRankComm, public std::enable_shared_from_this<NcclRankComm> {
  public:
-  NcclRankComm(ncclComm_t comm, int rank, int size, int device, uint64_t group_id);
+  // owns_comm = false: an adopted communicator (adopt_nccl_comm), never destroyed or aborted here.
+  NcclRankComm(ncclComm_t comm, int rank, int size, int device, uint64_t group_id, bool owns_comm = true);
   ~NcclRankComm() override;
   NcclRankComm(const NcclRankComm&) = delete;
   NcclRankComm& operator=(const NcclRankComm&) = delete;
@@ -60,6 +61,7 @@ class NcclRankComm final : public GpuRankComm, public std::enable_shared_from_th
 
  private:
   ncclComm_t comm_;
+  bool owns_comm_;
   int rank_, size_, device_, num_sms_ = 0;
   uint64_t group_id_;
   std::mutex state_mutex_;

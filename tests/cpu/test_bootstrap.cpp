@@ -1,5 +1,6 @@
 // NcclBootstrap::from_env: what `megamoe launch` (or an engine's launcher) sets, read through the one
 // place that reads MEGAMOE_* variables. Needs no GPU: it parses and validates only.
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -97,6 +98,34 @@ TEST_F(Bootstrap, BarrierTimeoutIsReadApartFromTheWaitBound) {
   }
   unsetenv("MEGAMOE_BARRIER_TIMEOUT_MS");
   reload_env_knobs();
+}
+
+}  // namespace
+}  // namespace megamoe
+
+namespace megamoe {
+namespace {
+
+// adopt_nccl_comm() refuses what it must before touching the communicator.
+TEST(AdoptNcclComm, NullCommunicatorIsRefusedByName) {
+  std::shared_ptr<Communicator> comm;
+  const Status st = adopt_nccl_comm(nullptr, 0, &comm);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("nccl_comm=null"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("first collective"), std::string::npos) << st.message();
+  EXPECT_FALSE(comm);
+  EXPECT_EQ(adopt_nccl_comm(nullptr, 0, nullptr).code(), StatusCode::kInvalidArgument);
+}
+
+TEST(AdoptNcclComm, WithoutADeviceTheCommunicatorIsNeverRead) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) == cudaSuccess && n > 0) GTEST_SKIP() << "a CUDA device is present";
+  cudaGetLastError();
+  std::shared_ptr<Communicator> comm;
+  int not_a_comm = 0;  // would crash if dereferenced as an ncclComm_t
+  const Status st = adopt_nccl_comm(&not_a_comm, 0, &comm);
+  EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.to_string();
+  EXPECT_FALSE(comm);
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 // - The GIL is released around every call that launches kernels, blocks on peers or runs the cpu
 //   backend's rank threads (create, warmup, forward, check_error, NCCL bootstraps), so ranks driven
 //   from Python threads make progress together.
+#include <cuda_runtime_api.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/map.h>
 #include <nanobind/stl/pair.h>
@@ -17,6 +18,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -142,6 +144,92 @@ void forward(PyLayer& self, nb::handle x, nb::handle topk_ids, nb::handle topk_w
     st = layer.forward(vx, vids, vw, vy, reinterpret_cast<void*>(stream), vs);
   }
   check(st);
+}
+
+// ---- diagnostics (tests and the host-overhead measurement) ----
+
+// Host nanoseconds of each of `iters` forward() calls made from C++ on prebuilt views: the baseline
+// the Python forward's overhead is measured against.
+std::vector<int64_t> time_forward(PyLayer& self, nb::handle x, nb::handle topk_ids, nb::handle topk_weights,
+                                  nb::handle y, uintptr_t stream, nb::handle x_scale, int iters) {
+  MoeLayer& layer = self.get();
+  const TensorView vx = to_view(x, "x"), vids = to_view(topk_ids, "topk_ids"),
+                   vw = to_view(topk_weights, "topk_weights"), vy = to_view(y, "y"), vs = to_view(x_scale, "x_scale");
+  std::vector<int64_t> ns;
+  ns.reserve(iters);
+  Status st;
+  {
+    nb::gil_scoped_release release;
+    for (int i = 0; i < iters && st.is_ok(); ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      st = layer.forward(vx, vids, vw, vy, reinterpret_cast<void*>(stream), vs);
+      ns.push_back(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
+    }
+  }
+  check(st);
+  return ns;
+}
+
+void cuda_check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    throw StatusError{StatusCode::kCudaError, std::string(what) + ": " + cudaGetErrorString(err)};
+  }
+}
+
+// The nodes of a CUDA graph, in the graph's order: the kernel's function name, or "<memcpy>" /
+// "<memset>" / "<node type N>".
+std::vector<std::string> graph_nodes(uintptr_t graph_ptr) {
+  cudaGraph_t graph = reinterpret_cast<cudaGraph_t>(graph_ptr);
+  size_t n = 0;
+  cuda_check(cudaGraphGetNodes(graph, nullptr, &n), "cudaGraphGetNodes");
+  std::vector<cudaGraphNode_t> nodes(n);
+  cuda_check(cudaGraphGetNodes(graph, nodes.data(), &n), "cudaGraphGetNodes");
+  std::vector<std::string> out;
+  for (cudaGraphNode_t node : nodes) {
+    cudaGraphNodeType type;
+    cuda_check(cudaGraphNodeGetType(node, &type), "cudaGraphNodeGetType");
+    if (type == cudaGraphNodeTypeKernel) {
+      cudaKernelNodeParams params{};
+      cuda_check(cudaGraphKernelNodeGetParams(node, &params), "cudaGraphKernelNodeGetParams");
+      const char* name = nullptr;
+      if (cudaFuncGetName(&name, params.func) != cudaSuccess || !name) {
+        cudaGetLastError();
+        name = "<kernel>";
+      }
+      out.emplace_back(name);
+    } else if (type == cudaGraphNodeTypeMemcpy) {
+      out.emplace_back("<memcpy>");
+    } else if (type == cudaGraphNodeTypeMemset) {
+      out.emplace_back("<memset>");
+    } else {
+      out.emplace_back("<node type " + std::to_string(static_cast<int>(type)) + ">");
+    }
+  }
+  return out;
+}
+
+// forward() captured from C++ on `stream` (which must not be capturing): its graph's nodes.
+std::vector<std::string> captured_forward_nodes(PyLayer& self, nb::handle x, nb::handle topk_ids,
+                                                nb::handle topk_weights, nb::handle y, uintptr_t stream_ptr,
+                                                nb::handle x_scale) {
+  MoeLayer& layer = self.get();
+  const TensorView vx = to_view(x, "x"), vids = to_view(topk_ids, "topk_ids"),
+                   vw = to_view(topk_weights, "topk_weights"), vy = to_view(y, "y"), vs = to_view(x_scale, "x_scale");
+  cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_ptr);
+  cudaGraph_t graph = nullptr;
+  Status st;
+  {
+    nb::gil_scoped_release release;
+    cuda_check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
+    st = layer.forward(vx, vids, vw, vy, stream, vs);
+    const cudaError_t end = cudaStreamEndCapture(stream, &graph);
+    if (st.is_ok()) cuda_check(end, "cudaStreamEndCapture");
+  }
+  check(st);
+  std::vector<std::string> nodes = graph_nodes(reinterpret_cast<uintptr_t>(graph));
+  cudaGraphDestroy(graph);
+  return nodes;
 }
 
 nb::tuple status_tuple(const Status& s) { return nb::make_tuple(static_cast<int>(s.code()), s.message()); }
@@ -374,6 +462,9 @@ NB_MODULE(_C, m) {
     return std::make_pair(b.rel_l2, b.derivation);
   });
 
+  m.def("_same_points_bound", [](CombineDtype c) { return reference::same_points_bound(c).rel_l2; });
+  m.def("_graph_nodes", &graph_nodes, "graph"_a);
+
   // ---- devices and versions ----
   m.def("cuda_device_count", [] { return cuda_device_count(); });
   m.def("nccl_version", [] { return nccl_version(); });
@@ -424,6 +515,14 @@ NB_MODULE(_C, m) {
         return comm;
       },
       "rank"_a, "world_size"_a, "device"_a, "id_hex"_a);
+  m.def(
+      "adopt_nccl_comm",
+      [](uintptr_t nccl_comm, int device) {
+        std::shared_ptr<Communicator> comm;
+        check(adopt_nccl_comm(reinterpret_cast<void*>(nccl_comm), device, &comm));
+        return comm;
+      },
+      "nccl_comm"_a, "device"_a);
   m.def("nccl_rank_from_env", [] {
     NcclBootstrap b;
     check(NcclBootstrap::from_env(&b));
@@ -467,6 +566,10 @@ NB_MODULE(_C, m) {
           "stream"_a = 0)
       .def("set_expert_counts",
            [](PyLayer& self, nb::handle counts) { check(self.get().set_expert_counts(to_view(counts, "counts"))); }, "counts"_a.none())
+      .def("_time_forward", &time_forward, "x"_a, "topk_ids"_a, "topk_weights"_a, "y"_a, "stream"_a,
+           "x_scale"_a.none(), "iters"_a)
+      .def("_captured_forward_nodes", &captured_forward_nodes, "x"_a, "topk_ids"_a, "topk_weights"_a, "y"_a,
+           "stream"_a, "x_scale"_a.none())
       .def("destroy", &PyLayer::destroy)
       .def_prop_ro("alive", &PyLayer::alive)
       .def_prop_ro("backend", [](const PyLayer& self) { return self.get().backend(); })

@@ -57,10 +57,10 @@ def _tensor_view(t: torch.Tensor) -> tuple:
     code = _TORCH_CODES.get(t.dtype)
     if code is None:
         raise InvalidArgumentError(f"invalid argument: dtype={t.dtype}, megamoe takes none of that dtype")
-    index = t.get_device()
+    index = t.get_device()  # torch.Size is a tuple: it crosses as the shape without a copy
     if index < 0:
-        return (t.data_ptr(), code, tuple(t.shape), t.stride(), _DEVICE_CPU, 0)
-    return (t.data_ptr(), code, tuple(t.shape), t.stride(), _DEVICE_CUDA, index)
+        return (t.data_ptr(), code, t.shape, t.stride(), _DEVICE_CPU, 0)
+    return (t.data_ptr(), code, t.shape, t.stride(), _DEVICE_CUDA, index)
 
 
 tensor_view = _tensor_view
@@ -157,8 +157,8 @@ class MoeLayer:
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 out: Optional[torch.Tensor] = None, x_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
         if out is None:
-            return torch.ops.megamoe.forward(self.handle, x, x_scale, topk_ids, topk_weights)
-        torch.ops.megamoe.forward_out(self.handle, x, x_scale, topk_ids, topk_weights, out)
+            return _ops.forward(self.handle, x, x_scale, topk_ids, topk_weights)
+        _ops.forward_out(self.handle, x, x_scale, topk_ids, topk_weights, out)
         return out
 
     __call__ = forward

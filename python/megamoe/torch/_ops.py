@@ -42,3 +42,8 @@ def _forward_fake(handle, x, x_scale, topk_ids, topk_weights):
 @torch.library.register_fake("megamoe::forward_out", lib=_lib)
 def _forward_out_fake(handle, x, x_scale, topk_ids, topk_weights, out):
     return None
+
+
+# The overloads the layer calls (resolved once: attribute lookups on torch.ops cost host time).
+forward = torch.ops.megamoe.forward.default
+forward_out = torch.ops.megamoe.forward_out.default

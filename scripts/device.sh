@@ -39,6 +39,10 @@
 #                          memcheck / racecheck / synccheck on the small mega tests
 #   sanitize [FILTER]      compute-sanitizer TOOLS (memcheck racecheck synccheck) on those GPU tests
 #   profile                Nsight Compute: MODE=sections (default) | metrics | source
+#   python                 the Python package's tests with torch on the GPU (tests/python: the torch
+#                          tier, the routed backend from torch, host overhead, captured kernel nodes):
+#                          installs $BIN/python/megamoe-*.whl (a wheel built for the device's python3)
+#                          into $OUT/site without dependencies, then the GPU tests Sm90RoutedInputs*
 # Every binary runs under `timeout`; each subcommand prints a short summary and exits non-zero when
 # something failed.
 # shellcheck disable=SC2317  # functions called through for_lines_and_bins
@@ -47,7 +51,7 @@ sub=${1:-}
 [[ $# -gt 0 ]] && shift
 case $sub in
   tests | check | bench-table | layer-ab | launch | barrier-timeout | gemm | gemm-ab | gemm-matrix | transport | \
-    transport-ab | link | harness-ab | mega | sanitize | profile) ;;
+    transport-ab | link | harness-ab | mega | sanitize | profile | python) ;;
   *)
     sed -n '2,/^# shellcheck disable=SC2317/p' "$0" | sed '$d; s/^# \{0,1\}//'
     [[ -z $sub || $sub == help || $sub == -h || $sub == --help ]] && exit 0
@@ -505,6 +509,26 @@ profile() {
   esac
 }
 
+python_tests() {
+  local wheel
+  wheel=$(ls "$BIN"/python/megamoe-*.whl 2>/dev/null | head -1)
+  if [[ -z $wheel ]]; then
+    echo "python: no wheel in $BIN/python/ (build one here with the device's python3: pip wheel --no-deps .)"
+    rc=1
+    return
+  fi
+  python3 -m pip install -q --no-deps --no-index --target "$OUT/site" "$wheel" > "$OUT/pip.log" 2>&1 || {
+    echo "python: pip install of $wheel failed"; tail -5 "$OUT/pip.log"; rc=1; return; }
+  # torch's own libstdc++ may be older than the one the module was built against
+  PYTHONPATH=$OUT/site LD_PRELOAD=${PY_PRELOAD-/usr/lib/x86_64-linux-gnu/libstdc++.so.6} MEGAMOE_WAIT_TIMEOUT_MS=5000 \
+    timeout "${PY_TIMEOUT:-300}" python3 -m pytest -q -s -p no:cacheprovider tests/python > "$OUT/pytest.log" 2>&1
+  local prc=$?
+  echo "python: pytest exit $prc"
+  grep -E "host time per forward|kernel nodes|routed vs cpu|FAILED|Error|passed|failed|skipped" "$OUT/pytest.log" | tail -25
+  [[ $prc -eq 0 ]] || rc=1
+  TEST_TIMEOUT=120 run_tests "${FILTER:-Sm90RoutedInputs*}" || rc=1
+}
+
 case $sub in
   tests) tests "$@" ;;
   check) check ;;
@@ -522,5 +546,6 @@ case $sub in
   mega) mega "$@" ;;
   sanitize) sanitize "$@" ;;
   profile) profile ;;
+  python) python_tests ;;
 esac
 exit $rc

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "megamoe/formats.h"
+#include "core/backends.h"
 #include "megamoe/layer.h"
 #include "reference/problem.h"
 
@@ -127,6 +128,16 @@ TEST(LayerInputs, OutputScaleMustBeFinite) {
   c.output_scale = 0.5f;
   EXPECT_TRUE(c.validate().is_ok());
   EXPECT_NE(c.to_string().find("output_scale=0.5"), std::string::npos) << c.to_string();
+}
+
+// The fused kernel has no output scale yet: its gate says so (and auto picks routed).
+TEST(LayerInputs, MegaGateRefusesAnOutputScale) {
+  MoeConfig c = cpu_config(2.0f);
+  const Status st = mega_format_gate(geometry(32), c);
+  EXPECT_EQ(st.code(), StatusCode::kUnavailable);
+  EXPECT_NE(st.message().find("output_scale"), std::string::npos) << st.message();
+  c.output_scale = 1.0f;
+  EXPECT_TRUE(mega_format_gate(geometry(32), c).is_ok()) << mega_format_gate(geometry(32), c).to_string();
 }
 
 TEST(LayerInputs, ExpertCountsAccumulateReceivedRows_EP1) {

@@ -111,6 +111,13 @@ class MegaMoeLayer final : public MoeLayer {
                  void* stream_ptr, const TensorView& x_scale) override {
     MEGAMOE_RETURN_IF_ERROR(
         validate_forward_args(geometry_, config_, device(), x, x_scale, topk_ids, topk_weights, y));
+    // The fused kernel reads int32 ids and fp32 weights as given (no conversion kernel yet).
+    if (topk_ids.dtype != DType::kInt32)
+      return invalid_argument("forward argument", "topk_ids.dtype", to_string(topk_ids.dtype),
+                              "the mega backend takes int32 ids (int64 ids: backend=routed or cpu)");
+    if (topk_weights.dtype != DType::kFloat32)
+      return invalid_argument("forward argument", "topk_weights.dtype", to_string(topk_weights.dtype),
+                              "the mega backend takes float32 weights (bfloat16 weights: backend=routed or cpu)");
     if (!broken_.is_ok())
       return Status(broken_.code(), "the layer's EP group failed in an earlier forward and cannot run again (" +
                                         broken_.message() + "); rebuild the communicator and the layers");
@@ -216,6 +223,8 @@ class MegaMoeLayer final : public MoeLayer {
 }  // namespace
 
 Status mega_format_gate(const MoeGeometry& g, const MoeConfig& c) {
+  if (c.output_scale != 1.0f)
+    return Status(StatusCode::kUnavailable, "the mega backend has no output_scale yet (the routed backend applies it)");
   if (c.weight_format == WeightFormat::kFp8Block && c.dispatch_format != DispatchFormat::kFp8Block)
     return Status(StatusCode::kUnavailable,
                   "the mega backend runs fp8-block weights with dispatch_format=fp8-block (got dispatch_format=" +

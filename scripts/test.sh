@@ -2,6 +2,11 @@
 # Builds and runs every test. GPU tests skip (with their reason) on a machine without a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The Python package below compiles the library a second time, in its own build directory: with
+# ccache on the machine (and no launcher chosen by the caller) that second compile reuses the first's.
+if command -v ccache >/dev/null 2>&1 && [ -z "${CMAKE_CUDA_COMPILER_LAUNCHER:-}" ]; then
+  export CMAKE_CXX_COMPILER_LAUNCHER=ccache CMAKE_CUDA_COMPILER_LAUNCHER=ccache CCACHE_BASEDIR="$PWD"
+fi
 bash scripts/build.sh
 ctest --preset default -j "$(nproc)" --timeout 600
 

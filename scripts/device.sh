@@ -30,13 +30,14 @@
 #   harness-ab             the bench harness of each BINS binary (megamoe_before: a build of 1f3011b,
 #                          before the harness; megamoe), alternated ROUNDS (2) times on the same points
 #                          of bench, bench-gemm and bench-transport on one GPU; medians side by side
-#   mega [tests|check|bench|timeline|sanitize|all]   the one-kernel backend on GPU 0: its GPU tests one
+#   mega [tests|check|bench|timeline|layers|sanitize|all]   the one-kernel backend on GPU 0: its tests one
 #                          process each (MEGA_FILTER, default Sm90Mega*; the first run of the kernel,
 #                          so EACH-style with a short wait bound), `check --backend mega` (EP1 and
 #                          --shared-gpu R = 2), `bench --backend mega,routed` for PRESETS (deepseek-v3
 #                          deepseek-v4-flash qwen3-30b-a3b) x EP1 and R = 2 logical ranks at TOKENS
-#                          (1..8192) with the per-phase timeline (the stages column), compute-sanitizer
-#                          memcheck / racecheck / synccheck on the small mega tests
+#                          (1..8192) with the per-phase timeline (the stages column), `bench --layers
+#                          LAYERS (4)` beside one layer (decode: the per-layer cost of a model's step),
+#                          compute-sanitizer memcheck / racecheck / synccheck on the small mega tests
 #   sanitize [FILTER]      compute-sanitizer TOOLS (memcheck racecheck synccheck) on those GPU tests
 #   profile                Nsight Compute: MODE=sections (default) | metrics | source
 #   python                 the Python package's tests with torch on the GPU (tests/python: the torch
@@ -387,7 +388,7 @@ PY
 # The mega backend. Its kernel first ran here: every test in its own process with a short wait bound
 # (a hang costs TEST_TIMEOUT, then the rest is skipped), the routed EP1 tests beside it (the shared
 # building blocks), then the tool.
-mega() {  # [tests|check|bench|timeline|sanitize|all]
+mega() {  # [tests|check|bench|timeline|layers|sanitize|all]
   local what=${1:-all} t trc args i=0 crc preset shared
   export MEGAMOE_WAIT_TIMEOUT_MS=${MEGAMOE_WAIT_TIMEOUT_MS:-3000}
   if [[ $what == tests || $what == all ]]; then
@@ -424,6 +425,17 @@ mega() {  # [tests|check|bench|timeline|sanitize|all]
           --tokens "${TOKENS:-1,8,64,128,512,1024,2048,4096,8192}" --iters "${ITERS:-20}" --warmup "${WARMUP:-5}" \
           --max-host-gb 100 --json "$OUT/mega_${preset}_${shared// /_}.json" > "$OUT/mega_${preset}_${shared// /_}.log" 2>&1 || rc=1
         grep -vE "^\[bench\]" "$OUT/mega_${preset}_${shared// /_}.log" | tail -24
+      done
+    done
+  fi
+  if [[ $what == layers || $what == all ]]; then
+    for preset in deepseek-v3 qwen3-30b-a3b; do
+      for n in 1 "${LAYERS:-4}"; do
+        echo "== $preset --layers $n"
+        timeout "${BENCH_TIMEOUT:-300}" "$TOOL" bench --preset "$preset" --backend mega,routed --layers "$n" \
+          --tokens "${LAYER_TOKENS:-1,8,64}" --iters "${ITERS:-20}" --warmup "${WARMUP:-5}" --max-host-gb 100 \
+          --json "$OUT/mega_layers_${preset}_$n.json" > "$OUT/mega_layers_${preset}_$n.log" 2>&1 || rc=1
+        grep -vE "^\[bench\]" "$OUT/mega_layers_${preset}_$n.log" | tail -8
       done
     done
   fi

@@ -543,6 +543,23 @@ TEST(Tool, PreparedWeights_AsSource_PrepareToTheSameBytes) {
 
 // ---- bench ----
 
+// --layers N: the rows say so, the times are per layer, the command reproduces it, and a bad N is
+// refused naming the flag.
+TEST(Tool, Bench_Layers_PerLayerRowsAndCommand) {
+  TempDir dir;
+  const std::string json = dir.path() + "/layers.json";
+  const ToolRun r = run_tool("bench --preset tiny --backend cpu --layers 3 --tokens 4 --iters 2 --warmup 1 --json " + json,
+                             /*merge_stderr=*/false);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_TRUE(contains(r.out, "--layers 3: each timed forward runs 3 layers")) << r.out;
+  const nlohmann::json j = nlohmann::json::parse(read_file(json));
+  ASSERT_EQ(j.at("rows").size(), 1u);
+  EXPECT_EQ(j.at("rows")[0].at("layers"), 3);
+  EXPECT_GT(j.at("rows")[0].at("median_us").get<double>(), 0);
+  EXPECT_TRUE(contains(j.at("rows")[0].at("command").get<std::string>(), "--layers 3"));
+  expect_refused(run_tool("bench --preset tiny --backend cpu --layers 0 --tokens 4"), 2, {"--layers", "0"});
+}
+
 TEST(Tool, Bench_Tiny_Cpu_RowsJsonCsvAndReproducingCommand) {
   TempDir dir;
   const std::string json = dir.path() + "/bench.json", csv = dir.path() + "/bench.csv";

@@ -10,6 +10,8 @@
 // soon as its layer has prepared its copy (ranks.h, build_group). Where the prepared format can be
 // handed back bit for bit (fp8-block, bf16), the first case keeps a copy of every rank's prepared
 // weights and the later cases build from it instead of generating and quantising again.
+#include <cuda_runtime.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -46,6 +48,7 @@ struct BenchOptions {
   std::string iters, warmup, input_sets = "4";
   std::string routing = "uniform", seed = "1";
   std::string json, csv;
+  std::string layers = "1";  // --layers N
   MaxHostGbOption max_host_gb;
 };
 
@@ -77,6 +80,7 @@ std::string reproduce_command(const BenchOptions& o, const std::string& preset, 
   if (l.no_owner_reduce) cmd += " --no-owner-reduce";
   if (l.pow2_scales) cmd += " --pow2-scales";
   if (l.shared_gpu) cmd += " --shared-gpu";
+  if (o.layers != "1") cmd += " --layers " + shell_quote(o.layers);
   if (!l.experts.empty()) cmd += " --experts " + shell_quote(l.experts);
   if (!l.max_tokens.empty()) cmd += " --max-tokens " + shell_quote(l.max_tokens);
   if (l.pad) cmd += " --pad";
@@ -179,6 +183,66 @@ void fill_rates(const ForwardModel& model, int64_t R, BenchRow* row) {
 }
 
 // Times one case. Fills row.median_us etc., or row.error.
+// --layers N: the N - 1 further layers of one case (built from the first's prepared weights: the same
+// values, each its own device copy; the workspace is the first's, shared through WorkspacePool), and
+// per rank and input set one CUDA graph of the N chained forwards (GPU backends), replayed as one
+// timed forward. Graphs are captured after warmup (the layers' collective work is done).
+struct LayerStack {
+  std::vector<std::unique_ptr<RankGroup>> more;           // layers 1 .. N-1
+  std::vector<std::vector<MoeLayer*>> chain;              // [rank]: the N layers in order
+  std::vector<std::vector<cudaGraphExec_t>> graphs;       // [rank][set]
+  ~LayerStack() {
+    for (auto& per_rank : graphs)
+      for (cudaGraphExec_t g : per_rank)
+        if (g) cudaGraphExecDestroy(g);
+  }
+};
+
+Status build_layer_stack(const MoeGeometry& g, const MoeConfig& c, uint64_t seed, const ProcessRanks& pr,
+                         KeptWeights* kept, RankGroup& first, CaseIo& io, int64_t layers, bool on_gpu, LayerStack* s) {
+  const int64_t R = g.ep_size;
+  for (int64_t l = 1; l < layers; ++l) {
+    s->more.push_back(std::make_unique<RankGroup>());
+    MEGAMOE_RETURN_IF_ERROR(build_case(g, c, seed, pr, kept, s->more.back().get()));
+  }
+  s->chain.assign(static_cast<size_t>(R), {});
+  s->graphs.assign(static_cast<size_t>(R), {});
+  for (int64_t r = 0; r < R; ++r) {
+    if (!pr.runs(r)) continue;
+    s->chain[r].push_back(first.layers[r].get());
+    for (const auto& m : s->more) s->chain[r].push_back(m->layers[r].get());
+    for (auto& set : io[r]) MEGAMOE_RETURN_IF_ERROR(set->reserve_chain());
+  }
+  if (!on_gpu) return Status::ok();
+  return run_on_local_ranks(pr, [&](int64_t r) -> Status {
+    const Device dev = first.layers[r]->device();
+    void* stream = nullptr;
+    MEGAMOE_RETURN_IF_ERROR(create_stream(dev, &stream));
+    Status st;
+    for (auto& set : io[r]) {
+      cudaGraph_t graph = nullptr;
+      cudaGraphExec_t exec = nullptr;
+      cudaStream_t cs = static_cast<cudaStream_t>(stream);
+      if (cudaStreamBeginCapture(cs, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
+        st = Status(StatusCode::kCudaError, "rank " + std::to_string(r) + ": cannot begin a CUDA-graph capture");
+        break;
+      }
+      st = set->forward_layers(s->chain[r], stream);
+      const cudaError_t end = cudaStreamEndCapture(cs, &graph);
+      if (st && end != cudaSuccess)
+        st = Status(StatusCode::kCudaError, std::string("capture of the layers' forwards failed: ") + cudaGetErrorString(end));
+      if (st && cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess)
+        st = Status(StatusCode::kCudaError, "instantiating the layers' graph failed");
+      if (graph) cudaGraphDestroy(graph);
+      if (!st) break;
+      s->graphs[r].push_back(exec);
+    }
+    destroy_stream(dev, stream);
+    if (!st) return Status(st.code(), "rank " + std::to_string(r) + " --layers: " + st.message());
+    return st;
+  });
+}
+
 void run_case(const MoeGeometry& g, const MoeConfig& c, uint64_t seed, const ProcessRanks& pr,
               const std::vector<reference::RankInputs>& inputs, int64_t tokens, int64_t sets, int64_t iters,
               int64_t warmup, KeptWeights* kept, BenchRow* row) {
@@ -206,6 +270,19 @@ void run_case(const MoeGeometry& g, const MoeConfig& c, uint64_t seed, const Pro
   LockstepOptions o;
   o.warmup = warmup;
   o.iters = iters;
+  LayerStack stack;
+  if (row->layers > 1) {
+    if (st = build_layer_stack(g, c, seed, pr, kept, group, io, row->layers, row->on_gpu, &stack); !st) {
+      row->error = st.message();
+      return;
+    }
+    o.run_forward = [&](int64_t r, int64_t it, void* stream) -> Status {
+      if (!row->on_gpu) return io[r][it % sets]->forward_layers(stack.chain[r], stream);
+      const cudaError_t e = cudaGraphLaunch(stack.graphs[r][it % sets], static_cast<cudaStream_t>(stream));
+      if (e != cudaSuccess) return Status(StatusCode::kCudaError, std::string("graph launch: ") + cudaGetErrorString(e));
+      return Status::ok();
+    };
+  }
   const Clock::time_point began = Clock::now();
   Clock::time_point last_progress = began;
   o.progress = [&](int64_t done, int64_t total) {
@@ -222,9 +299,10 @@ void run_case(const MoeGeometry& g, const MoeConfig& c, uint64_t seed, const Pro
     return;
   }
   const Summary s = summarize(times.slowest_per_forward(/*sampled=*/false));
-  row->median_us = s.median;
-  row->min_us = s.min;
-  row->max_us = s.max;
+  const double per_layer = 1.0 / static_cast<double>(row->layers);  // --layers: a forward of N layers
+  row->median_us = s.median * per_layer;
+  row->min_us = s.min * per_layer;
+  row->max_us = s.max * per_layer;
   fill_rates(model, R, row);
   if (row->on_gpu) collect_stage_times(pr, group, io, std::min<int64_t>(iters, 10), row);
 }
@@ -353,6 +431,7 @@ std::vector<BenchRow> plan_rows(const BenchOptions& o, const BenchPlan& plan) {
       row.warmup =
           o.warmup.empty() ? (resolved == Backend::kCpu ? 2 : 10) : parse_int_flag("--warmup", o.warmup, 0, 1000000);
       row.command = reproduce_command(o, o.layer.preset, b, t, row.iters, row.warmup, plan.sets);
+      row.layers = parse_int_flag("--layers", o.layers, 1, 64);
       rows.push_back(row);
     }
   return rows;
@@ -396,6 +475,10 @@ int run_bench(BenchOptions o) {
   print_bench_header(header);
   if (pr.launched) std::printf("%s: times are this rank's (each process reports its own)\n", pr.describe().c_str());
   if (pr.shared_gpu) std::printf("%s: SMs / R each (the NVLink floor does not apply)\n", pr.describe().c_str());
+  if (const int64_t n = parse_int_flag("--layers", o.layers, 1, 64); n > 1)
+    std::printf("--layers %lld: each timed forward runs %lld layers (distinct weight copies, one workspace, one CUDA "
+                "graph per rank on a GPU); times and rates are per layer\n",
+                static_cast<long long>(n), static_cast<long long>(n));
   int exit_code = kExitOk;
   KeptWeights kept;  // the weights are generated by the first case, per rank (build_case)
   for (size_t i = 0; i < rows.size(); ++i) {
@@ -444,6 +527,12 @@ CommandRun add_bench_command(CLI::App* app) {
       ->default_str(o->input_sets);
   sub->add_option("--routing", o->routing, "uniform | single-expert | dropped")->type_name("R")->default_str(o->routing);
   sub->add_option("--seed", o->seed, "seed of the weights and inputs")->type_name("S")->default_str(o->seed);
+  sub->add_option("--layers", o->layers,
+                  "N layers of the geometry per forward, as a model's decode step runs them: each with its own "
+                  "copy of the weights, all sharing one workspace, chained (layer l reads layer l-1's output); "
+                  "on a GPU one CUDA graph of the N forwards per rank, replayed; times are per layer")
+      ->type_name("N")
+      ->default_str(o->layers);
   sub->add_option("--json", o->json, "write the rows as JSON to F")->type_name("F");
   sub->add_option("--csv", o->csv, "write the rows as CSV to F")->type_name("F");
   add_max_host_gb_option(sub, &o->max_host_gb);

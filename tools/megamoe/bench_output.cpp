@@ -63,7 +63,7 @@ std::string stages_text(const BenchRow& r) {
 nlohmann::json bench_record(const BenchRow& r) {
   nlohmann::json row = {{"backend", r.backend}, {"resolved", r.resolved}, {"tokens", r.tokens},
                         {"iters", r.iters},     {"warmup", r.warmup},     {"command", r.command},
-                        {"time_kind", time_kind(r)}};
+                        {"time_kind", time_kind(r)}, {"layers", r.layers}};
   if (!r.error.empty()) {
     row["error"] = r.error;
     return row;

@@ -17,6 +17,7 @@ struct BenchRow {
   std::string resolved;  // what it ran on
   int64_t tokens = 0;    // per rank
   int64_t iters = 0, warmup = 0;
+  int64_t layers = 1;    // --layers: times are per layer of a forward of `layers` layers
   bool on_gpu = false;
   double median_us = 0, min_us = 0, max_us = 0;
   double tflops_per_rank = 0, hbm_gbps_per_rank = 0, nvlink_gbps_per_rank = 0;

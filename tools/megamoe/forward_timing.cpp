@@ -105,7 +105,7 @@ Status time_lockstep_forwards(const ProcessRanks& pr, RankGroup& group, CaseIo& 
       if (rst) rst = b;
       out->start[r][it] = Clock::now();
       if (rst) rst = timer.start(stream);
-      if (rst) rst = io[r][it % sets]->forward(layer, stream);
+      if (rst) rst = o.run_forward ? o.run_forward(r, it, stream) : io[r][it % sets]->forward(layer, stream);
       if (rst) rst = timer.stop(stream);
       if (rst) rst = layer->check_error(stream);  // synchronises; reports device-side failures
       out->end[r][it] = Clock::now();

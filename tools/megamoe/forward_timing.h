@@ -35,6 +35,9 @@ struct LockstepOptions {
   // Tests: the time of forward `forward` (0-based over warmup + iters) on `rank`, in place of the
   // measured one; the forward still runs.
   std::function<double(int64_t rank, int64_t forward)> sample_us;
+  // In place of io's forward of the group's layer (the timed region), on the rank's timing stream:
+  // e.g. a CUDA graph of several layers' forwards (`bench --layers N`).
+  std::function<Status(int64_t rank, int64_t forward, void* stream)> run_forward;
 };
 
 struct LockstepTimes {

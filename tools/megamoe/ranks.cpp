@@ -293,7 +293,7 @@ void ThreadBarrier::wait() {
 RankIo::~RankIo() { release(); }
 
 void RankIo::release() {
-  for (void** p : {&x_, &ids_, &weights_, &y_}) {
+  for (void** p : {&x_, &ids_, &weights_, &y_, &chain_[0], &chain_[1]}) {
     release_ptr(device_, *p);
     *p = nullptr;
   }
@@ -337,6 +337,27 @@ Status RankIo::forward(MoeLayer* layer, void* stream) {
   const TensorView w(weights_, DType::kFloat32, {tokens_, top_k_}, device_);
   const TensorView y(y_, DType::kBFloat16, {tokens_, hidden_}, device_);
   return layer->forward(x, ids, w, y, stream);
+}
+
+Status RankIo::reserve_chain() {
+  for (void*& a : chain_)
+    if (!a) MEGAMOE_RETURN_IF_ERROR(alloc(device_, tokens_ * hidden_ * 2, &a));
+  return Status::ok();
+}
+
+Status RankIo::forward_layers(const std::vector<MoeLayer*>& layers, void* stream) {
+  const int64_t n = static_cast<int64_t>(layers.size());
+  if (n > 1 && (!chain_[0] || !chain_[1]))
+    return Status(StatusCode::kFailedPrecondition, "RankIo::forward_layers: reserve_chain() first");
+  const TensorView ids(ids_, DType::kInt32, {tokens_, top_k_}, device_);
+  const TensorView w(weights_, DType::kFloat32, {tokens_, top_k_}, device_);
+  for (int64_t l = 0; l < n; ++l) {
+    void* in = l == 0 ? x_ : chain_[(l - 1) & 1];
+    void* out = l == n - 1 ? y_ : chain_[l & 1];
+    MEGAMOE_RETURN_IF_ERROR(layers[l]->forward(TensorView(in, DType::kBFloat16, {tokens_, hidden_}, device_), ids, w,
+                                               TensorView(out, DType::kBFloat16, {tokens_, hidden_}, device_), stream));
+  }
+  return Status::ok();
 }
 
 Status RankIo::read_output(uint16_t* y) const {

@@ -162,6 +162,11 @@ class RankIo {
   // Fills y with a bf16 NaN pattern (poison: a row the layer does not write shows up as NaN).
   Status poison_output();
   Status forward(MoeLayer* layer, void* stream);
+  // The layers in order on this input, as a model's layers run: layer 0 reads x, layer l reads layer
+  // l - 1's output, the last writes y (the others alternate between two scratch activations, made by
+  // reserve_chain() before any capture).
+  Status reserve_chain();
+  Status forward_layers(const std::vector<MoeLayer*>& layers, void* stream);
   // Copies y back to the host (tokens * hidden bf16 bits).
   Status read_output(uint16_t* y) const;
 
@@ -173,6 +178,7 @@ class RankIo {
   void* ids_ = nullptr;
   void* weights_ = nullptr;
   void* y_ = nullptr;
+  void* chain_[2] = {nullptr, nullptr};
 };
 
 // Stream helpers: a stream on a CUDA device (null for the cpu) and its synchronisation. The L2

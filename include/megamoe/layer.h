@@ -16,7 +16,7 @@
 //   With config.output_scale = s != 1 (SGLang's routed_scaling_factor) the layer computes with the
 //   weights fp32(s * topk_weights[t, j]): y = s * (the sum above), rounded once, as bf16.
 //   The routed and cpu backends take all of these; the mega backend takes int32 ids and fp32 weights
-//   only, and its gate refuses output_scale != 1 (auto then picks routed).
+//   only (it applies output_scale in its kernel).
 //   T may be 0 (the rank still takes part). T > max_tokens_per_rank, wrong shapes, dtypes or devices,
 //   and expert ids outside [-1, E) are refused with a message naming the argument and the rule.
 //   Every rank of the group calls forward() the same number of times.

@@ -130,13 +130,9 @@ TEST(LayerInputs, OutputScaleMustBeFinite) {
   EXPECT_NE(c.to_string().find("output_scale=0.5"), std::string::npos) << c.to_string();
 }
 
-// The fused kernel has no output scale yet: its gate says so (and auto picks routed).
-TEST(LayerInputs, MegaGateRefusesAnOutputScale) {
+// The fused kernel applies the output scale itself (fp32(s * w) at placement, routed's product).
+TEST(LayerInputs, MegaGateTakesAnOutputScale) {
   MoeConfig c = cpu_config(2.0f);
-  const Status st = mega_format_gate(geometry(32), c);
-  EXPECT_EQ(st.code(), StatusCode::kUnavailable);
-  EXPECT_NE(st.message().find("output_scale"), std::string::npos) << st.message();
-  c.output_scale = 1.0f;
   EXPECT_TRUE(mega_format_gate(geometry(32), c).is_ok()) << mega_format_gate(geometry(32), c).to_string();
 }
 

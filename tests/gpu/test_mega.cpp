@@ -235,6 +235,43 @@ TEST(Sm90MegaEdges, ZeroTokensThenTokens) {
   EXPECT_LE(rel, reference::kSamePointsRelL2);
 }
 
+// output_scale (SGLang's routed_scaling_factor) against the cpu backend, and the EPLB receive counts
+// (set_expert_counts) against the routing's truth, accumulated over two forwards.
+TEST(Sm90MegaEdges, OutputScaleAndExpertCounts) {
+  MEGAMOE_REQUIRE_SM90_GPUS(1);
+  cudaSetDevice(0);
+  MoeProblem problem = reference::make_random_problem(geometry(512, 256, 16, 4, 64), 31, {64}, Routing::kWithDropped);
+  MoeConfig c;
+  c.output_scale = 2.5f;
+  std::unique_ptr<MoeLayer> mega, cpu;
+  ASSERT_TRUE(make_layer(problem, c, Backend::kMega, &mega));
+  ASSERT_TRUE(make_layer(problem, c, Backend::kCpu, &cpu));
+  void* counts = nullptr;
+  ASSERT_EQ(cudaMalloc(&counts, 16 * 8), cudaSuccess);
+  ASSERT_EQ(cudaMemset(counts, 0, 16 * 8), cudaSuccess);
+  ASSERT_TRUE(mega->set_expert_counts(TensorView(counts, DType::kInt64, {16}, Device::cuda(0))).is_ok());
+  DeviceInputs d(problem.ranks[0], 512, 4);
+  for (int rep = 0; rep < 2; ++rep) {
+    ASSERT_TRUE(d.forward(*mega, nullptr).is_ok());
+    ASSERT_TRUE(mega->check_error(nullptr).is_ok());
+  }
+  const double rel = rel_l2_bf16(d.output(), cpu_forward(*cpu, problem.ranks[0], 512, 4));
+  std::printf("[mega] output_scale 2.5: rel-L2 vs cpu backend = %.3e\n", rel);
+  EXPECT_LE(rel, reference::kSamePointsRelL2);
+  std::vector<long long> got(16), want(16, 0);
+  cudaMemcpy(got.data(), counts, 16 * 8, cudaMemcpyDeviceToHost);
+  const RankInputs& in = problem.ranks[0];
+  for (int64_t t = 0; t < in.num_tokens; ++t)
+    for (int j = 0; j < 4; ++j) {
+      const int32_t e = in.topk_ids[t * 4 + j];
+      bool repeat = false;
+      for (int i = 0; i < j; ++i) repeat = repeat || in.topk_ids[t * 4 + i] == e;
+      if (e >= 0 && e < 16 && !repeat) want[e] += 2;  // two forwards
+    }
+  EXPECT_EQ(got, want);
+  cudaFree(counts);
+}
+
 // A bad expert id is skipped (as -1) and reported by check_error with the first bad (token, slot).
 TEST(Sm90MegaEdges, BadExpertIdsAreReportedAndSkipped) {
   MEGAMOE_REQUIRE_SM90_GPUS(1);

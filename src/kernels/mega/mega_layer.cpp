@@ -103,6 +103,7 @@ class MegaMoeLayer final : public MoeLayer {
     pa.grid = config_.knobs.num_sms > 0 ? std::min(config_.knobs.num_sms, budget) : budget;
     pa.block_m_knob = config_.knobs.block_m;
     pa.cooperative = sm_budget_ == 0 && !env_knobs().mega_plain_launch;
+    pa.output_scale = config_.output_scale;
     MEGAMOE_RETURN_IF_ERROR(mega::make_mega_plan(pa, &plan_));
     return Status::ok();
   }
@@ -135,6 +136,10 @@ class MegaMoeLayer final : public MoeLayer {
     f.topk_weights = topk_weights.ptr<float>();
     f.y = y.ptr<uint16_t>();
     f.trace = trace_;
+    if (expert_counts_.present()) {
+      f.expert_counts = expert_counts_.data;
+      f.counts_int64 = expert_counts_.dtype == DType::kInt64;
+    }
     const Status st = mega::launch_mega(*plan_, f, static_cast<cudaStream_t>(stream_ptr), &last_block_m_);
     if (!st.is_ok()) {
       broken_ = st;  // a launch that failed leaves this rank an epoch behind its peers
@@ -142,6 +147,12 @@ class MegaMoeLayer final : public MoeLayer {
     }
     if (trace_) MEGAMOE_CUDA_CHECK(cudaEventRecord(trace_done_, static_cast<cudaStream_t>(stream_ptr)));
     return st;
+  }
+
+  Status set_expert_counts(const TensorView& counts) override {
+    if (counts.present()) MEGAMOE_RETURN_IF_ERROR(validate_expert_counts(geometry_, device(), counts));
+    expert_counts_ = counts;
+    return Status::ok();
   }
 
   Status check_error(void* stream) override {
@@ -216,6 +227,7 @@ class MegaMoeLayer final : public MoeLayer {
   ExpertWeightBuffers weights_dev_;
   std::shared_ptr<DeviceBuffer> scratch_, expert_out_, trace_buf_;
   uint64_t* trace_ = nullptr;
+  TensorView expert_counts_;  // absent: not counting
   cudaEvent_t trace_done_ = nullptr;  // recorded after each traced forward
   mega::MegaPlanPtr plan_;
 };
@@ -223,8 +235,6 @@ class MegaMoeLayer final : public MoeLayer {
 }  // namespace
 
 Status mega_format_gate(const MoeGeometry& g, const MoeConfig& c) {
-  if (c.output_scale != 1.0f)
-    return Status(StatusCode::kUnavailable, "the mega backend has no output_scale yet (the routed backend applies it)");
   if (c.weight_format == WeightFormat::kFp8Block && c.dispatch_format != DispatchFormat::kFp8Block)
     return Status(StatusCode::kUnavailable,
                   "the mega backend runs fp8-block weights with dispatch_format=fp8-block (got dispatch_format=" +

@@ -213,6 +213,9 @@ Status launch_mega(const MegaPlan& plan, const MegaForwardArgs& f, cudaStream_t 
   a.fc1_done = reinterpret_cast<int32_t*>(scratch + plan.scratch.fc1_done);
   a.max_m_blocks = static_cast<int32_t>(mega_max_m_blocks(pa.transport.layout.pool_rows, wp.experts_per_rank, bm));
   a.trace = f.trace;
+  a.output_scale = pa.output_scale;
+  a.expert_counts = f.expert_counts;
+  a.counts_int64 = f.counts_int64 ? 1 : 0;
   const MegaGemms& g = plan.gemms[block_m_index(bm)];
   cudaError_t err = cudaErrorInvalidConfiguration;
 #define MEGAMOE_MEGA_LAUNCH(BM, FP8) \

@@ -37,6 +37,7 @@ struct MegaPlanArgs {
   // several streams.
   bool cooperative = true;
   int block_m_knob = 0;                // Knobs::block_m (0: by the forward's tokens)
+  float output_scale = 1.0f;           // MoeConfig::output_scale
 };
 
 // Whether the combine is staged: FC2 writes unweighted bf16 rows and the kernel sends them after
@@ -65,6 +66,8 @@ struct MegaForwardArgs {
   uint16_t* y = nullptr;
   int64_t num_tokens = 0;
   uint64_t* trace = nullptr;      // bench: [grid][kMegaTraceWords] %globaltimer stamps, or null
+  void* expert_counts = nullptr;  // EPLB (MoeLayer::set_expert_counts): [E_l] int32 or int64, or null
+  bool counts_int64 = false;
 };
 
 // One forward: one kernel on `stream` (capturable; no host sync). *block_m (optional): the tiles it ran.

@@ -108,6 +108,9 @@ struct MegaArgs {
   int32_t staged;
   int32_t send_parts;             // staged: (row or token, part) items of the send
   uint16_t* expert_out;           // staged: [P, H] bf16 (local)
+  float output_scale;             // the routing weights used are fp32(output_scale * w), as routed's
+  void* expert_counts;            // EPLB: [E_l] int32 or int64 += rows each local expert received; null
+  int32_t counts_int64;
   int64_t ld_pool;                // M-major stride of pool_x_scales and intermediate_scales (rows)
   MegaCounters* ctr;
   int32_t* expert_fill;           // [E_l]
@@ -359,6 +362,13 @@ __device__ __forceinline__ bool mega_prologue(const MegaArgs& a, MegaPrologueSme
   if (blockIdx.x == 0) {  // the GEMMs' expert_offsets (read by every CTA's scheduler tables after B3)
     int32_t* offsets = tr.own<int32_t>(tr.layout.expert_offsets);
     for (int64_t e = tid; e <= El; e += kThreads) offsets[e] = s.offsets[e];
+    // EPLB receive counts (the caller reads and zeroes them; launches are stream-ordered).
+    if (a.expert_counts != nullptr && dispatched) {
+      for (int64_t e = tid; e < El; e += kThreads) {
+        if (a.counts_int64) static_cast<long long*>(a.expert_counts)[e] += s.counts[e];
+        else static_cast<int32_t*>(a.expert_counts)[e] += s.counts[e];
+      }
+    }
   }
   const int64_t H = tr.hidden();
   const int64_t row_bytes = H * (kFp8Wire ? 1 : 2);
@@ -412,7 +422,11 @@ __device__ __forceinline__ bool mega_prologue(const MegaArgs& a, MegaPrologueSme
     if (lane == 0) {
       const int32_t t = meta[0];
       tr.pool_dst[p] = (t >= 0 && t < T_max) ? static_cast<int32_t>((src * T_max + t) * k + j) : -1;
-      tr.pool_weight[p] = __int_as_float(meta[1 + k + j]);
+      // fp32(output_scale * w): the routed backend's routing prep computes the same product
+      const float w = __fmul_rn(a.output_scale, __int_as_float(meta[1 + k + j]));
+      tr.pool_weight[p] = w;
+      // the owner reduce's sums read the slot's weight from the row's metadata (owner_slots)
+      if (recv_pool_row != nullptr) const_cast<int32_t*>(meta)[1 + k + j] = __float_as_int(w);
     }
   }
   fence_proxy_async_global();  // FC1's TMA loads read the rows and scales these stores wrote

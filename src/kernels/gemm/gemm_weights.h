@@ -1,4 +1,5 @@
-// gemm_weights.h — weight preparation for the grouped GEMM's SwiGLU epilogue.
+// gemm_weights.h — weight preparation for the grouped GEMM: w13 reordered for the SwiGLU epilogue, and mxfp4
+// weights laid out for the register-fragment expansion (below).
 //
 // The FC1 epilogue computes h = silu(gate) * up inside one 256-column tile, so each tile must hold
 // 128 gate rows and the 128 up rows of the same intermediate columns. prepare_w13_for_swiglu()
@@ -23,5 +24,50 @@ void prepare_w13_scales_for_swiglu(const float* src, int64_t num_experts, int64_
                                    float* dst);
 // The prepared row that holds original w13 row r (r in [0, 2I)).
 int64_t swiglu_prepared_row(int64_t r, int64_t intermediate);
+
+// ---- mxfp4 weights as the grouped GEMM reads them (docs/GEMM.md, "FP4 weights") ----
+//
+// The math warpgroup expands e2m1 codes straight into wgmma's register A fragments, so the codes are
+// stored in the order the fragments take them. Per expert, K block (128) and slab of 64 weight rows,
+// one piece of kFp4SlabBytes:
+//   bytes [0, 4096): the codes. Thread t of the warpgroup (warp w = t / 32, lane l, q = l % 4, fragment
+//     row m0 = 16 w + l / 4) reads 16 bytes at j * 2048 + 16 t for j = 0, 1: the 32-bit words
+//     {step 2j row m0, step 2j row m0 + 8, step 2j+1 row m0, step 2j+1 row m0 + 8}. The word of
+//     (step s, row r) holds the codes of columns 32 s + 4 q + i (nibble i, i < 4) and 32 s + 16 + 4 q +
+//     i - 4 (i >= 4), nibble i in bits [4 i, 4 i + 4): its fmt::fp4_word_to_e4m3 halves are the A
+//     registers a0 / a2 (row m0) or a1 / a3 (row m0 + 8) of k32 step s.
+//   bytes [4096, 4352): the shift index of each (row, step) [64 rows][4 steps]: the table row of
+//     d = fmt::mxfp4_e4m3_shift(code, cmax of the row's 128 x 128 block) is index - kMxfp4MinShift.
+// Pieces are ordered [E][K / 128][N / 64], so a tile's BLOCK_N / 64 pieces of one K block are one
+// contiguous copy. block_scales [E, N/128, K/128] fp32: fmt::mxfp4_e4m3_block_scale(cmax), applied
+// like an fp8-block weight scale.
+constexpr int64_t kFp4SlabRows = 64;
+constexpr int64_t kFp4SlabCodeBytes = 4096;
+constexpr int64_t kFp4SlabBytes = kFp4SlabCodeBytes + kFp4SlabRows * 4;
+
+struct Mxfp4GemmWeights {
+  int64_t num_experts = 0, n = 0, k = 0;
+  std::vector<uint8_t> slabs;        // [E][K/128][N/64][kFp4SlabBytes]
+  std::vector<float> block_scales;   // [E, N/128, K/128]
+};
+
+// packed [E, N, K/2] (element 2i in the low nibble) and scales [E, N, K/32] e8m0, in GEMM row order
+// (a w13 reordered for the SwiGLU epilogue already: prepare_w13_for_swiglu on the packed rows and on
+// the scale rows). N a multiple of 128, K of 128.
+void prepare_mxfp4_for_gemm(const uint8_t* packed, const uint8_t* scales, int64_t num_experts, int64_t n, int64_t k,
+                            Mxfp4GemmWeights* out);
+
+// Where element (expert e, row, column) of `w` lives: the byte and the nibble (0 low, 1 high) of its
+// code, and the byte of its shift index.
+struct Fp4ElementPlace {
+  int64_t code_byte;
+  int nibble;
+  int64_t shift_byte;
+};
+Fp4ElementPlace mxfp4_gemm_place(const Mxfp4GemmWeights& w, int64_t e, int64_t row, int64_t col);
+
+// The e4m3 code the GEMM computes with for that element, read back through the fragment layout and
+// the word expansion (what the device does): with the block scale, fmt::mxfp4_to_fp8_128x128's.
+uint8_t mxfp4_gemm_e4m3(const Mxfp4GemmWeights& w, int64_t e, int64_t row, int64_t col);
 
 }  // namespace megamoe::gemm

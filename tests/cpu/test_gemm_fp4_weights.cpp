@@ -1,0 +1,88 @@
+// The grouped GEMM's mxfp4 weight layout (kernels/gemm/gemm_weights.h): every element read back through
+// the register-fragment order and the word expansion (what the math warpgroup does) is the e4m3 code
+// of fmt::mxfp4_to_fp8_128x128, under its block scale; every byte of a piece is written exactly once;
+// a warp's fragment reads are 512 contiguous bytes.
+#include <gtest/gtest.h>
+
+#include <random>
+#include <set>
+#include <vector>
+
+#include "kernels/gemm/gemm_weights.h"
+#include "megamoe/formats.h"
+
+namespace megamoe::gemm {
+namespace {
+
+struct Mxfp4Stack {
+  int64_t e, n, k;
+  std::vector<uint8_t> packed, scales;
+};
+
+Mxfp4Stack random_stack(int64_t e, int64_t n, int64_t k, int binades, uint32_t seed) {
+  Mxfp4Stack s{e, n, k, std::vector<uint8_t>(e * n * k / 2), std::vector<uint8_t>(e * n * k / 32)};
+  std::mt19937 rng(seed);
+  for (auto& b : s.packed) b = static_cast<uint8_t>(rng());
+  for (auto& c : s.scales) c = static_cast<uint8_t>(110 + rng() % binades);
+  return s;
+}
+
+void expect_layout_matches_expansion(const Mxfp4Stack& s) {
+  Mxfp4GemmWeights w;
+  prepare_mxfp4_for_gemm(s.packed.data(), s.scales.data(), s.e, s.n, s.k, &w);
+  ASSERT_EQ(static_cast<int64_t>(w.slabs.size()), s.e * (s.k / 128) * (s.n / 64) * kFp4SlabBytes);
+  int64_t diffs = 0, scale_diffs = 0;
+  for (int64_t e = 0; e < s.e; ++e) {
+    std::vector<uint8_t> q(s.n * s.k);
+    std::vector<float> bs(s.n / 128 * (s.k / 128));
+    fmt::mxfp4_to_fp8_128x128(&s.packed[e * s.n * s.k / 2], &s.scales[e * s.n * s.k / 32], s.n, s.k, q.data(),
+                              bs.data());
+    for (size_t i = 0; i < bs.size(); ++i) scale_diffs += bs[i] != w.block_scales[e * bs.size() + i];
+    for (int64_t r = 0; r < s.n; ++r)
+      for (int64_t c = 0; c < s.k; ++c) diffs += mxfp4_gemm_e4m3(w, e, r, c) != q[r * s.k + c];
+  }
+  EXPECT_EQ(diffs, 0);
+  EXPECT_EQ(scale_diffs, 0);
+}
+
+TEST(GemmFp4Weights, FragmentLayoutReadsBackTheExpansion_WithinFifteenBinades) {
+  expect_layout_matches_expansion(random_stack(3, 256, 384, 15, 1u));
+}
+
+TEST(GemmFp4Weights, FragmentLayoutReadsBackTheExpansion_BeyondFifteenBinades) {
+  expect_layout_matches_expansion(random_stack(2, 128, 256, 40, 2u));  // shifts clamp at kMxfp4MinShift
+}
+
+TEST(GemmFp4Weights, EveryCodeNibbleAndShiftByteOnce_WarpReadsContiguous) {
+  Mxfp4GemmWeights w;
+  w.num_experts = 2;
+  w.n = 256;
+  w.k = 256;
+  std::set<std::pair<int64_t, int>> codes;
+  std::set<int64_t> shifts;
+  for (int64_t e = 0; e < 2; ++e)
+    for (int64_t r = 0; r < w.n; ++r)
+      for (int64_t c = 0; c < w.k; ++c) {
+        const Fp4ElementPlace p = mxfp4_gemm_place(w, e, r, c);
+        EXPECT_TRUE(codes.insert({p.code_byte, p.nibble}).second) << e << " " << r << " " << c;
+        shifts.insert(p.shift_byte);
+        const int64_t piece = p.code_byte / kFp4SlabBytes;
+        EXPECT_EQ(p.shift_byte / kFp4SlabBytes, piece);
+        EXPECT_LT(p.code_byte % kFp4SlabBytes, kFp4SlabCodeBytes);
+        EXPECT_GE(p.shift_byte % kFp4SlabBytes, kFp4SlabCodeBytes);
+      }
+  const int64_t pieces = 2 * (w.k / 128) * (w.n / 64);
+  EXPECT_EQ(static_cast<int64_t>(codes.size()), pieces * kFp4SlabCodeBytes * 2);
+  EXPECT_EQ(static_cast<int64_t>(shifts.size()), pieces * 64 * 4);
+  // Lane l of warp 0 reads bytes [16 l, 16 l + 16) of piece 0 (j = 0): row l/4 (and + 8), step 0..1.
+  for (int lane = 0; lane < 32; ++lane) {
+    const Fp4ElementPlace p = mxfp4_gemm_place(w, 0, lane / 4, 4 * (lane % 4));
+    EXPECT_EQ(p.code_byte, 16 * lane) << lane;
+  }
+  // A tile's pieces of one K block are contiguous: rows 64..127 follow rows 0..63.
+  EXPECT_EQ(mxfp4_gemm_place(w, 0, 64, 0).code_byte, kFp4SlabBytes);
+  EXPECT_EQ(mxfp4_gemm_place(w, 0, 0, 128).code_byte, (w.n / 64) * kFp4SlabBytes);
+}
+
+}  // namespace
+}  // namespace megamoe::gemm

@@ -20,6 +20,10 @@
 #   barrier-timeout        rank 1 of a launched bench stopped mid-run: rank 0 must exit on its own
 #   gemm [tests|sass|bench|all] [bench-gemm flags]   the grouped GEMM on GPU 0: its tests one process
 #                          each (GEMM_FILTER), the SASS check, `bench-gemm --json`
+#   fp4 [tests|bench|all]  mxfp4 weights (never run on a GPU before): the codec and word-expansion
+#                          tests and the mxfp4 GEMM's tests one process each (bit for bit the fp8-block
+#                          GEMM on the expansion, float64 on the mxfp4 values), then bench-gemm decode
+#                          rows of fp8-block and mxfp4 side by side (--json each)
 #   gemm-ab                `bench-gemm --no-cublas` of each BINS binary for each line of BENCH,
 #                          ROUNDS (2) times; @OUT@ @ROUND@ @BIN@ substituted, "VAR=v -- args" lines
 #   gemm-matrix [matrix] [alone]   the GEMM against its targets (read floor, matrix, shapes alone)
@@ -51,7 +55,7 @@ set -uo pipefail
 sub=${1:-}
 [[ $# -gt 0 ]] && shift
 case $sub in
-  tests | check | bench-table | layer-ab | launch | barrier-timeout | gemm | gemm-ab | gemm-matrix | transport | \
+  tests | check | bench-table | layer-ab | launch | barrier-timeout | gemm | fp4 | gemm-ab | gemm-matrix | transport | \
     transport-ab | link | harness-ab | mega | sanitize | profile | python) ;;
   *)
     sed -n '2,/^# shellcheck disable=SC2317/p' "$0" | sed '$d; s/^# \{0,1\}//'
@@ -188,6 +192,21 @@ gemm() {  # [tests|sass|bench|all] [bench-gemm flags]
   if [[ $what == all || $what == bench ]]; then
     timeout 300 "$TOOL" bench-gemm --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"
     [[ ${PIPESTATUS[0]} -eq 0 ]] || rc=1
+  fi
+}
+
+fp4() {  # [tests|bench|all]
+  local what=${1:-all} wf
+  export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
+  if [[ $what == all || $what == tests ]]; then
+    EACH=1 tests "${FP4_FILTER:-FormatsDevice.Mxfp4*:FormatsDevice.Fp4*:Cases/Mxfp4Gemm.*}"
+  fi
+  if [[ $what == all || $what == bench ]]; then
+    for wf in fp8-block mxfp4; do
+      timeout 300 "$TOOL" bench-gemm --no-cublas --weight-format "$wf" --tokens 8,32 --json "$OUT/fp4_gemm_$wf.json" \
+        2>&1 | tee "$OUT/fp4_gemm_$wf.log"
+      [[ ${PIPESTATUS[0]} -eq 0 ]] || rc=1
+    done
   fi
 }
 
@@ -549,6 +568,7 @@ case $sub in
   launch) launch "$@" ;;
   barrier-timeout) barrier_timeout ;;
   gemm) gemm "$@" ;;
+  fp4) fp4 "$@" ;;
   gemm-ab) gemm_ab ;;
   gemm-matrix) gemm_matrix "$@" ;;
   transport) transport "$@" ;;

@@ -432,15 +432,16 @@ MEGAMOE_FMT_HD void mxfp4_to_fp8_128x128(const uint8_t* packed, const uint8_t* s
   }
 }
 
-// The GPU's expansion of eight packed e2m1 codes (one 32-bit word w, element i in nibble i) under a
-// shift d: `row` is the table row of d, the e4m3 codes of the eight magnitudes 0, 0.5, ... 6 times 2^d
-// (mxfp4_shift_table_row), bytes 0..7 of (row_lo, row_hi). out_lo gets elements 0..3 (byte j =
-// element j), out_hi elements 4..7. Byte permutes and logic only, the same bits on host and device:
-//   magnitudes: PRMT(row_lo, row_hi, w & 0x7777) and of (w >> 16) & 0x7777 (PRMT reads bit 3 of a
-//               selector nibble as its sign-replicate mode, so the sign bits are cleared first);
-//   signs:      each nibble's bit 3 to bit 7 of its output byte: PRMT(w, 0, 0x1100) repeats bytes
-//               b0 b0 b1 b1, whose even copies need << 4 (bit 3 of the even nibble) and odd copies
-//               none (bit 7 of the odd nibble); then OR-ed in under 0x80808080.
+// The GPU's expansion of eight e2m1 codes c[0..7] held in one 32-bit "fragment word" under a shift d.
+// The word stores each code's 3 magnitude bits in nibble e (bits [4e, 4e + 3)) and its sign where the
+// expansion wants it: the sign of c[e] (e < 4) at bit 8e + 7, of c[4 + e] at bit 8e + 3 (the spare
+// bit 3 of each nibble; pack_fp4_word). `row` is the table row of d, the e4m3 codes of the eight
+// magnitudes 0, 0.5, ... 6 times 2^d (mxfp4_shift_table_row), bytes 0..7 of (row_lo, row_hi).
+// out_lo gets c[0..3] (byte j = c[j]), out_hi c[4..7]. Eight byte permutes and logic operations, the
+// same bits on host and device:
+//   out_lo = PRMT(row_lo, row_hi, w & 0x7777) | (w & 0x80808080)          (3: LOP3, PRMT, LOP3)
+//   out_hi = PRMT(row_lo, row_hi, (w >> 16) & 0x7777) | ((w << 4) & 0x80808080)   (5)
+// (PRMT reads bit 3 of a selector nibble as its sign-replicate mode: the selectors are masked.)
 MEGAMOE_FMT_HD uint32_t byte_perm(uint32_t x, uint32_t y, uint32_t s) {
 #if defined(__CUDA_ARCH__)
   return __byte_perm(x, y, s);
@@ -468,15 +469,24 @@ MEGAMOE_FMT_HD void mxfp4_shift_table_row(int32_t shift, uint32_t* row_lo, uint3
 }
 
 MEGAMOE_FMT_HD void fp4_word_to_e4m3(uint32_t w, uint32_t row_lo, uint32_t row_hi, uint32_t* out_lo, uint32_t* out_hi) {
-  const uint32_t mags = w & 0x77777777u;
-  const uint32_t mag_lo = byte_perm(row_lo, row_hi, mags & 0xFFFFu);
-  const uint32_t mag_hi = byte_perm(row_lo, row_hi, mags >> 16);
-  const uint32_t rep_lo = byte_perm(w, 0u, 0x1100u), rep_hi = byte_perm(w, 0u, 0x3322u);
-  // Even output bytes take bit 3 (shifted to 7) of their copy, odd ones bit 7 as it is.
-  const uint32_t sign_lo = ((rep_lo << 4) & 0x00FF00FFu) | (rep_lo & 0xFF00FF00u);
-  const uint32_t sign_hi = ((rep_hi << 4) & 0x00FF00FFu) | (rep_hi & 0xFF00FF00u);
-  *out_lo = mag_lo | (sign_lo & 0x80808080u);
-  *out_hi = mag_hi | (sign_hi & 0x80808080u);
+  *out_lo = byte_perm(row_lo, row_hi, w & 0x7777u) | (w & 0x80808080u);
+  *out_hi = byte_perm(row_lo, row_hi, (w >> 16) & 0x7777u) | ((w << 4) & 0x80808080u);
+}
+
+// The fragment word of codes c[0..7] (each in the low 4 bits: sign at bit 3), and code e of a word.
+MEGAMOE_FMT_HD uint32_t pack_fp4_word(const uint8_t* c) {
+  uint32_t w = 0;
+  for (int e = 0; e < 8; ++e) w |= static_cast<uint32_t>(c[e] & 0x7u) << (4 * e);
+  for (int e = 0; e < 4; ++e) {
+    w |= static_cast<uint32_t>((c[e] >> 3) & 1u) << (8 * e + 7);
+    w |= static_cast<uint32_t>((c[4 + e] >> 3) & 1u) << (8 * e + 3);
+  }
+  return w;
+}
+
+MEGAMOE_FMT_HD uint8_t fp4_word_code(uint32_t w, int e) {
+  const uint32_t sign_bit = e < 4 ? 8 * e + 7 : 8 * (e - 4) + 3;
+  return static_cast<uint8_t>(((w >> (4 * e)) & 0x7u) | (((w >> sign_bit) & 1u) << 3));
 }
 
 // nvfp4 block scale code: e4m3((block_amax / 6) / global_scale).

@@ -726,8 +726,8 @@ TEST(Formats, Mxfp4AsE4m3_BeyondFifteenBinadesRoundsWithinTwoToTheMinus10S) {
   EXPECT_LE(worst, std::ldexp(1.0, -10));
 }
 
-// The GPU's word expansion (byte permutes and logic) against the element definition: every code in
-// every nibble position under every shift, and random words.
+// The GPU's fragment-word expansion (byte permutes and logic) against the element definition: every
+// code in every position under every shift, and random words; packing and unpacking are inverse.
 TEST(Formats, Fp4WordToE4m3_EqualsTheElementExpansion) {
   EXPECT_EQ(fmt::byte_perm(0x33221100u, 0x77665544u, 0x7531u), 0x77553311u);
   EXPECT_EQ(fmt::byte_perm(0x00800000u, 0u, 0x08A2u), 0x0000FF80u);  // sign-replicate of 0x80 is 0xFF, of 0x00 is 0
@@ -735,18 +735,28 @@ TEST(Formats, Fp4WordToE4m3_EqualsTheElementExpansion) {
   for (int shift = fmt::kMxfp4MinShift; shift <= 6; ++shift) {
     uint32_t lo, hi;
     fmt::mxfp4_shift_table_row(shift, &lo, &hi);
-    auto check = [&](uint32_t w) {
+    auto check = [&](const uint8_t* c) {
+      const uint32_t w = fmt::pack_fp4_word(c);
       uint32_t out_lo, out_hi;
       fmt::fp4_word_to_e4m3(w, lo, hi, &out_lo, &out_hi);
       for (int i = 0; i < 8; ++i) {
-        const uint8_t want = fmt::mxfp4_element_as_e4m3(static_cast<uint8_t>((w >> (4 * i)) & 0xF), shift);
+        ASSERT_EQ(fmt::fp4_word_code(w, i), c[i]) << "unpack element " << i;
+        const uint8_t want = fmt::mxfp4_element_as_e4m3(c[i], shift);
         const uint8_t got = static_cast<uint8_t>(((i < 4 ? out_lo : out_hi) >> (8 * (i % 4))) & 0xFF);
         ASSERT_EQ(got, want) << "word " << std::hex << w << " element " << i << " shift " << std::dec << shift;
       }
     };
+    uint8_t c[8];
     for (int pos = 0; pos < 8; ++pos)
-      for (uint32_t code = 0; code < 16; ++code) check((code << (4 * pos)) | (0x9u << (4 * ((pos + 3) % 8))));
-    for (int i = 0; i < 20000; ++i) check(static_cast<uint32_t>(rng()));
+      for (uint8_t code = 0; code < 16; ++code) {
+        for (int i = 0; i < 8; ++i) c[i] = static_cast<uint8_t>((i * 5 + 3) & 0xF);
+        c[pos] = code;
+        check(c);
+      }
+    for (int n = 0; n < 20000; ++n) {
+      for (int i = 0; i < 8; ++i) c[i] = static_cast<uint8_t>(rng() & 0xF);
+      check(c);
+    }
   }
 }
 

@@ -58,30 +58,31 @@ TEST(GemmFp4Weights, EveryCodeNibbleAndShiftByteOnce_WarpReadsContiguous) {
   w.num_experts = 2;
   w.n = 256;
   w.k = 256;
-  std::set<std::pair<int64_t, int>> codes;
+  std::set<std::pair<int64_t, int>> codes;  // (word, code index)
   std::set<int64_t> shifts;
   for (int64_t e = 0; e < 2; ++e)
     for (int64_t r = 0; r < w.n; ++r)
       for (int64_t c = 0; c < w.k; ++c) {
         const Fp4ElementPlace p = mxfp4_gemm_place(w, e, r, c);
-        EXPECT_TRUE(codes.insert({p.code_byte, p.nibble}).second) << e << " " << r << " " << c;
+        EXPECT_TRUE(codes.insert({p.word_byte, p.code}).second) << e << " " << r << " " << c;
+        EXPECT_EQ(p.word_byte % 4, 0);
         shifts.insert(p.shift_byte);
-        const int64_t piece = p.code_byte / kFp4SlabBytes;
+        const int64_t piece = p.word_byte / kFp4SlabBytes;
         EXPECT_EQ(p.shift_byte / kFp4SlabBytes, piece);
-        EXPECT_LT(p.code_byte % kFp4SlabBytes, kFp4SlabCodeBytes);
+        EXPECT_LT(p.word_byte % kFp4SlabBytes, kFp4SlabCodeBytes);
         EXPECT_GE(p.shift_byte % kFp4SlabBytes, kFp4SlabCodeBytes);
       }
   const int64_t pieces = 2 * (w.k / 128) * (w.n / 64);
-  EXPECT_EQ(static_cast<int64_t>(codes.size()), pieces * kFp4SlabCodeBytes * 2);
+  EXPECT_EQ(static_cast<int64_t>(codes.size()), pieces * kFp4SlabCodeBytes * 2);  // 8 codes per 4-byte word
   EXPECT_EQ(static_cast<int64_t>(shifts.size()), pieces * 64 * 4);
   // Lane l of warp 0 reads bytes [16 l, 16 l + 16) of piece 0 (j = 0): row l/4 (and + 8), step 0..1.
   for (int lane = 0; lane < 32; ++lane) {
     const Fp4ElementPlace p = mxfp4_gemm_place(w, 0, lane / 4, 4 * (lane % 4));
-    EXPECT_EQ(p.code_byte, 16 * lane) << lane;
+    EXPECT_EQ(p.word_byte, 16 * lane) << lane;
   }
   // A tile's pieces of one K block are contiguous: rows 64..127 follow rows 0..63.
-  EXPECT_EQ(mxfp4_gemm_place(w, 0, 64, 0).code_byte, kFp4SlabBytes);
-  EXPECT_EQ(mxfp4_gemm_place(w, 0, 0, 128).code_byte, (w.n / 64) * kFp4SlabBytes);
+  EXPECT_EQ(mxfp4_gemm_place(w, 0, 64, 0).word_byte, kFp4SlabBytes);
+  EXPECT_EQ(mxfp4_gemm_place(w, 0, 0, 128).word_byte, (w.n / 64) * kFp4SlabBytes);
 }
 
 }  // namespace

@@ -313,6 +313,44 @@ TEST(GemmValidate, MessagesNameTheField) {
   EXPECT_NE(st.message().find("fp8-block"), std::string::npos) << st.message();
 }
 
+// mxfp4 weights: swapped 16- / 32-row tiles 256 wide, n a multiple of 256, the block scales inside b.
+TEST(GemmValidate, Mxfp4RulesNameTheirField) {
+  alignas(16) int dummy[64];
+  GroupedGemmArgs a;
+  a.dtype = GemmDtype::kMxfp4;
+  a.num_experts = 4;
+  a.n = 7168;
+  a.k = 2048;
+  a.m_rows = 100;
+  a.a = a.b = a.d = dummy;
+  a.expert_offsets = reinterpret_cast<const int32_t*>(dummy);
+  a.a_scales = reinterpret_cast<const float*>(dummy);
+  EXPECT_TRUE(validate_grouped_gemm(a).is_ok()) << validate_grouped_gemm(a).message();
+  a.b_scales = reinterpret_cast<const float*>(dummy);
+  Status st = validate_grouped_gemm(a);
+  EXPECT_NE(st.message().find("b_scales=set"), std::string::npos) << st.message();
+  a.b_scales = nullptr;
+  a.n = 7296;  // a multiple of 128, not of 256
+  st = validate_grouped_gemm(a);
+  EXPECT_NE(st.message().find("n=7296, must be a multiple of 256 with dtype mxfp4"), std::string::npos) << st.message();
+  a.n = 7168;
+  a.tiles.block_m = 64;
+  st = validate_grouped_gemm(a);
+  EXPECT_NE(st.message().find("tiles.block_m=64, dtype mxfp4 runs 16- or 32-row tiles"), std::string::npos) << st.message();
+  a.tiles.block_m = 32;
+  a.tiles.block_n = 128;
+  st = validate_grouped_gemm(a);
+  EXPECT_NE(st.message().find("tiles.block_n=128, dtype mxfp4 runs 256-wide tiles"), std::string::npos) << st.message();
+  a.tiles.block_n = 256;
+  a.tiles.cluster = 2;
+  st = validate_grouped_gemm(a);
+  EXPECT_NE(st.message().find("tiles.cluster=2"), std::string::npos) << st.message();
+  a.tiles.cluster = 0;
+  a.a_scales = nullptr;  // the A side is fp8-block's
+  st = validate_grouped_gemm(a);
+  EXPECT_NE(st.message().find("a_scales"), std::string::npos) << st.message();
+}
+
 // Rows written into several buffers (each rank's combine region): the rules name their field.
 TEST(GemmValidate, PeerBuffersNeedARowMapAndTheStoreEpilogue) {
   alignas(16) int dummy[64];

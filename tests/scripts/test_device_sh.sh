@@ -69,6 +69,9 @@ status "transport-ab" 0 env BENCH='--tokens 1,8 --owner-reduce' "${D[@]}" transp
 expect "transport-ab: the line's flags" "^megamoe bench-transport --ranks 2 --dispatch fp8 --iters 10 --warmup 2 --graph-iters 16 --graph-reps 3 --tokens 1,8 --owner-reduce --json $OUT/transport1_megamoe.json$"
 status "gemm bench" 0 "${D[@]}" gemm bench --preset qwen3-30b-a3b
 expect "gemm bench: json and the flags" "^megamoe bench-gemm --json $OUT/bench.json --preset qwen3-30b-a3b$"
+status "fp4" 0 "${D[@]}" fp4
+expect "fp4: the mxfp4 GEMM tests one by one" "^megamoe_gpu_tests --gtest_filter=Sm90Fake\.Two$"
+expect "fp4: mxfp4 bench rows with --json" "^megamoe bench-gemm --no-cublas --weight-format mxfp4 --tokens 8,32 --json $OUT/fp4_gemm_mxfp4.json$"
 status "gemm-ab" 0 env ROUNDS=1 BENCH='--preset tiny --trace @OUT@/trace_@BIN@_@ROUND@.json' "${D[@]}" gemm-ab
 expect "gemm-ab: substitutions" "^megamoe_before bench-gemm --no-cublas --iters 20 --preset tiny --trace $OUT/trace_megamoe_before_1.json$"
 exists "gemm-ab packed its output" "$OUT/out.tgz"

@@ -24,6 +24,7 @@
 #include "bench_harness.h"
 #include "commands.h"
 #include "kernels/gemm/gemm_fill.h"
+#include "kernels/gemm/gemm_weights.h"
 #include "kernels/gemm/sm90_fp8_grouped_gemm.h"
 #include "presets.h"
 
@@ -69,6 +70,10 @@ struct BenchOptions {
   std::string trace;                 // per-CTA timeline of one more launch per case, as JSON (empty: none)
   int iters = 20, warmup = 3;
   std::string json;
+  // fp8-block (e4m3 + 128x128 scales) or mxfp4 (the weights' image of gemm_weights.h: 16- and
+  // 32-row tiles; no cuBLASLt peer; wGB/s counts the FP4 bytes, E * N * K / 2)
+  std::string weight_format = "fp8-block";
+  bool mxfp4() const { return weight_format == "mxfp4"; }
 };
 
 [[noreturn]] void fail(int code, const std::string& msg) { throw ToolError(code, msg); }
@@ -270,17 +275,23 @@ struct GemmBuffers {
   float *sa = nullptr, *sb = nullptr, *sd = nullptr;
   int32_t* segments = nullptr;  // masked: counts; contiguous: offsets
   uint64_t* probe_trace = nullptr;
-  GemmBuffers(const GemmCase& c, int empty_every, bool probe, cudaStream_t s) {
+  GemmBuffers(const GemmCase& c, int empty_every, bool probe, bool mxfp4, cudaStream_t s) {
     const int64_t E = c.experts, T = c.tokens, N = c.n, K = c.k, M = E * T, M4 = (M + 3) / 4 * 4;
     cuda_check(cudaMalloc(&a, M * K), "cudaMalloc(A)");
-    cuda_check(cudaMalloc(&b, E * N * K), "cudaMalloc(B)");
+    const int64_t b_bytes = mxfp4 ? gemm::mxfp4_pieces_offset(E, N, K) + E * (K / 128) * (N / gemm::kFp4SlabRows) *
+                                                                             gemm::kFp4SlabBytes
+                                  : E * N * K;
+    cuda_check(cudaMalloc(&b, b_bytes), "cudaMalloc(B)");
     cuda_check(cudaMalloc(&d, M * N * 2), "cudaMalloc(D)");
     cuda_check(cudaMalloc(&sa, M4 * (K / 128) * 4 + 64), "cudaMalloc(SFA)");
     cuda_check(cudaMalloc(&sb, E * (N / 128) * (K / 128) * 4), "cudaMalloc(SFB)");
     cuda_check(cudaMalloc(&sd, M4 * (N / 256 + 1) * 4), "cudaMalloc(SFD)");
     cuda_check(cudaMalloc(&segments, (E + 1) * 4), "cudaMalloc(segments)");
     cuda_check(gemm::fill_random_e4m3(a, M * K, 1, s), "fill A");
-    cuda_check(gemm::fill_random_e4m3(b, E * N * K, 2, s), "fill B");
+    if (mxfp4)
+      cuda_check(gemm::fill_random_mxfp4_image(b, E, N, K, 2, s), "fill B (mxfp4)");
+    else
+      cuda_check(gemm::fill_random_e4m3(b, E * N * K, 2, s), "fill B");
     cuda_check(gemm::fill_random_f32(sa, M4 * (K / 128), 0.5f, 2.f, 3, s), "fill SFA");
     cuda_check(gemm::fill_random_f32(sb, E * (N / 128) * (K / 128), 0.5f, 2.f, 4, s), "fill SFB");
     std::vector<int32_t> hseg(E + 1);
@@ -309,7 +320,7 @@ GroupedGemmArgs gemm_args(const GemmCase& c, const GemmBuffers& buf, const Bench
   const bool swiglu = c.epilogue == GemmEpilogue::kSwigluFp8;
   const int64_t M = c.experts * c.tokens;
   GroupedGemmArgs g;
-  g.dtype = GemmDtype::kFp8Block;
+  g.dtype = o.mxfp4() ? GemmDtype::kMxfp4 : GemmDtype::kFp8Block;
   g.layout = c.masked ? GroupedLayout::kMasked : GroupedLayout::kContiguous;
   g.epilogue = c.epilogue;
   g.num_experts = int32_t(c.experts);
@@ -322,7 +333,7 @@ GroupedGemmArgs gemm_args(const GemmCase& c, const GemmBuffers& buf, const Bench
   g.expert_offsets = c.masked ? nullptr : buf.segments;
   g.masked_counts = c.masked ? buf.segments : nullptr;
   g.b = buf.b;
-  g.b_scales = buf.sb;
+  g.b_scales = o.mxfp4() ? nullptr : buf.sb;  // mxfp4: the image holds its block scales
   g.d = buf.d;
   g.d_scales = swiglu ? buf.sd : nullptr;
   g.expected_m_per_expert = c.tokens;
@@ -377,6 +388,7 @@ std::string gemm_command(const GemmCase& c, const BenchOptions& o) {
   if (o.intermediate > 0) cmd << " --intermediate " << o.intermediate;
   cmd << " --experts " << c.experts << " --tokens " << c.tokens << " --fc " << (c.fc == "fc2" ? "fc2" : "fc1")
       << " --layout " << (c.masked ? "masked" : "contiguous");
+  if (o.mxfp4()) cmd << " --weight-format mxfp4";
   if (o.empty_every > 0) cmd << " --empty-every " << o.empty_every;
   return cmd.str();
 }
@@ -412,7 +424,7 @@ nlohmann::json run_gemm_case(const GemmCase& c, const BenchOptions& o, GroupedGe
   }
   // the rows and weights the launch works on (idle experts excluded)
   const double flops = 2.0 * double(M_real) * double(c.n) * double(c.k);
-  const double wbytes = double(c.busy) * double(c.n) * double(c.k);
+  const double wbytes = double(c.busy) * double(c.n) * double(c.k) / (o.mxfp4() ? 2 : 1);
   const double t = ours.events.median * 1e-6;
   nlohmann::json r;
   r["model"] = c.model.name;
@@ -421,6 +433,7 @@ nlohmann::json run_gemm_case(const GemmCase& c, const BenchOptions& o, GroupedGe
   r["tokens_per_expert"] = c.tokens;
   r["n"] = c.n;
   r["k"] = c.k;
+  r["weight_format"] = o.weight_format;
   r["layout"] = std::string(c.masked ? "masked" : "contiguous") +
                 (o.empty_every > 0 ? "/e" + std::to_string(o.empty_every) : "");
   r["tiles"] = std::to_string(used.block_m) + "x" + std::to_string(used.block_n) +
@@ -471,7 +484,7 @@ int run_bench_gemm(const BenchOptions& o) {
   int32_t* tile_counter = nullptr;  // the GEMM leaves it zero after each launch
   cuda_check(cudaMalloc(&tile_counter, 2 * sizeof(int32_t)), "cudaMalloc(tile counter)");
   cuda_check(cudaMemset(tile_counter, 0, 2 * sizeof(int32_t)), "cudaMemset(tile counter)");
-  std::unique_ptr<CublasFp8> cublas = o.cublas ? std::make_unique<CublasFp8>() : nullptr;
+  std::unique_ptr<CublasFp8> cublas = o.cublas && !o.mxfp4() ? std::make_unique<CublasFp8>() : nullptr;
   std::ofstream trace_json;
   if (!o.trace.empty()) {
     trace_json.open(o.trace);
@@ -480,14 +493,14 @@ int run_bench_gemm(const BenchOptions& o) {
   }
   nlohmann::json records = nlohmann::json::array();
   for (const GemmCase& c : cases) {
-    const GemmBuffers buf(c, o.empty_every, o.probe != "none", s);
+    const GemmBuffers buf(c, o.empty_every, o.probe != "none", o.mxfp4(), s);
     GroupedGemmArgs args;
     const nlohmann::json r = run_gemm_case(c, o, &args, cublas.get(), flush, device, s, tile_counter, buf);
     std::printf("%s   # %s\n", gemm_printer().row(r).c_str(), r["command"].get<std::string>().c_str());
     std::fflush(stdout);
     if (!o.trace.empty()) {
       if (!records.empty()) trace_json << ",\n";
-      trace_case(args, flush, s, double(c.busy) * double(c.n) * double(c.k),
+      trace_case(args, flush, s, double(c.busy) * double(c.n) * double(c.k) / (o.mxfp4() ? 2 : 1),
                  c.model.name + std::string(" ") + c.fc + " " + std::to_string(c.experts) + "x" + std::to_string(c.tokens),
                  &trace_json);
       std::fflush(stdout);
@@ -520,6 +533,11 @@ CLI::App* add_flags(CLI::App* app, BenchOptions* o) {
       ->check(CLI::Range(0, 1 << 20));
   sub->add_flag("!--no-swiglu", o->swiglu, "skip the FC1 + SwiGLU + fp8 requant rows");
   sub->add_flag("!--no-cublas", o->cublas, "skip the cuBLASLt peer");
+  sub->add_option("--weight-format", o->weight_format,
+                  "fp8-block, or mxfp4 (e2m1 expanded in the kernel; 16- and 32-row tiles, no cuBLASLt peer, wGB/s "
+                  "of FP4 bytes)")
+      ->check(CLI::IsMember({"fp8-block", "mxfp4"}))
+      ->capture_default_str();
   sub->add_option("--block-m", o->block_m, "tile rows: 16, 32, 64 or 128 (default: heuristic)")->check(CLI::IsMember({16, 32, 64, 128}));
   sub->add_option("--block-n", o->block_n, "tile columns: 128 or 256 (default: heuristic)")->check(CLI::IsMember({128, 256}));
   sub->add_option("--num-sms", o->num_sms, "persistent CTAs (default: all SMs)")->check(CLI::Range(1, 1 << 20));

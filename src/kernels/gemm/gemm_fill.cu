@@ -3,6 +3,7 @@
 
 #include <cuda_runtime.h>
 
+#include "kernels/gemm/gemm_weights.h"
 #include "megamoe/formats.h"
 
 namespace megamoe::gemm {
@@ -38,6 +39,16 @@ __global__ void fill_f32_kernel(float* dst, int64_t count, float lo, float hi, u
     dst[i] = lo + (hi - lo) * unit(mix64(seed * 0x9e3779b97f4a7c15ull + uint64_t(i)));
 }
 
+// The pieces of an mxfp4 image: random code bytes, shift bytes 8 * [0, 20].
+__global__ void fill_mxfp4_pieces_kernel(uint8_t* pieces, int64_t count, uint64_t seed) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count; i += stride) {
+    const uint64_t h = mix64(seed * 0x9e3779b97f4a7c15ull + uint64_t(i));
+    const bool shift = i % kFp4SlabBytes >= kFp4SlabCodeBytes;
+    pieces[i] = shift ? uint8_t(8 * (h % 21)) : uint8_t(h);
+  }
+}
+
 // Reads every 16-byte word of src; writes *sink only when the xor of all of them equals a value no
 // buffer of the benchmark holds in practice (so the loads cannot be optimised away).
 __global__ void read_kernel(const uint4* src, int64_t count, uint32_t* sink) {
@@ -69,6 +80,17 @@ cudaError_t fill_random_bf16(void* dst, int64_t count, uint64_t seed, cudaStream
 
 cudaError_t fill_random_f32(float* dst, int64_t count, float lo, float hi, uint64_t seed, cudaStream_t stream) {
   fill_f32_kernel<<<blocks_for(count), 256, 0, stream>>>(dst, count, lo, hi, seed);
+  return cudaGetLastError();
+}
+
+cudaError_t fill_random_mxfp4_image(void* image, int64_t num_experts, int64_t n, int64_t k, uint64_t seed,
+                                    cudaStream_t stream) {
+  const int64_t off = mxfp4_pieces_offset(num_experts, n, k);
+  const int64_t scales = num_experts * (n / 128) * (k / 128);
+  const int64_t pieces = num_experts * (k / 128) * (n / kFp4SlabRows) * kFp4SlabBytes;
+  cudaError_t e = fill_random_f32(static_cast<float*>(image), scales, 0.5f, 2.f, seed, stream);
+  if (e != cudaSuccess) return e;
+  fill_mxfp4_pieces_kernel<<<blocks_for(pieces), 256, 0, stream>>>(static_cast<uint8_t*>(image) + off, pieces, seed + 1);
   return cudaGetLastError();
 }
 

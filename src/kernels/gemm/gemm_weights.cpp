@@ -37,14 +37,14 @@ Fp4ElementPlace mxfp4_gemm_place(const Mxfp4GemmWeights& w, int64_t e, int64_t r
   const int64_t slab = row / kFp4SlabRows, r = row % kFp4SlabRows, kb = col / 128, kl = col % 128;
   const int64_t piece = ((e * (w.k / 128) + kb) * (w.n / kFp4SlabRows) + slab) * kFp4SlabBytes;
   const int64_t step = kl / 32, kk = kl % 32;
-  const int64_t nib = (kk / 16) * 4 + kk % 4;  // nibble in the word
+  const int64_t code = (kk / 16) * 4 + kk % 4;  // index in the word
   const int64_t q = (kk % 16) / 4;
   const int64_t warp = r / 16, which = (r % 16) / 8;  // which: row m0 (0) or m0 + 8 (1)
   const int64_t t = 32 * warp + 4 * (r % 8) + q;
   const int64_t word = (step % 2) * 2 + which;
   Fp4ElementPlace p;
-  p.code_byte = piece + (step / 2) * 2048 + 16 * t + 4 * word + nib / 2;
-  p.nibble = static_cast<int>(nib % 2);
+  p.word_byte = piece + (step / 2) * 2048 + 16 * t + 4 * word;
+  p.code = static_cast<int>(code);
   p.shift_byte = piece + kFp4SlabCodeBytes + r * 4 + step;
   return p;
 }
@@ -71,12 +71,20 @@ void prepare_mxfp4_for_gemm(const uint8_t* packed, const uint8_t* scales, int64_
           for (int64_t s = 0; s < 4; ++s) {
             const int32_t shift = fmt::mxfp4_e4m3_shift(se[r * groups + 4 * kb + s], cmax);
             w.slabs[static_cast<size_t>(mxfp4_gemm_place(w, e, r, 128 * kb + 32 * s).shift_byte)] =
-                static_cast<uint8_t>(shift - fmt::kMxfp4MinShift);
+                static_cast<uint8_t>(8 * (shift - fmt::kMxfp4MinShift));
           }
-          for (int64_t c = 128 * kb; c < 128 * kb + 128; ++c) {
-            const uint8_t code = static_cast<uint8_t>((pe[(r * k + c) / 2] >> (((r * k + c) & 1) * 4)) & 0xFu);
-            const Fp4ElementPlace p = mxfp4_gemm_place(w, e, r, c);
-            w.slabs[static_cast<size_t>(p.code_byte)] |= static_cast<uint8_t>(code << (4 * p.nibble));
+          // Each fragment word: its 8 codes gathered, then packed.
+          for (int64_t s = 0; s < 4; ++s) {
+            for (int64_t q = 0; q < 4; ++q) {
+              uint8_t codes[8];
+              for (int64_t i = 0; i < 8; ++i) {
+                const int64_t c = 128 * kb + 32 * s + (i < 4 ? 4 * q + i : 16 + 4 * q + i - 4);
+                codes[i] = static_cast<uint8_t>((pe[(r * k + c) / 2] >> (((r * k + c) & 1) * 4)) & 0xFu);
+              }
+              const Fp4ElementPlace p = mxfp4_gemm_place(w, e, r, 128 * kb + 32 * s + 4 * q);
+              const uint32_t word = fmt::pack_fp4_word(codes);
+              std::memcpy(w.slabs.data() + p.word_byte, &word, 4);
+            }
           }
         }
       }
@@ -84,18 +92,24 @@ void prepare_mxfp4_for_gemm(const uint8_t* packed, const uint8_t* scales, int64_
   }
 }
 
+std::vector<uint8_t> device_image(const Mxfp4GemmWeights& w) {
+  const int64_t off = mxfp4_pieces_offset(w.num_experts, w.n, w.k);
+  std::vector<uint8_t> img(static_cast<size_t>(off) + w.slabs.size(), 0);
+  std::memcpy(img.data(), w.block_scales.data(), w.block_scales.size() * sizeof(float));
+  std::memcpy(img.data() + off, w.slabs.data(), w.slabs.size());
+  return img;
+}
+
 uint8_t mxfp4_gemm_e4m3(const Mxfp4GemmWeights& w, int64_t e, int64_t row, int64_t col) {
   const Fp4ElementPlace p = mxfp4_gemm_place(w, e, row, col);
-  // The element's 32-bit word, expanded as the device does.
-  const int64_t word_byte = p.code_byte - (p.code_byte % 4);
+  // The element's fragment word, expanded as the device does.
   uint32_t word = 0;
-  std::memcpy(&word, w.slabs.data() + word_byte, 4);
-  const int32_t shift = static_cast<int32_t>(w.slabs[static_cast<size_t>(p.shift_byte)]) + fmt::kMxfp4MinShift;
+  std::memcpy(&word, w.slabs.data() + p.word_byte, 4);
+  const int32_t shift = static_cast<int32_t>(w.slabs[static_cast<size_t>(p.shift_byte)]) / 8 + fmt::kMxfp4MinShift;
   uint32_t row_lo, row_hi, lo, hi;
   fmt::mxfp4_shift_table_row(shift, &row_lo, &row_hi);
   fmt::fp4_word_to_e4m3(word, row_lo, row_hi, &lo, &hi);
-  const int nib = static_cast<int>((p.code_byte % 4) * 2 + p.nibble);
-  return static_cast<uint8_t>(((nib < 4 ? lo : hi) >> (8 * (nib % 4))) & 0xFFu);
+  return static_cast<uint8_t>(((p.code < 4 ? lo : hi) >> (8 * (p.code % 4))) & 0xFFu);
 }
 
 }  // namespace megamoe::gemm

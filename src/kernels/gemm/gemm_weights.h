@@ -31,13 +31,14 @@ int64_t swiglu_prepared_row(int64_t r, int64_t intermediate);
 // stored in the order the fragments take them. Per expert, K block (128) and slab of 64 weight rows,
 // one piece of kFp4SlabBytes:
 //   bytes [0, 4096): the codes. Thread t of the warpgroup (warp w = t / 32, lane l, q = l % 4, fragment
-//     row m0 = 16 w + l / 4) reads 16 bytes at j * 2048 + 16 t for j = 0, 1: the 32-bit words
-//     {step 2j row m0, step 2j row m0 + 8, step 2j+1 row m0, step 2j+1 row m0 + 8}. The word of
-//     (step s, row r) holds the codes of columns 32 s + 4 q + i (nibble i, i < 4) and 32 s + 16 + 4 q +
-//     i - 4 (i >= 4), nibble i in bits [4 i, 4 i + 4): its fmt::fp4_word_to_e4m3 halves are the A
-//     registers a0 / a2 (row m0) or a1 / a3 (row m0 + 8) of k32 step s.
-//   bytes [4096, 4352): the shift index of each (row, step) [64 rows][4 steps]: the table row of
-//     d = fmt::mxfp4_e4m3_shift(code, cmax of the row's 128 x 128 block) is index - kMxfp4MinShift.
+//     row m0 = 16 w + l / 4) reads 16 bytes at j * 2048 + 16 t for j = 0, 1: the fragment words
+//     (fmt::pack_fp4_word) {step 2j row m0, step 2j row m0 + 8, step 2j+1 row m0, step 2j+1 row m0 + 8}.
+//     The word of (step s, row r) holds the codes of columns 32 s + 4 q + e (code e, e < 4) and
+//     32 s + 16 + 4 q + e - 4 (e >= 4): its fmt::fp4_word_to_e4m3 halves are the A registers a0 / a2
+//     (row m0) or a1 / a3 (row m0 + 8) of k32 step s.
+//   bytes [4096, 4352): the shift of each (row, step) [64 rows][4 steps] as the byte offset of its
+//     8-byte table row: 8 * (d - kMxfp4MinShift), d = fmt::mxfp4_e4m3_shift(code, cmax of the row's
+//     128 x 128 block).
 // Pieces are ordered [E][K / 128][N / 64], so a tile's BLOCK_N / 64 pieces of one K block are one
 // contiguous copy. block_scales [E, N/128, K/128] fp32: fmt::mxfp4_e4m3_block_scale(cmax), applied
 // like an fp8-block weight scale.
@@ -51,17 +52,24 @@ struct Mxfp4GemmWeights {
   std::vector<float> block_scales;   // [E, N/128, K/128]
 };
 
+// The device image of `w` (what GroupedGemmArgs::b points at for dtype mxfp4): the block scales, zero
+// padding to a multiple of 128 bytes, then the pieces (16-byte aligned for the bulk copies).
+constexpr int64_t mxfp4_pieces_offset(int64_t num_experts, int64_t n, int64_t k) {
+  return (num_experts * (n / 128) * (k / 128) * 4 + 127) / 128 * 128;
+}
+std::vector<uint8_t> device_image(const Mxfp4GemmWeights& w);
+
 // packed [E, N, K/2] (element 2i in the low nibble) and scales [E, N, K/32] e8m0, in GEMM row order
 // (a w13 reordered for the SwiGLU epilogue already: prepare_w13_for_swiglu on the packed rows and on
 // the scale rows). N a multiple of 128, K of 128.
 void prepare_mxfp4_for_gemm(const uint8_t* packed, const uint8_t* scales, int64_t num_experts, int64_t n, int64_t k,
                             Mxfp4GemmWeights* out);
 
-// Where element (expert e, row, column) of `w` lives: the byte and the nibble (0 low, 1 high) of its
-// code, and the byte of its shift index.
+// Where element (expert e, row, column) of `w` lives: the first byte of its fragment word, its code's
+// index in the word (fmt::fp4_word_code), and the byte of its shift index.
 struct Fp4ElementPlace {
-  int64_t code_byte;
-  int nibble;
+  int64_t word_byte;
+  int code;
   int64_t shift_byte;
 };
 Fp4ElementPlace mxfp4_gemm_place(const Mxfp4GemmWeights& w, int64_t e, int64_t row, int64_t col);

@@ -19,8 +19,15 @@ namespace megamoe::gemm {
 
 MEGAMOE_GROUPED_GEMM_CONFIGS_FP8(MEGAMOE_GROUPED_GEMM_EXTERN)
 MEGAMOE_GROUPED_GEMM_CONFIGS_BF16(MEGAMOE_GROUPED_GEMM_EXTERN)
+MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4(MEGAMOE_GROUPED_GEMM_EXTERN_FP4)
 
-const char* to_string(GemmDtype d) { return d == GemmDtype::kFp8Block ? "fp8-block" : "bf16"; }
+const char* to_string(GemmDtype d) {
+  switch (d) {
+    case GemmDtype::kFp8Block: return "fp8-block";
+    case GemmDtype::kMxfp4: return "mxfp4";
+    default: return "bf16";
+  }
+}
 const char* to_string(GroupedLayout l) { return l == GroupedLayout::kContiguous ? "contiguous" : "masked"; }
 const char* to_string(GemmEpilogue e) {
   switch (e) {
@@ -111,7 +118,8 @@ Status current_device(DeviceInfo* info) {
 }  // namespace
 
 Status validate_grouped_gemm(const GroupedGemmArgs& a) {
-  const bool fp8 = a.dtype == GemmDtype::kFp8Block;
+  const bool mxfp4 = a.dtype == GemmDtype::kMxfp4;
+  const bool fp8 = a.dtype == GemmDtype::kFp8Block || mxfp4;  // the A side and the scale handling
   const bool swiglu = a.epilogue != GemmEpilogue::kStoreBf16;
   const int64_t eb = fp8 ? 1 : 2;
   if (a.num_experts < 1 || a.num_experts > kMaxExperts)
@@ -144,7 +152,10 @@ Status validate_grouped_gemm(const GroupedGemmArgs& a) {
   if (a.layout == GroupedLayout::kContiguous && a.expert_offsets == nullptr) return bad("expert_offsets", "null", "required for the contiguous layout");
   if (a.layout == GroupedLayout::kMasked && a.masked_counts == nullptr) return bad("masked_counts", "null", "required for the masked layout");
   if (fp8) {
-    if (a.a_scales == nullptr || a.b_scales == nullptr) return bad("a_scales/b_scales", "null", "required for fp8-block");
+    if (a.a_scales == nullptr || (a.b_scales == nullptr && !mxfp4))
+      return bad("a_scales/b_scales", "null", "required for fp8-block");
+    if (mxfp4 && a.b_scales != nullptr)
+      return bad("b_scales", "set", "must be null with dtype mxfp4 (b is the weights' image, block scales included)");
     if (!aligned(a.a_scales, 16)) return bad("a_scales", "unaligned", "must be 16-byte aligned (TMA)");
     const int64_t ld = a.ld_a_scales ? a.ld_a_scales : round_up4(a.m_rows);
     if (ld < a.m_rows || ld % 4 != 0) return bad("ld_a_scales", std::to_string(ld), "must be >= m_rows and a multiple of 4");
@@ -169,7 +180,7 @@ Status validate_grouped_gemm(const GroupedGemmArgs& a) {
   if (swiglu && t.block_n == 128) return bad("tiles.block_n", "128", "the SwiGLU epilogues need 256 (128 gate + 128 up)");
   if (t.num_sms < 0) return bad("tiles.num_sms", std::to_string(t.num_sms), "must be >= 0");
   if (t.cluster < 0 || t.cluster > 2) return bad("tiles.cluster", std::to_string(t.cluster), "must be 0, 1 or 2");
-  if (t.cluster == 2 && !fp8) return bad("tiles.cluster", "2", "clusters of 2 need dtype fp8-block");
+  if (t.cluster == 2 && a.dtype != GemmDtype::kFp8Block) return bad("tiles.cluster", "2", "clusters of 2 need dtype fp8-block");
   if (t.cluster == 2 && t.block_m != 0 && t.block_m != 128)
     return bad("tiles.cluster", "2", "clusters of 2 need 128-row tiles (tiles.block_m " + std::to_string(t.block_m) + ")");
   if (t.cluster == 2 && t.block_n == 128) return bad("tiles.cluster", "2", "clusters of 2 need 256-wide tiles");
@@ -182,6 +193,15 @@ Status validate_grouped_gemm(const GroupedGemmArgs& a) {
     return bad("probe", std::to_string(int(a.probe)), "needs the timeline (trace, trace_max_tiles > 0)");
   if ((t.block_m == 16 || t.block_m == 32) && !fp8)
     return bad("tiles.block_m", std::to_string(t.block_m), "16- and 32-row tiles need dtype fp8-block");
+  if (mxfp4) {
+    if (a.n % 256 != 0) return bad("n", std::to_string(a.n), "must be a multiple of 256 with dtype mxfp4 (256-wide tiles)");
+    if (t.block_m != 0 && t.block_m != 16 && t.block_m != 32)
+      return bad("tiles.block_m", std::to_string(t.block_m), "dtype mxfp4 runs 16- or 32-row tiles");
+    if (t.block_n != 0 && t.block_n != 256) return bad("tiles.block_n", std::to_string(t.block_n), "dtype mxfp4 runs 256-wide tiles");
+    if (t.cluster == 2) return bad("tiles.cluster", "2", "clusters of 2 need dtype fp8-block");
+  }
+  if (int32_t(a.dtype) < 0 || int32_t(a.dtype) > int32_t(GemmDtype::kMxfp4))
+    return bad("dtype", std::to_string(int(a.dtype)), "must be fp8-block, bf16 or mxfp4");
   return Status::ok();
 }
 
@@ -189,7 +209,8 @@ Status plan_grouped_gemm(const GroupedGemmArgs& args, GroupedGemmPlan* plan) {
   MEGAMOE_RETURN_IF_ERROR(validate_grouped_gemm(args));
   DeviceInfo dev;
   MEGAMOE_RETURN_IF_ERROR(current_device(&dev));
-  const bool fp8 = args.dtype == GemmDtype::kFp8Block;
+  const bool mxfp4 = args.dtype == GemmDtype::kMxfp4;
+  const bool fp8 = args.dtype == GemmDtype::kFp8Block || mxfp4;
   const bool masked = args.layout == GroupedLayout::kMasked;
   const bool swiglu = args.epilogue != GemmEpilogue::kStoreBf16;
   const int64_t eb = fp8 ? 1 : 2;
@@ -209,10 +230,16 @@ Status plan_grouped_gemm(const GroupedGemmArgs& args, GroupedGemmPlan* plan) {
   overrides.num_sms = args.tiles.num_sms;
   overrides.gemm_cluster = args.tiles.cluster;
   GemmTileConfig cfg = select_gemm_tiles(hint, &overrides);
+  if (mxfp4) {  // the configurations compiled for mxfp4 weights (MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4)
+    cfg.block_m = cfg.block_m <= 16 ? 16 : 32;
+    cfg.block_n = 256;
+    cfg.cluster = 1;
+  }
   if (args.tile_order != GemmTileOrder::kAuto) cfg.round_robin = args.tile_order == GemmTileOrder::kRoundRobin;
   if (args.tile_counter == nullptr) cfg.round_robin = true;
   plan->tiles = cfg;
   plan->fp8 = fp8;
+  plan->weight_fp4 = mxfp4;
   plan->epilogue = args.epilogue == GemmEpilogue::kStoreBf16  ? kEpiStoreBf16
                    : args.epilogue == GemmEpilogue::kSwigluFp8 ? kEpiSwigluFp8
                                                                : kEpiSwigluBf16;
@@ -224,10 +251,14 @@ Status plan_grouped_gemm(const GroupedGemmArgs& args, GroupedGemmPlan* plan) {
   const int64_t a_rows = masked ? int64_t(args.num_experts) * args.m_rows : args.m_rows;
   MEGAMOE_RETURN_IF_ERROR(make_map(&plan->tmap_a, CU_TENSOR_MAP_DATA_TYPE_UINT8, args.a, uint64_t(args.k) * eb, a_rows,
                                    lda * eb, 128, cfg.block_m, true, "A"));
-  // B boxes: the whole tile's rows, or half of them with clusters (each CTA of a pair loads one half)
-  MEGAMOE_RETURN_IF_ERROR(make_map(&plan->tmap_b, CU_TENSOR_MAP_DATA_TYPE_UINT8, args.b, uint64_t(args.k) * eb,
-                                   uint64_t(args.num_experts) * args.n, uint64_t(args.k) * eb, 128,
-                                   cfg.block_n / cfg.cluster, true, "B"));
+  // B boxes: the whole tile's rows, or half of them with clusters (each CTA of a pair loads one half).
+  // mxfp4 weights load by bulk copies (no tensor map).
+  if (mxfp4)
+    plan->tmap_b = plan->tmap_a;  // unused
+  else
+    MEGAMOE_RETURN_IF_ERROR(make_map(&plan->tmap_b, CU_TENSOR_MAP_DATA_TYPE_UINT8, args.b, uint64_t(args.k) * eb,
+                                     uint64_t(args.num_experts) * args.n, uint64_t(args.k) * eb, 128,
+                                     cfg.block_n / cfg.cluster, true, "B"));
   const int64_t num_kb = args.k / 128;
   if (fp8) {
     const int64_t ld = args.ld_a_scales ? args.ld_a_scales : round_up4(args.m_rows);
@@ -253,7 +284,7 @@ Status plan_grouped_gemm(const GroupedGemmArgs& args, GroupedGemmPlan* plan) {
   p.max_m = masked ? int32_t(args.m_rows) : 0;
   p.expert_offsets = args.expert_offsets;
   p.masked_counts = args.masked_counts;
-  p.sfb = args.b_scales;
+  p.sfb = mxfp4 ? static_cast<const float*>(args.b) : args.b_scales;  // mxfp4: the image starts with the block scales
   p.d = args.d;
   p.ld_d = args.ldd ? args.ldd : (swiglu ? args.n / 2 : args.n);
   p.row_map = args.row_map;
@@ -290,16 +321,23 @@ Status launch_grouped_gemm_plan(const GroupedGemmPlan& plan, cudaStream_t stream
   const GemmTileConfig& cfg = plan.tiles;
   const GroupedGemmParams& p = plan.params;
   const bool fp8 = plan.fp8;
+  const bool w4 = plan.weight_fp4;
   const int p_epi = plan.epilogue;
   cudaError_t err = cudaErrorInvalidConfiguration;
   int launched = 0;
 #define MEGAMOE_DISPATCH(BM, BN, FP8, EPI, CL)                                                                  \
-  if (cfg.block_m == BM && cfg.block_n == BN && fp8 == FP8 && p_epi == EPI && cfg.cluster == CL)                \
+  if (!w4 && cfg.block_m == BM && cfg.block_n == BN && fp8 == FP8 && p_epi == EPI && cfg.cluster == CL)         \
     err = launch_grouped_gemm_config<GroupedGemmConfig<BM, BN, FP8, EPI, CL>>(plan.tmap_a, plan.tmap_b, plan.tmap_sfa, \
                                                                          plan.tmap_d, p, plan.grid, stream, &launched);
+#define MEGAMOE_DISPATCH_FP4(BM, BN, FP8, EPI, CL, W4)                                                          \
+  if (w4 && cfg.block_m == BM && cfg.block_n == BN && p_epi == EPI)                                            \
+    err = launch_grouped_gemm_config<GroupedGemmConfig<BM, BN, FP8, EPI, CL, W4>>(                               \
+        plan.tmap_a, plan.tmap_b, plan.tmap_sfa, plan.tmap_d, p, plan.grid, stream, &launched);
   MEGAMOE_GROUPED_GEMM_CONFIGS_FP8(MEGAMOE_DISPATCH)
   MEGAMOE_GROUPED_GEMM_CONFIGS_BF16(MEGAMOE_DISPATCH)
+  MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4(MEGAMOE_DISPATCH_FP4)
 #undef MEGAMOE_DISPATCH
+#undef MEGAMOE_DISPATCH_FP4
   if (used != nullptr) used->grid = launched;
   if (err != cudaSuccess)
     return Status(StatusCode::kCudaError, std::string("grouped GEMM launch failed: ") + cudaGetErrorString(err) + " (" +

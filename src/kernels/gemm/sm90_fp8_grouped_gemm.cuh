@@ -81,6 +81,13 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
     if constexpr (Cfg::kFp8) ptx::tma_prefetch_desc(&tmap_sfa);
     if (p.tma_store) ptx::tma_prefetch_desc(&tmap_d);
   }
+  if constexpr (Cfg::kWeightFp4) {  // the shift table, before build_schedule's barrier
+    for (int i = threadIdx.x; i < Cfg::kFp4TableRows; i += blockDim.x) {
+      uint32_t lo, hi;
+      fmt::mxfp4_shift_table_row(i + fmt::kMxfp4MinShift, &lo, &hi);
+      sm.fp4_table[i] = make_uint2(lo, hi);
+    }
+  }
   const int num_n_blocks = p.n / Cfg::kBlockN;
   const GroupedSchedule sched = build_schedule<Cfg>(sm, p, num_n_blocks);  // ends in __syncthreads
   if constexpr (Cfg::kCluster > 1) ptx::cluster_sync();  // the partner's barriers exist before any remote use
@@ -299,6 +306,21 @@ cudaError_t launch_grouped_gemm_config(const CUtensorMap& tmap_a, const CUtensor
   X(128, 256, false, kEpiStoreBf16, 1)        \
   X(64, 256, false, kEpiSwigluBf16, 1)        \
   X(128, 256, false, kEpiSwigluBf16, 1)
+
+// mxfp4 weights: X(BLOCK_M, BLOCK_N, fp8 A, epilogue, cluster, weight fp4)
+#define MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4(X) \
+  X(16, 256, true, kEpiStoreBf16, 1, true)    \
+  X(16, 256, true, kEpiSwigluFp8, 1, true)    \
+  X(32, 256, true, kEpiStoreBf16, 1, true)    \
+  X(32, 256, true, kEpiSwigluFp8, 1, true)
+#define MEGAMOE_GROUPED_GEMM_EXTERN_FP4(BM, BN, FP8, EPI, CL, W4)                                               \
+  extern template cudaError_t launch_grouped_gemm_config<GroupedGemmConfig<BM, BN, FP8, EPI, CL, W4>>(         \
+      const CUtensorMap&, const CUtensorMap&, const CUtensorMap&, const CUtensorMap&, const GroupedGemmParams&, int,  \
+      cudaStream_t, int*);
+#define MEGAMOE_GROUPED_GEMM_INSTANTIATE_FP4(BM, BN, FP8, EPI, CL, W4)                                          \
+  template cudaError_t launch_grouped_gemm_config<GroupedGemmConfig<BM, BN, FP8, EPI, CL, W4>>(                \
+      const CUtensorMap&, const CUtensorMap&, const CUtensorMap&, const CUtensorMap&, const GroupedGemmParams&, int,  \
+      cudaStream_t, int*);
 
 #define MEGAMOE_GROUPED_GEMM_EXTERN(BM, BN, FP8, EPI, CL)                                                      \
   extern template cudaError_t launch_grouped_gemm_config<GroupedGemmConfig<BM, BN, FP8, EPI, CL>>(             \

@@ -7,6 +7,11 @@
 //   dtype kFp8Block: A e4m3 with fp32 1x128 scales, B e4m3 with fp32 128x128 scales (DeepSeek-V3);
 //                    scales may be any positive fp32, power-of-two ones included.
 //   dtype kBf16:     A and B bf16, no scales.
+//   dtype kMxfp4:    A e4m3 with fp32 1x128 scales (as kFp8Block); B mxfp4 as gemm_weights.h's
+//                    Mxfp4GemmWeights lays it out: b = its device image (device_image(): the block
+//                    scales, then the pieces), b_scales unused (null). Swapped 16- and 32-row tiles,
+//                    256 wide, only (n a multiple of 256); the values are fmt::mxfp4_to_fp8_128x128's.
+//                    Not yet run on a GPU.
 //
 // Grouped M layouts (see grouped_scheduler.h):
 //   kContiguous  A [m_rows, K]; expert e owns rows [expert_offsets[e], expert_offsets[e+1]) (device
@@ -42,7 +47,7 @@
 
 namespace megamoe::gemm {
 
-enum class GemmDtype { kFp8Block, kBf16 };
+enum class GemmDtype { kFp8Block, kBf16, kMxfp4 };
 enum class GroupedLayout { kContiguous, kMasked };
 enum class GemmEpilogue { kStoreBf16, kSwigluFp8, kSwigluBf16 };
 

@@ -6,9 +6,11 @@
 #include <cuda_bf16.h>
 #include <cstdint>
 
+#include "kernels/gemm/gemm_weights.h"
 #include "kernels/gemm/grouped_scheduler.h"
 #include "kernels/gemm/sm90_fp8_grouped_gemm.h"
 #include "kernels/gemm/sm90_gemm_ptx.cuh"
+#include "megamoe/formats.h"
 
 namespace megamoe::gemm {
 
@@ -64,12 +66,24 @@ struct GroupedGemmParams {
   int32_t probe;
 };
 
-template <int kBlockM_, int kBlockN_, bool kFp8_, int kEpilogue_, int kCluster_ = 1>
+// mxfp4 weights (Cfg::kWeightFp4): sfb points at the device image of gemm_weights.h's
+// Mxfp4GemmWeights, the block scales first, the pieces from mxfp4_pieces_offset() on.
+__device__ __forceinline__ const uint8_t* mxfp4_pieces(const GroupedGemmParams& p) {
+  return reinterpret_cast<const uint8_t*>(p.sfb) + mxfp4_pieces_offset(p.num_experts, p.n, p.k);
+}
+
+template <int kBlockM_, int kBlockN_, bool kFp8_, int kEpilogue_, int kCluster_ = 1, bool kWeightFp4_ = false>
 struct GroupedGemmConfig {
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr bool kFp8 = kFp8_;
   static constexpr int kEpilogue = kEpilogue_;
+  // mxfp4 weights (swapped 16- and 32-row tiles, 256 wide): the weight slot holds the tile's
+  // BLOCK_N / 64 pieces of gemm_weights.h's layout (e2m1 codes in register-fragment order + shift
+  // indices), loaded by one bulk copy; the math warpgroup expands them into wgmma's A registers
+  // (math_k_block_swapped_fp4) and applies the 128 x 128 block scales as fp8-block's sb. The A
+  // side (tokens e4m3 + 1x128 scales) is fp8-block's.
+  static constexpr bool kWeightFp4 = kWeightFp4_;
   // CTAs per cluster. 2: the pair of CTAs runs tiles 2u and 2u + 1 of the schedule at once (pair
   // tile u); when both are the same expert's n-block (two m-blocks sharing one weight tile) each CTA
   // loads half of the weight tile and multicasts it to both, so L2 sends each weight byte once per
@@ -88,7 +102,7 @@ struct GroupedGemmConfig {
   static constexpr int kNumThreads = 128 * (kNumMathWG + 1);
   static constexpr int kMathThreads = 128 * kNumMathWG;
   static constexpr int kStageA = kBlockM * kBlockKBytes;
-  static constexpr int kStageB = kBlockN * kBlockKBytes;
+  static constexpr int kStageB = kWeightFp4 ? int(kBlockN / kFp4SlabRows * kFp4SlabBytes) : kBlockN * kBlockKBytes;
   // A scales: a box of BLOCK_M + 4 fp32 starting at the tile's first row rounded down to 4 (a 16-byte
   // aligned start in global memory, whatever the segment offset); slots 128-byte aligned for TMA.
   static constexpr int kSfaBox = kBlockM + 4;
@@ -96,6 +110,9 @@ struct GroupedGemmConfig {
   static constexpr int kStageSFA = kSfaStride * 4;
   static constexpr int kStageSFB = 16;
   static constexpr int kStageBytes = kStageA + kStageB + kStageSFA + kStageSFB + 16 + 32;  // + 2 barriers + tile record
+  // kWeightFp4: the shift table, 8 e4m3 magnitudes for each shift in [kMxfp4MinShift, 6].
+  static constexpr int kFp4TableRows = 6 - fmt::kMxfp4MinShift + 1;
+  static constexpr int kFp4TableBytes = kWeightFp4 ? kFp4TableRows * 8 : 0;
   static constexpr int kClaimBytes = kCluster > 1 ? 2 * 16 + 2 * 4 : 0;  // 2 x {claim_full, claim_empty} + 2 values
   // bf16-store epilogue staging: per math warp 16 rows x 64 columns of bf16 (2 KiB), see
   // epilogue_store_bf16; swapped: the tile's BLOCK_M token rows of BLOCK_N bf16.
@@ -105,7 +122,7 @@ struct GroupedGemmConfig {
                                    : kSwapAB ? kBlockM * 128 + 4 * kBlockM * 4
                                              : 0;
   static constexpr int kSmemBudget =
-      227 * 1024 - 1024 /* alignment slack */ - 8 * 1024 /* tables */ - kStageOut - kClaimBytes;
+      227 * 1024 - 1024 /* alignment slack */ - 8 * 1024 /* tables */ - kStageOut - kClaimBytes - kFp4TableBytes;
   static_assert(kStageOut % 128 == 0, "the A-scale slots after the staging are TMA destinations");
   static constexpr int kStagesFit = kSmemBudget / kStageBytes;
   static constexpr int kStages = kStagesFit > 12 ? 12 : kStagesFit;
@@ -123,11 +140,14 @@ struct GroupedGemmConfig {
   static_assert(kStages >= 3, "pipeline too shallow");
   static_assert(kCluster == 1 || (kCluster == 2 && kFp8 && kBlockM == 128 && !kSwapAB),
                 "clusters of 2: fp8 tiles of 128 rows");
+  static_assert(!kWeightFp4 || (kFp8 && kSwapAB && kBlockN == 256 && kCluster == 1),
+                "mxfp4 weights: swapped 16- and 32-row tiles, 256 wide, no clusters");
+  static_assert(kStageB % 1024 == 0, "the weight and staging slots after B stay 1024-aligned");
 
   // Dynamic shared memory: 1 KiB alignment slack + ring + barriers + tables.
   static constexpr int smem_bytes(int num_experts) {
     return 1024 + kStages * (kStageA + kStageB + kStageSFA + kStageSFB) + kStageOut + kStages * 16 + kStages * 32 +
-           kClaimBytes + 3 * (num_experts + 1) * 4 + 16;
+           kClaimBytes + kFp4TableBytes + 3 * (num_experts + 1) * 4 + 16;
   }
 };
 
@@ -150,6 +170,7 @@ struct GroupedGemmSmem {
   uint64_t* claim_full;   // [2]
   uint64_t* claim_empty;  // [2]
   int32_t* claim_val;     // [2]
+  uint2* fp4_table;       // kWeightFp4: [kFp4TableRows] {magnitudes 0..3, 4..7} as e4m3, row i = shift i + kMxfp4MinShift
   int32_t* row_begin;
   int32_t* num_rows;
   int32_t* m_block_prefix;
@@ -184,6 +205,10 @@ struct GroupedGemmSmem {
     if constexpr (Cfg::kCluster > 1) {
       s.claim_val = reinterpret_cast<int32_t*>(p);
       p += 2 * 4;
+    }
+    if constexpr (Cfg::kWeightFp4) {  // 8-byte aligned: after the barriers, no claims (no clusters)
+      s.fp4_table = reinterpret_cast<uint2*>(p);
+      p += Cfg::kFp4TableBytes;
     }
     s.row_begin = reinterpret_cast<int32_t*>(p);
     s.num_rows = s.row_begin + num_experts;

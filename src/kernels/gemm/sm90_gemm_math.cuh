@@ -190,14 +190,114 @@ __device__ __forceinline__ void math_k_block_swapped(const GroupedGemmSmem<Cfg>&
   pipe.advance(Cfg::kStages);
 }
 
+// ---- mxfp4 weights (Cfg::kWeightFp4, swapped tiles) ----------------------------------------------------
+//
+// The weight slot holds the tile's four 64-row pieces of gemm_weights.h's layout (slab 2c + h is chunk
+// c's half h). Each thread reads, per slab, two 16-byte runs of codes (its eight words: steps 0..3 of its
+// rows m0 and m0 + 8) and its two rows' shift indices, and expands every word with the shift table row of
+// its (row, step) into two A registers: a[0] / a[2] from row m0's word, a[1] / a[3] from row m0 + 8's.
+// All 64 A registers of the K block exist before the 16 wgmmas issue (the hardware reads them after
+// issue; they are held until the wait). The block scale S of chunk c is fp8-block's sb[c].
+
+template <int kTokens>
+__device__ __forceinline__ void wgmma_swapped_rs(float (&d)[kTokens / 2], const uint32_t (&a)[4], uint64_t desc_x,
+                                                 int scale_d) {
+  if constexpr (kTokens == 16)
+    ptx::wgmma_m64n16k32_e4m3_rs(d, a, desc_x, scale_d);
+  else
+    ptx::wgmma_m64n32k32_e4m3_rs(d, a, desc_x, scale_d);
+}
+
+template <class Cfg, bool kFirst>
+__device__ __forceinline__ void math_k_block_swapped_fp4(const GroupedGemmSmem<Cfg>& sm, PipeState& pipe, int box0,
+                                                         SwappedAcc<Cfg>& acc) {
+  constexpr int kRegs = Cfg::kBlockM / 2;
+  const int tid = threadIdx.x % 128, lane = tid % 32, q = lane % 4;
+  const int m0 = (tid / 32) * 16 + lane / 4;  // this thread's fragment rows in each slab: m0, m0 + 8
+  ptx::mbar_wait(&sm.full[pipe.stage], pipe.phase);
+  const uint64_t desc_x = ptx::make_sw128_desc(sm.a + pipe.stage * Cfg::kStageA);
+  const uint8_t* w_tile = sm.b + pipe.stage * Cfg::kStageB;
+  const float* sfa = sm.sfa + pipe.stage * Cfg::kSfaStride + box0;
+  float sa[Cfg::kBlockM / 4];
+#pragma unroll
+  for (int s = 0; s < Cfg::kBlockM / 4; ++s) sa[s] = sfa[swapped_token(s, q)];
+  float sb[Cfg::kNumChunks];
+#pragma unroll
+  for (int c = 0; c < Cfg::kNumChunks; ++c) sb[c] = sm.sfb[pipe.stage * 4 + c];
+  uint32_t a[Cfg::kNumChunks][2][4][4];  // [chunk][half][k32 step][register]
+#pragma unroll
+  for (int c = 0; c < Cfg::kNumChunks; ++c)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* slab = w_tile + (2 * c + h) * kFp4SlabBytes;
+      const uint4 f0 = *reinterpret_cast<const uint4*>(slab + 16 * tid);
+      const uint4 f1 = *reinterpret_cast<const uint4*>(slab + 2048 + 16 * tid);
+      const uint32_t sh0 = *reinterpret_cast<const uint32_t*>(slab + kFp4SlabCodeBytes + 4 * m0);
+      const uint32_t sh1 = *reinterpret_cast<const uint32_t*>(slab + kFp4SlabCodeBytes + 4 * (m0 + 8));
+      const uint32_t words[4][2] = {{f0.x, f0.y}, {f0.z, f0.w}, {f1.x, f1.y}, {f1.z, f1.w}};
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        // byte s of the shift word is the table row's byte offset: one PRMT extracts it
+        const uint8_t* table = reinterpret_cast<const uint8_t*>(sm.fp4_table);
+        const uint2 t0 = *reinterpret_cast<const uint2*>(table + fmt::byte_perm(sh0, 0u, 0x4440u | s));
+        const uint2 t1 = *reinterpret_cast<const uint2*>(table + fmt::byte_perm(sh1, 0u, 0x4440u | s));
+        fmt::fp4_word_to_e4m3(words[s][0], t0.x, t0.y, &a[c][h][s][0], &a[c][h][s][2]);
+        fmt::fp4_word_to_e4m3(words[s][1], t1.x, t1.y, &a[c][h][s][1], &a[c][h][s][3]);
+      }
+    }
+  SwappedAcc<Cfg> tmp;
+#pragma unroll
+  for (int c = 0; c < Cfg::kNumChunks; ++c)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      ptx::fence_operands(tmp[c][h]);
+#pragma unroll
+      for (int s = 0; s < 4; ++s) ptx::fence_operands(a[c][h][s]);
+    }
+  ptx::wgmma_fence();
+#pragma unroll
+  for (int c = 0; c < Cfg::kNumChunks; ++c)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int s = 0; s < 4; ++s) wgmma_swapped_rs<Cfg::kBlockM>(tmp[c][h], a[c][h][s], desc_x + 2 * s, s > 0);
+  ptx::wgmma_commit();
+  ptx::wgmma_wait<0>();
+#pragma unroll
+  for (int c = 0; c < Cfg::kNumChunks; ++c)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      ptx::fence_operands(tmp[c][h]);
+#pragma unroll
+      for (int s = 0; s < 4; ++s) ptx::fence_operands(a[c][h][s]);
+    }
+  __syncwarp();
+  release_slot<Cfg>(sm, pipe.stage, lane);
+#pragma unroll
+  for (int c = 0; c < Cfg::kNumChunks; ++c)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) {
+        const float sc = sa[(i / 4) * 2 + (i % 2)] * sb[c];
+        acc[c][h][i] = fmaf(sc, tmp[c][h][i], kFirst ? 0.f : acc[c][h][i]);
+      }
+  pipe.advance(Cfg::kStages);
+}
+
 template <class Cfg>
 __device__ __forceinline__ void math_tile_swapped(const GroupedGemmSmem<Cfg>& sm, PipeState& pipe,
                                                   const GroupedGemmParams& p, const GroupedTile& t,
                                                   SwappedAcc<Cfg>& acc) {
   const int box0 = sfa_first_row(p, t) - sfa_box_start(p, t);  // the tile's first token in the scale slot
   // invariant: num_kb >= 1 (validate_grouped_gemm: K a positive multiple of 128)
-  math_k_block_swapped<Cfg, true>(sm, pipe, box0, acc);
-  for (int kb = 1; kb < p.k / Cfg::kBlockK; ++kb) math_k_block_swapped<Cfg, false>(sm, pipe, box0, acc);
+  if constexpr (Cfg::kWeightFp4) {
+    math_k_block_swapped_fp4<Cfg, true>(sm, pipe, box0, acc);
+    for (int kb = 1; kb < p.k / Cfg::kBlockK; ++kb) math_k_block_swapped_fp4<Cfg, false>(sm, pipe, box0, acc);
+  } else {
+    math_k_block_swapped<Cfg, true>(sm, pipe, box0, acc);
+    for (int kb = 1; kb < p.k / Cfg::kBlockK; ++kb) math_k_block_swapped<Cfg, false>(sm, pipe, box0, acc);
+  }
 }
 
 }  // namespace megamoe::gemm

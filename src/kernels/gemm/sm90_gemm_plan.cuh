@@ -19,6 +19,7 @@ struct GroupedGemmPlan {
   GemmTileConfig tiles;  // as chosen (heuristic + overrides)
   int32_t epilogue = 0;  // EpilogueKind
   bool fp8 = true;
+  bool weight_fp4 = false;  // mxfp4 weights (GemmDtype::kMxfp4)
   bool empty = true;     // m_rows == 0: nothing to launch
   int grid = 0;
 };

@@ -35,10 +35,15 @@ __device__ __forceinline__ void produce_tile(const GroupedGemmSmem<Cfg>& sm, Pip
     if (kb == 0) publish_tile<Cfg>(sm, pipe.stage, tile_id, t);  // released by the arrive below
     ptx::mbar_arrive_expect_tx(full, Cfg::kTxBytes);
     ptx::tma_load_2d(sm.a + pipe.stage * Cfg::kStageA, tmap_a, full, kb * Cfg::kBlockKBytes, t.row0);
-    if constexpr (kEvictFirst)
+    if constexpr (Cfg::kWeightFp4) {
+      // The tile's BLOCK_N / 64 pieces of K block kb: one contiguous run ([E][K/128][N/64] pieces).
+      const int64_t piece = (int64_t(t.expert) * num_kb + kb) * (p.n / kFp4SlabRows) + t.n_block * (Cfg::kBlockN / kFp4SlabRows);
+      ptx::bulk_load_1d(sm.b + pipe.stage * Cfg::kStageB, mxfp4_pieces(p) + piece * kFp4SlabBytes, Cfg::kStageB, full);
+    } else if constexpr (kEvictFirst) {
       ptx::tma_load_2d_hint(sm.b + pipe.stage * Cfg::kStageB, tmap_b, full, kb * Cfg::kBlockKBytes, b_row, b_policy);
-    else
+    } else {
       ptx::tma_load_2d(sm.b + pipe.stage * Cfg::kStageB, tmap_b, full, kb * Cfg::kBlockKBytes, b_row);
+    }
     if constexpr (Cfg::kFp8) {
       const int32_t sfa_x = sfa_box_start(p, t);
       const int32_t sfa_y = p.layout == kLayoutMasked ? t.expert * num_kb + kb : kb;

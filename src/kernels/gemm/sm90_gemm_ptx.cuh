@@ -211,6 +211,14 @@ __device__ __forceinline__ void tma_store_2d(bool pred, const CUtensorMap* map, 
 // Orders this thread's generic-proxy shared-memory writes before later async-proxy reads (TMA).
 __device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+// A 2-D tile of a tensor map fetched into L2 only (no shared memory, no barrier): a hint, so a load of
+// the same box soon after finds it there.
+__device__ __forceinline__ void tma_prefetch_l2_2d(const CUtensorMap* map, int32_t x, int32_t y) {
+  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];\n" ::"l"(reinterpret_cast<uint64_t>(map)),
+               "r"(x), "r"(y)
+               : "memory");
+}
+
 __device__ __forceinline__ void tma_prefetch_desc(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }

@@ -13,7 +13,8 @@ namespace megamoe::mega {
 
 // BLOCK_M of both GEMMs inside one launch (one kernel instantiation each).
 constexpr int kMegaBlockMs[] = {16, 64, 128};
-constexpr int kMegaBlockN = 256;       // both GEMMs: FC1 128 gate + 128 up columns; FC2 256 columns of H
+constexpr int kMegaBlockN = 256;
+constexpr int mega_block_n() { return kMegaBlockN; }       // both GEMMs: FC1 128 gate + 128 up columns; FC2 256 columns of H
 constexpr int kMegaMaxLocalExperts = 512;
 constexpr int kMegaMaxExperts = 4096;  // the per-expert count histogram of a dispatch CTA (shared memory)
 

@@ -222,6 +222,7 @@ struct MegaPrologueSmem {
   int32_t hist[kMegaMaxExperts];             // this chunk's valid slots per global expert
   int32_t counts[kMegaMaxLocalExperts];      // rows per local expert (every source)
   int32_t offsets[kMegaMaxLocalExperts + 1]; // their exclusive prefix; [E_l] = all rows
+  int32_t m_blocks[kMegaMaxLocalExperts + 1];  // exclusive prefix of the experts' m-blocks (the weight prefetch)
   int32_t src_start[kernels::kMaxTransportRanks + 1];  // recv rows of the sources before s
   bool ok;
 };
@@ -270,10 +271,22 @@ __device__ __forceinline__ void mega_dispatch_copy(const MegaArgs& a, MegaProlog
   }
 }
 
+// What the prologue needs to prefetch this CTA's first FC1 weight tile into L2 while the rows are
+// placed (HBM is otherwise idle then: decode's forward is mostly that weight stream).
+struct MegaWeightPrefetch {
+  const CUtensorMap* tmap_b1;  // FC1's weights, boxes of 128 bytes x BLOCK_N rows
+  int32_t n, k;                // FC1's N (2I) and K (H) in elements
+  int32_t block_k_bytes;       // 128
+  int32_t block_k;             // elements per K block (128 fp8, 64 bf16)
+};
+// K blocks of the first tile prefetched per CTA: 6 x 32 KiB x 132 CTAs ~ 25 MiB, half of L2.
+constexpr int kMegaPrefetchKBlocks = 6;
+
 // Prologue: dispatch (B1) and placement (B3). Returns false, in every CTA alike, when a wait failed
 // (recorded in the error cell) anywhere before B3.
-template <int kThreads, bool kFp8Wire>
-__device__ __forceinline__ bool mega_prologue(const MegaArgs& a, MegaPrologueSmem<kThreads>& s, uint64_t epoch) {
+template <int kThreads, bool kFp8Wire, int kBlockM>
+__device__ __forceinline__ bool mega_prologue(const MegaArgs& a, MegaPrologueSmem<kThreads>& s, uint64_t epoch,
+                                              const MegaWeightPrefetch& wp) {
   const TransportArgs& tr = a.tr;
   const SignalCtx& sig = tr.sig;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
@@ -344,6 +357,23 @@ __device__ __forceinline__ bool mega_prologue(const MegaArgs& a, MegaPrologueSme
   __syncthreads();
   if (warp == 0) {
     warp_exclusive_scan(s.counts, s.offsets, static_cast<int>(El), lane);
+    // This CTA's first FC1 tile is tile blockIdx.x of the schedule (next_tile): its first K blocks'
+    // weights into L2 now, so the tile's first loads find them (a hint: nothing depends on it).
+    for (int64_t e = lane; e < El; e += 32) s.hist[e] = (s.counts[e] + kBlockM - 1) / kBlockM;  // hist is free now
+    __syncwarp();
+    warp_exclusive_scan(s.hist, s.m_blocks, static_cast<int>(El), lane);
+    if (lane == 0 && dispatched) {
+      const gemm::GroupedSchedule sched{s.offsets, s.counts, s.m_blocks, static_cast<int32_t>(El),
+                                        wp.n / mega_block_n(), kBlockM};
+      const int32_t t = static_cast<int32_t>(blockIdx.x);
+      if (t < sched.num_tiles()) {
+        const gemm::GroupedTile tile = sched.tile(t);
+        const int32_t b_row = tile.expert * wp.n + tile.n_block * mega_block_n();
+        const int num_kb = wp.k / wp.block_k;
+        for (int kb = 0; kb < num_kb && kb < kMegaPrefetchKBlocks; ++kb)
+          gemm::ptx::tma_prefetch_l2_2d(wp.tmap_b1, kb * wp.block_k_bytes, b_row);
+      }
+    }
     if (lane == 0) {
       const int32_t* recv_counts = tr.own<int32_t>(tr.layout.recv_token_counts);
       int32_t acc = 0;
@@ -562,7 +592,8 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
   // The launch epoch: the previous launch's + 1 (stored back by CTA 0 once every CTA has read it).
   const uint64_t epoch = sig.local_epoch() + 1;
 
-  const bool ok = mega_prologue<kThreads, Cfg::kFp8>(a, ps, epoch);  // ends with a CTA barrier
+  const MegaWeightPrefetch prefetch{&tmap_b1, p1.n, p1.k, Cfg::kBlockKBytes, Cfg::kBlockK};
+  const bool ok = mega_prologue<kThreads, Cfg::kFp8, Cfg::kBlockM>(a, ps, epoch, prefetch);  // ends with a CTA barrier
 
   if (threadIdx.x == 0) {
     gemm::init_barriers<Cfg>(sm);  // after the prologue's use of the ring (its proxy fence included)

@@ -10,7 +10,8 @@ two markers:
 
 This script reads the output of one or more runs, builds each table, and replaces what lies between
 its markers (nothing else in the file changes). Inputs, told apart by their content:
-  - `megamoe bench --json F`            -> table `layer/<backend>/<preset>/ep<R>[/<config>]`
+  - `megamoe bench --json F`            -> a table per backend the rows ran on,
+                                           `layer/<backend>/<preset>/ep<R>[-shared][/<config>][/layers<N>]`
   - `megamoe bench-gemm --json F`       -> table `gemm/<flush>` (several files: rounds of the same
                                            cases, folded as scripts/gemm_targets.py folds them)
   - `megamoe bench-transport --json F`  -> table `transport/<dispatch>-<combine>[-owner]` (its stdout
@@ -73,14 +74,28 @@ def fmt(v, digits=1):
 STAGE_LABELS = {"expert_pool": "pool", "fc1_swiglu": "fc1+swiglu"}
 
 
-def layer_table(doc):
-    """(default table name, info, lines) for one `megamoe bench --json` document."""
-    rows = doc.get("rows", [])
+def layer_tables(doc):
+    """[(default table name, info, lines)] for one `megamoe bench --json` document: one table per
+    backend the rows ran on (`--backend mega,routed` gives two), named
+    layer/<backend>/<preset>/ep<R>[-shared][/<config>][/layers<N>]."""
+    groups = {}
+    for r in doc.get("rows", []):
+        groups.setdefault(r.get("resolved") or r.get("backend", "?"), []).append(r)
+    out = [layer_table(doc, rows) for rows in groups.values()]
+    if not out:
+        raise InputError("no rows")
+    return out
+
+
+def layer_table(doc, rows):
+    """(default table name, info, lines) for one backend's rows of a `megamoe bench --json` document."""
     ok = [r for r in rows if not r.get("error")]
     if not ok:
         raise InputError("no row without an error")
     backend = ok[0].get("resolved") or ok[0].get("backend", "?")
     ep = doc.get("geometry", {}).get("ep_size", 1)
+    shared = "--shared-gpu" in ok[0].get("command", "")
+    layers = ok[0].get("layers", 1)
     cfg = doc.get("config", {})
     variant = []
     if cfg.get("weight_format", "fp8-block") != "fp8-block":
@@ -89,7 +104,8 @@ def layer_table(doc):
         variant.append(cfg["combine_dtype"] + "-wire")
     if cfg.get("owner_reduce_in_use") and cfg.get("combine_dtype", "bf16") == "bf16":
         variant.append("owner-reduce")
-    name = f"layer/{backend}/{doc.get('preset', '?')}/ep{ep}" + ("/" + "-".join(variant) if variant else "")
+    name = f"layer/{backend}/{doc.get('preset', '?')}/ep{ep}" + ("-shared" if shared else "")
+    name += ("/" + "-".join(variant) if variant else "") + (f"/layers{layers}" if layers > 1 else "")
     stages = []
     for r in ok:
         for s in r.get("stages_us", []):
@@ -270,7 +286,9 @@ def build_tables(args):
                 link_docs.append(doc)
                 continue
             if kind == "layer":
-                name, info, lines = layer_table(doc)
+                for name, info, lines in layer_tables(doc):
+                    tables[args.table or name] = (info, lines)
+                continue
             else:
                 name, info, lines = transport_table(doc if doc is not None else transport_from_text(text), args.command)
         except (InputError, KeyError, TypeError, ValueError) as e:

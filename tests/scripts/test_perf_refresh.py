@@ -10,6 +10,7 @@ bench-transport's and bench-link's --json (transport_cmd.cpp point_record, link_
 run_link_path); transport_owner.log holds the same numbers as bench-transport's two text tables.
   python3 tests/scripts/test_perf_refresh.py [--tool build/megamoe]
 """
+import json
 import os
 import shutil
 import subprocess
@@ -120,6 +121,22 @@ class PerfRefresh(unittest.TestCase):
         t = self.text()
         self.assertIn("| store | 2 x 512 threads per SM | 256 | 360.2 / 361.3 | 745.30 / 742.90 | 1.10 | ok |", t)
         self.assertIn("| handshake | 1 CTA, 64 launches per graph | 1 |", t)
+
+    def test_one_bench_doc_of_two_backends_gives_a_table_each(self):
+        with open(fixture("bench_routed_qwen3_ep2.json")) as f:
+            doc = json.load(f)
+        mega = json.loads(json.dumps(doc["rows"][0]))
+        mega["backend"] = mega["resolved"] = "mega"
+        mega["command"] = mega["command"].replace("--backend routed", "--backend mega") + " --shared-gpu --layers 4"
+        mega["layers"] = 4
+        doc["rows"].append(mega)
+        path = os.path.join(self.dir, "two.json")
+        with open(path, "w") as f:
+            json.dump(doc, f)
+        r = run("--perf", self.perf, "--dry-run", path)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("perf-table: layer/routed/qwen3-30b-a3b/ep2 -->", r.stdout)
+        self.assertIn("perf-table: layer/mega/qwen3-30b-a3b/ep2-shared/layers4 -->", r.stdout)
 
     def test_missing_markers_name_the_table_and_write_nothing(self):
         with open(self.perf, "w") as f:

@@ -100,6 +100,11 @@ struct MoeConfig {
   // auto: mega when 0 < max_tokens_per_rank <= this, routed above. Overridden by a measured
   // crossover from the knob cache when one exists.
   int64_t mega_max_tokens_per_rank = 1024;
+  // Layers of equal geometry and options share one workspace and its scratch, and so must run one
+  // after another on one stream. An engine that overlaps two such layers (micro-batches on two
+  // streams, a speculative-decoding draft beside the target) gives them different lanes, 0..255:
+  // layers of different lanes share nothing mutable.
+  int32_t workspace_lane = 0;
   Knobs knobs;
 
   Status validate() const;

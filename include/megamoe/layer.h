@@ -20,10 +20,25 @@
 //   T may be 0 (the rank still takes part). T > max_tokens_per_rank, wrong shapes, dtypes or devices,
 //   and expert ids outside [-1, E) are refused with a message naming the argument and the rule.
 //   Every rank of the group calls forward() the same number of times.
-// - Layers of one geometry and group share one workspace (and GPU scratch): run their forwards one
-//   after another on one stream, as a model's layers run; two of them must not run concurrently (on
-//   two streams). A forward that fails on a GPU backend after its dispatch started leaves the group out
-//   of step: that layer refuses later forwards, and the group (communicator and layers) must be rebuilt.
+// - Concurrency rules. Layers of one workspace key (equal geometry and options, one rank of one group,
+//   one device, one MoeConfig::workspace_lane) share one workspace and its GPU scratch:
+//   (1) run their forwards one after another on one stream, as a model's layers run;
+//   (2) two of them must not overlap (two streams, two threads); forward() refuses two host threads
+//       inside it at once for one key (the overlap that is cheap to see), and overlap on the device
+//       cannot be seen and corrupts both;
+//   (3) layers that may overlap (micro-batches on two streams, a draft model beside the target) take
+//       different workspace_lane values: they then share nothing mutable, nor do layers of different
+//       geometry or options;
+//   (4) every rank calls the collective calls (warmup, forward, release) of its layers in the same
+//       order, the same number of times, each rank from its own thread or process.
+//   A forward that fails on a GPU backend after its dispatch started leaves the group out of step:
+//   that layer refuses later forwards, the communicator is marked broken (teardown then skips every
+//   collective step), and the group (communicator and layers) must be rebuilt.
+// - release() is collective and bounded by MEGAMOE_BARRIER_TIMEOUT_MS: it gives back the layer's
+//   share of the workspace (the last layer of a workspace deregisters it, collectively) and its device
+//   memory. The destructor gives back the same without any collective step and never waits for a
+//   peer (a workspace whose deregistration is collective then goes with the communicator). A warmup()
+//   that failed keeps nothing half-built and may be called again.
 // - Selection rule for `auto` (TensorRT-LLM's MEGAMOE_AUTO semantics): mega if
 //   0 < max_tokens_per_rank <= mega_max_tokens_per_rank and mega's capability gate passes; else
 //   routed if its gate passes; else cpu. Each fallback is logged (stderr, and selection_log()).
@@ -67,6 +82,9 @@ class MoeLayer {
   virtual ~MoeLayer() = default;
 
   virtual Status warmup() = 0;
+  // Collective, bounded (see above). ok, or kTimeout naming the stage when a peer did not arrive (the
+  // group is then broken). Later forward() and warmup() calls are refused. Idempotent.
+  virtual Status release() { return Status::ok(); }
   virtual Status forward(const TensorView& x, const TensorView& topk_ids, const TensorView& topk_weights,
                          const TensorView& y, void* stream = nullptr,
                          const TensorView& x_scale = TensorView()) = 0;

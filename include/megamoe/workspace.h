@@ -32,9 +32,10 @@
 //                                                     row t*k+j (slot j's partial); with the owner
 //                                                     reduce n_c = R, row t*R+r (the sum of owner r's
 //                                                     slots); absent with the in-kernel FC2 reduce
-// where P = pool_rows = round_up(R*T_max*min(k, E_l) + E_l*(SA-1), SA) (0 when T_max = 0), rounded
-// up to a multiple of 4 with mega (its M-major scales' row stride, 16-byte TMA rows): every (token,
-// local expert) pair once, plus each expert's padding to a multiple of SA. Layers use
+// where P = pool_rows = round_up(R*T_max*min(k, E_l) + E_l*(SA-1), lcm(SA, 4)) (0 when T_max = 0):
+// every (token, local expert) pair once, plus each expert's padding to a multiple of SA, rounded to a
+// multiple of 4 rows: the pool's M-major scale arrays (pool_x_scales as FC1 reads them,
+// intermediate_scales) have leading dimension P, and the GEMM's TMA needs rows of 16 bytes. Layers use
 // SA = kPoolSegmentAlign = 1: the grouped GEMM runs any segment start and length (rows past a segment
 // are loaded but never stored), so padding would only cost zero-fill bytes and pool rows.
 #pragma once
@@ -134,12 +135,17 @@ struct WorkspaceLayout {
     return p.owner_reduce ? p.ep_size : p.top_k;
   }
 
+  // Rows of the pool are a multiple of this (and of segment_align): lcm(segment_align, 4).
+  MEGAMOE_HD static int64_t pool_row_multiple(int64_t segment_align) {
+    const int64_t sa = segment_align > 0 ? segment_align : 1;
+    return sa % 4 == 0 ? sa : sa % 2 == 0 ? 2 * sa : 4 * sa;
+  }
+
   MEGAMOE_HD static int64_t pool_rows_for(const WorkspaceParams& p) {
     if (p.max_tokens_per_rank <= 0 || p.experts_per_rank <= 0) return 0;
     const int64_t k_here = p.top_k < p.experts_per_rank ? p.top_k : p.experts_per_rank;
     const int64_t pairs = p.ep_size * p.max_tokens_per_rank * k_here;
-    const int64_t rows = align_up(pairs + p.experts_per_rank * (p.segment_align - 1), p.segment_align);
-    return p.mega ? align_up(rows, 4) : rows;
+    return align_up(pairs + p.experts_per_rank * (p.segment_align - 1), pool_row_multiple(p.segment_align));
   }
 
   MEGAMOE_HD static WorkspaceLayout make(const WorkspaceParams& p) {
@@ -224,20 +230,27 @@ struct Workspace {
   }
 };
 
-// What makes two layers' workspaces interchangeable: the layout parameters, the rank, the group and
-// the device. Never the identity of per-layer tensors.
+// What makes two layers' workspaces interchangeable: the layout parameters, the rank, the group, the
+// device and the lane (MoeConfig::workspace_lane: layers that may run concurrently take different
+// lanes). Never the identity of per-layer tensors.
 struct WorkspaceKey {
   WorkspaceParams params;
   int64_t ep_rank = 0;
   uint64_t group_id = 0;
   Device device;
+  int32_t lane = 0;
   bool operator<(const WorkspaceKey& o) const;
   std::string to_string() const;
 };
 
 // Shares one workspace between all live layers with the same key (refcounted through shared_ptr).
-// Safe because the layers of one model run one after another on a stream. Allocation through the
-// pool is collective when `allocate` is: all ranks must acquire the same keys in the same order.
+// Safe because layers of one key run one after another on a stream (layer.h states the rules).
+// Allocation through the pool is collective when `allocate` is: all ranks must acquire the same keys
+// in the same order. One key is allocated at most once at a time: a second acquirer of a key whose
+// allocation is under way (another thread of the same rank) waits for it (bounded by
+// MEGAMOE_BARRIER_TIMEOUT_MS) and shares the result, or gets its error; it never runs a second
+// collective allocation that its peers would not match. A failed allocation leaves nothing behind, so
+// acquire() may be retried.
 class WorkspacePool {
  public:
   using Allocator = std::function<Status(int64_t bytes, void** base, std::function<void(void*)>* release)>;
@@ -250,8 +263,9 @@ class WorkspacePool {
   int64_t live_bytes() const;
 
  private:
+  struct Entry;
   mutable std::mutex mutex_;
-  std::map<WorkspaceKey, std::weak_ptr<Workspace>> entries_;
+  std::map<WorkspaceKey, std::shared_ptr<Entry>> entries_;
 };
 
 }  // namespace megamoe

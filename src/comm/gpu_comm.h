@@ -9,9 +9,9 @@
 // - symmetric_alloc() is collective: every rank calls it with the same size, in the same order, each
 //   from its own thread or process. On return the memory is zeroed on every rank, and no peer could
 //   have written to it before (peers learn its address only inside the collective step).
-// - The release function it returns frees this rank's part: NCCL deregisters the window, which is
-//   collective (drop the last reference on every rank, each from its own thread); a shared GPU frees
-//   the buffers with the last rank's release and never waits for peers.
+// - The release function it returns never waits for a peer: NCCL deregisters the window (which is
+//   collective) only inside a CollectiveReleaseScope, else leaves it to the communicator's teardown;
+//   a shared GPU frees the buffers with the last rank's release.
 // - barrier() is bounded: it returns kTimeout naming this rank, the stage, the bound and what it saw
 //   once `timeout_ms` (<= 0: MEGAMOE_BARRIER_TIMEOUT_MS) has passed, and marks the group broken.
 // - mark_broken() records that the group is out of step (a timed-out device wait, a rank that left);
@@ -56,5 +56,27 @@ class GpuRankComm : public Communicator {
 
 // The GPU rank behind `comm`, or null when comm is null or not a GPU group's handle.
 GpuRankComm* gpu_rank_of(const Communicator* comm);
+
+// Inside its scope (on this thread) a release of one of `comm`'s symmetric buffers may be collective
+// (NCCL: the window is deregistered, and every rank must do the same): only where every rank is in
+// the same step, after a barrier (MoeLayer::release, EpTransport::release). Outside it a release that
+// would be collective is deferred to the communicator's teardown, so a destructor never waits for a
+// peer.
+// (Header-only: the CUDA side, nccl_window.cu, asks it too.)
+class CollectiveReleaseScope {
+ public:
+  explicit CollectiveReleaseScope(const GpuRankComm* comm) : previous_(current()) { current() = comm; }
+  ~CollectiveReleaseScope() { current() = previous_; }
+  CollectiveReleaseScope(const CollectiveReleaseScope&) = delete;
+  CollectiveReleaseScope& operator=(const CollectiveReleaseScope&) = delete;
+  static bool active_for(const GpuRankComm* comm) { return comm && current() == comm; }
+
+ private:
+  static const GpuRankComm*& current() {
+    static thread_local const GpuRankComm* scope = nullptr;
+    return scope;
+  }
+  const GpuRankComm* previous_;
+};
 
 }  // namespace megamoe

@@ -122,9 +122,24 @@ NcclRankComm::~NcclRankComm() {
   device_state_.reset();  // the ncclDevComm goes before its communicator
   // A broken group may have operations pending on a dead peer (a barrier's all-reduce) that would
   // keep ncclCommDestroy from returning: abort it instead, which never waits.
+  // Windows released outside a collective step were left registered: destroying the communicator
+  // releases them with it (locally), then their memory goes. An adopted communicator (not ours to
+  // destroy) keeps them registered: their memory stays with it.
   if (comm_ && owns_comm_) (broken() ? ncclCommAbort : ncclCommDestroy)(comm_);
+  if (owns_comm_)
+    for (const auto& d : deferred_) ncclMemFree(d.second);
   if (barrier_stream_) cudaStreamDestroy(static_cast<cudaStream_t>(barrier_stream_));
   if (barrier_cell_) cudaFree(barrier_cell_);
+}
+
+void NcclRankComm::defer_window(void* window, void* base) {
+  std::lock_guard<std::mutex> lock(deferred_mutex_);
+  deferred_.emplace_back(window, base);
+}
+
+int64_t NcclRankComm::num_deferred_windows() {
+  std::lock_guard<std::mutex> lock(deferred_mutex_);
+  return static_cast<int64_t>(deferred_.size());
 }
 
 Status NcclRankComm::symmetric_alloc(int64_t bytes, void** base, std::function<void(void*)>* release) {

@@ -22,6 +22,8 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "comm/gpu_comm.h"
 #include "megamoe/comm.h"
@@ -58,6 +60,10 @@ class NcclRankComm final : public GpuRankComm, public std::enable_shared_from_th
 
   std::mutex& state_mutex() { return state_mutex_; }
   std::shared_ptr<void>& device_state() { return device_state_; }
+  // A symmetric buffer released outside a CollectiveReleaseScope: deregistered (or, broken, just
+  // dropped with the aborted communicator) and freed in the destructor, never by a lone rank.
+  void defer_window(void* window, void* base);
+  int64_t num_deferred_windows();
 
  private:
   ncclComm_t comm_;
@@ -72,6 +78,8 @@ class NcclRankComm final : public GpuRankComm, public std::enable_shared_from_th
   void* barrier_stream_ = nullptr;  // cudaStream_t, made at the first barrier
   void* barrier_cell_ = nullptr;    // one int on the device
   int64_t barriers_ = 0;
+  std::mutex deferred_mutex_;
+  std::vector<std::pair<void*, void*>> deferred_;  // (ncclWindow_t, base)
 };
 
 // The NCCL rank behind `comm`, or null when comm is null or not an NCCL handle.

@@ -68,10 +68,16 @@ Status symmetric_alloc(const std::shared_ptr<NcclRankComm>& comm, int64_t bytes,
   }
   *base = ptr;
   std::shared_ptr<NcclRankComm> keep = comm;  // the communicator outlives its windows
+  // Deregistration is collective: only inside a CollectiveReleaseScope of a healthy group (every rank
+  // releases there, after a barrier); otherwise the communicator's teardown takes the window.
   *release = [keep, win](void* p) {
     {
       std::lock_guard<std::mutex> lock(g_windows_mutex);
       windows().erase(p);
+    }
+    if (!CollectiveReleaseScope::active_for(keep.get()) || keep->broken()) {
+      keep->defer_window(win, p);
+      return;
     }
     CudaDeviceGuard guard(keep->device());
     cudaDeviceSynchronize();

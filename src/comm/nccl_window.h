@@ -5,8 +5,10 @@
 // outside its lock, so ranks driven by threads of one process can each take part). It does
 // ncclMemAlloc, zeroes the memory (signals, error cell and counts must start at 0 on every rank before
 // any peer writes; the registration that follows is collective, so no peer can write earlier), then
-// ncclCommWindowRegister(..., NCCL_WIN_COLL_SYMMETRIC). The release function deregisters and frees;
-// it may be collective too, so drop the last reference on every rank (each from its own thread).
+// ncclCommWindowRegister(..., NCCL_WIN_COLL_SYMMETRIC). The release function deregisters and frees
+// inside a CollectiveReleaseScope (gpu_comm.h; collective: every rank, each from its own thread),
+// else defers both to the communicator's destructor (NcclRankComm::defer_window): it never waits for
+// a peer.
 //
 // ensure_device_comm() creates the communicator's ncclDevComm once (collective) and checks that every
 // rank is reachable by load/store (LSA team == the whole group). A group spanning nodes is refused:

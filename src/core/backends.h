@@ -4,6 +4,7 @@
 #pragma once
 
 #include <memory>
+#include <string>
 
 #include "megamoe/layer.h"
 
@@ -17,14 +18,25 @@ Status create_cpu_layer(const MoeGeometry& geometry, const MoeConfig& config, Ba
 
 namespace megamoe {
 
-// src/kernels/routed/routed_layer.cpp. `comm`: an NCCL communicator (create_nccl_group /
-// create_nccl_rank), or null for ep_size == 1 (the layer then builds a one-rank group on the
-// current device).
+// src/kernels/routed/routed_layer.cpp. `comm`: a GPU group's communicator (create_nccl_group /
+// create_nccl_rank / create_shared_gpu_group), or null for ep_size == 1 (the layer then builds a
+// one-rank group on the current device).
 Status create_routed_layer(const MoeGeometry& geometry, const MoeConfig& config, BackendSelection selection,
                            PreparedWeights weights, std::shared_ptr<Communicator> comm, std::unique_ptr<MoeLayer>* out);
 
+// src/core/layer.cpp: the gates for the layer's own device (the GPU group's, or the current device
+// without a communicator; -1 with `why_not` for a communicator that is not a GPU group's), and the
+// selection they feed (MoeLayer::create uses it; select_backend(g, c) is it without a communicator).
+int layer_device_of(const Communicator* comm, std::string* why_not);
+Status mega_capability_on(const MoeGeometry& geometry, const MoeConfig& config, int device, const std::string& why_not);
+Status routed_capability_on(const MoeGeometry& geometry, const MoeConfig& config, int device,
+                            const std::string& why_not);
+BackendSelection select_backend_for(const MoeGeometry& geometry, const MoeConfig& config, const Communicator* comm);
+
 // src/kernels/routed/routed_layer.cpp: the routed backend's static rules (formats, options, local
-// expert count); no device access. Part of its capability gate (core/layer.cpp).
+// expert count, the EP transport's limits, the grouped GEMMs' shape rules on the arguments warmup
+// would build); no device access. Part of its capability gate (core/layer.cpp), so `auto` never picks
+// routed for a layer that create() or warmup() would then refuse.
 Status routed_format_gate(const MoeGeometry& geometry, const MoeConfig& config);
 
 // src/kernels/mega/mega_layer.cpp: the one-kernel backend's factory (`comm` as for routed) and its

@@ -124,6 +124,8 @@ Status MoeConfig::validate() const {
     v << output_scale;
     return invalid_argument("config", "output_scale", v.str(), "must be finite (1 = the weighted sum as is)");
   }
+  if (workspace_lane < 0 || workspace_lane > 255)
+    return invalid_argument("config", "workspace_lane", str(workspace_lane), "must be in [0, 255]");
   if (mega_max_tokens_per_rank < 0)
     return invalid_argument("config", "mega_max_tokens_per_rank", str(mega_max_tokens_per_rank),
                             "must be >= 0 (0 = never pick mega in auto)");
@@ -143,7 +145,8 @@ std::string MoeConfig::to_string() const {
      << ", combine_dtype=" << megamoe::to_string(combine_dtype) << ", pow2_scales=" << (pow2_scales ? "true" : "false")
      << ", in_kernel_fc2_reduce=" << (in_kernel_fc2_reduce ? "true" : "false")
      << ", owner_reduce=" << megamoe::to_string(owner_reduce) << ", output_scale=" << output_scale
-     << ", mega_max_tokens_per_rank=" << mega_max_tokens_per_rank << ", knobs=" << knobs.to_string() << ")";
+     << ", mega_max_tokens_per_rank=" << mega_max_tokens_per_rank << ", workspace_lane=" << workspace_lane
+     << ", knobs=" << knobs.to_string() << ")";
   return os.str();
 }
 

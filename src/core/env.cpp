@@ -43,6 +43,11 @@ EnvKnobs read_env() {
     if (s == "plain") k.mega_plain_launch = true;
     else if (s != "cooperative") log_warn("ignoring MEGAMOE_MEGA_LAUNCH=%s: must be cooperative or plain", v);
   }
+  if (const char* v = std::getenv("MEGAMOE_TILE_BUCKET"); v && *v) {
+    const std::string b(v);
+    if (b == "received") k.tile_bucket_received = true;
+    else if (b != "local") log_warn("ignoring MEGAMOE_TILE_BUCKET=%s: must be local or received", v);
+  }
   auto text = [](const char* name) {
     const char* v = std::getenv(name);
     return std::string(v ? v : "");

@@ -21,6 +21,10 @@ struct EnvKnobs {
   // the driver guarantees every CTA resident) or "plain" (the warmup's residency check only; a GPU
   // shared by logical ranks always launches plainly).
   bool mega_plain_launch = false;
+  // MEGAMOE_TILE_BUCKET: where the routed GEMMs' tile bucket comes from: "local" (default: this rank's
+  // T, host-known) or "received" (the rows this rank received, decided on the device: two launches
+  // per GEMM where the two buckets differ). "received" is off by default until measured on a GPU.
+  bool tile_bucket_received = false;
   // MEGAMOE_LOG: 0 quiet, 1 warnings and selection (default), 2 verbose.
   int log_level = 1;
   // One process per GPU (comm.h NcclBootstrap::from_env, set by `megamoe launch` or an engine's

@@ -2,6 +2,9 @@
 // backend's factory. Also the forward-argument checks every backend shares.
 #include "megamoe/layer.h"
 
+#include <cuda_runtime.h>
+
+#include "comm/gpu_comm.h"
 #include "core/backends.h"
 #include "core/device.h"
 #include "core/log.h"
@@ -14,24 +17,50 @@ constexpr int64_t kDefaultMegaMaxTokensPerRank = 1024;
 
 std::string str(int64_t v) { return std::to_string(v); }
 
-// Shared by the GPU backends' gates: a Hopper device must be present.
-Status hopper_device_gate(const char* backend) {
+// Shared by the GPU backends' gates: the layer's device must be a Hopper GPU. device < 0: the layer
+// would have no CUDA device (`why` says why).
+Status hopper_device_gate(const char* backend, int device, const std::string& why) {
+  if (device < 0) return Status(StatusCode::kUnavailable, std::string(backend) + " cannot run here: " + why);
   std::string reason;
   if (cuda_device_count(&reason) == 0) return Status(StatusCode::kUnavailable, reason);
   auto devices = cuda_devices();
-  if (devices.empty()) return Status(StatusCode::kUnavailable, "no CUDA device (properties unreadable)");
-  const CudaDeviceInfo& d = devices.front();
-  if (d.major != 9 || d.minor != 0) {
-    return Status(StatusCode::kUnavailable, std::string(backend) + " needs an sm_90 (Hopper) device; device 0 is " +
-                                                d.name + " (sm_" + str(d.major) + str(d.minor) + ")");
+  const CudaDeviceInfo* d = nullptr;
+  for (const CudaDeviceInfo& info : devices)
+    if (info.ordinal == device) d = &info;
+  if (!d)
+    return Status(StatusCode::kUnavailable, std::string(backend) + ": the layer's device cuda:" + str(device) +
+                                                " is not among the " + str(static_cast<int64_t>(devices.size())) +
+                                                " visible CUDA devices");
+  if (d->major != 9 || d->minor != 0) {
+    return Status(StatusCode::kUnavailable, std::string(backend) + " needs an sm_90 (Hopper) device; the layer's "
+                                                "device cuda:" + str(device) + " is " + d->name + " (sm_" +
+                                                str(d->major) + str(d->minor) + ")");
   }
   return Status::ok();
 }
 
+int current_cuda_device() {
+  int dev = 0;
+  if (cuda_device_count() == 0 || cudaGetDevice(&dev) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return dev;
+}
+
 }  // namespace
 
-Status mega_capability(const MoeGeometry& g, const MoeConfig& c) {
-  MEGAMOE_RETURN_IF_ERROR(hopper_device_gate("the mega backend"));
+int layer_device_of(const Communicator* comm, std::string* why_not) {
+  if (!comm) return current_cuda_device();
+  if (const GpuRankComm* gpu = gpu_rank_of(comm)) return gpu->device();
+  if (why_not)
+    *why_not = "its communicator " + comm->to_string() +
+               " is not a GPU group's (create_nccl_group / create_nccl_rank / create_shared_gpu_group)";
+  return -1;
+}
+
+Status mega_capability_on(const MoeGeometry& g, const MoeConfig& c, int device, const std::string& why_not) {
+  MEGAMOE_RETURN_IF_ERROR(hopper_device_gate("the mega backend", device, why_not));
   return mega_format_gate(g, c);
 }
 
@@ -39,17 +68,25 @@ Status mega_capability(const MoeGeometry& g, const MoeConfig& c) {
 // forward is built and tested on the CPU side but has not run on a device yet, so `auto` keeps to
 // routed until a device run validates it (backend=mega runs it on request).
 constexpr bool kMegaValidatedOnDevice = false;
-static Status mega_auto_capability(const MoeGeometry& g, const MoeConfig& c) {
-  MEGAMOE_RETURN_IF_ERROR(mega_capability(g, c));
+static Status mega_auto_capability(const MoeGeometry& g, const MoeConfig& c, int device, const std::string& why_not) {
+  MEGAMOE_RETURN_IF_ERROR(mega_capability_on(g, c, device, why_not));
   if (!kMegaValidatedOnDevice)
     return Status(StatusCode::kUnavailable,
                   "the mega backend has not run on a GPU yet (auto keeps to routed; backend=mega runs it on request)");
   return Status::ok();
 }
 
-Status routed_capability(const MoeGeometry& g, const MoeConfig& c) {
-  MEGAMOE_RETURN_IF_ERROR(hopper_device_gate("the routed backend"));
+Status routed_capability_on(const MoeGeometry& g, const MoeConfig& c, int device, const std::string& why_not) {
+  MEGAMOE_RETURN_IF_ERROR(hopper_device_gate("the routed backend", device, why_not));
   return routed_format_gate(g, c);
+}
+
+Status mega_capability(const MoeGeometry& g, const MoeConfig& c) {
+  return mega_capability_on(g, c, current_cuda_device(), "");
+}
+
+Status routed_capability(const MoeGeometry& g, const MoeConfig& c) {
+  return routed_capability_on(g, c, current_cuda_device(), "");
 }
 
 Status cpu_capability(const MoeGeometry&, const MoeConfig&) { return Status::ok(); }
@@ -84,7 +121,11 @@ BackendSelection select_backend(const MoeGeometry& g, const MoeConfig& c, const 
   return s;
 }
 
-BackendSelection select_backend(const MoeGeometry& g, const MoeConfig& c) {
+BackendSelection select_backend(const MoeGeometry& g, const MoeConfig& c) { return select_backend_for(g, c, nullptr); }
+
+BackendSelection select_backend_for(const MoeGeometry& g, const MoeConfig& c, const Communicator* comm) {
+  std::string why_not;
+  const int device = layer_device_of(comm, &why_not);
   MoeConfig effective = c;
   std::string crossover_note;
   // The measured crossover replaces the default threshold (an explicit non-default value wins).
@@ -98,7 +139,8 @@ BackendSelection select_backend(const MoeGeometry& g, const MoeConfig& c) {
       }
     }
   }
-  BackendSelection s = select_backend(g, effective, mega_auto_capability(g, effective), routed_capability(g, effective));
+  BackendSelection s = select_backend(g, effective, mega_auto_capability(g, effective, device, why_not),
+                                      routed_capability_on(g, effective, device, why_not));
   s.reason += crossover_note;
   return s;
 }
@@ -109,12 +151,14 @@ namespace {
 // weight preparation, the backend's factory.
 Status create_layer(const MoeGeometry& g, const MoeConfig& c, const MoeWeights& weights,
                     std::shared_ptr<Communicator> comm, std::unique_ptr<MoeLayer>* out) {
-  BackendSelection selection = select_backend(g, c);
+  BackendSelection selection = select_backend_for(g, c, comm.get());
   if (c.backend == Backend::kAuto) {
     if (selection.backend != Backend::kMega) log_info("backend selection: %s", selection.reason.c_str());
   } else {
-    Status gate = c.backend == Backend::kMega     ? mega_capability(g, c)
-                  : c.backend == Backend::kRouted ? routed_capability(g, c)
+    std::string why_not;
+    const int device = layer_device_of(comm.get(), &why_not);
+    Status gate = c.backend == Backend::kMega     ? mega_capability_on(g, c, device, why_not)
+                  : c.backend == Backend::kRouted ? routed_capability_on(g, c, device, why_not)
                                                   : cpu_capability(g, c);
     if (!gate.is_ok())
       return Status(StatusCode::kUnavailable,

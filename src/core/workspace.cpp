@@ -1,7 +1,11 @@
 #include "megamoe/workspace.h"
 
+#include <chrono>
+#include <condition_variable>
 #include <sstream>
 #include <tuple>
+
+#include "core/env.h"
 
 namespace megamoe {
 
@@ -68,7 +72,7 @@ auto key_tuple(const WorkspaceKey& k) {
   return std::make_tuple(p.ep_size, p.experts_per_rank, p.top_k, p.hidden, p.intermediate, p.max_tokens_per_rank,
                          p.segment_align, p.dispatch_format, p.intermediate_format, p.combine_format,
                          p.in_kernel_fc2_reduce, p.owner_reduce, p.mega, k.ep_rank, k.group_id,
-                         static_cast<int>(k.device.kind), k.device.index);
+                         static_cast<int>(k.device.kind), k.device.index, k.lane);
 }
 }  // namespace
 
@@ -82,7 +86,8 @@ std::string WorkspaceKey::to_string() const {
      << ", intermediate=" << params.intermediate_format << ", combine=" << params.combine_format
      << ", in_kernel_reduce=" << params.in_kernel_fc2_reduce << ", owner_reduce=" << params.owner_reduce
      << ", mega=" << params.mega
-     << ", rank=" << ep_rank << ", group=" << group_id << ", device=" << device.to_string() << ")";
+     << ", rank=" << ep_rank << ", group=" << group_id << ", device=" << device.to_string() << ", lane=" << lane
+     << ")";
   return os.str();
 }
 
@@ -91,31 +96,64 @@ WorkspacePool& WorkspacePool::global() {
   return *pool;
 }
 
+// One key's slot: the live workspace, or the allocation under way (done once `allocating` clears).
+struct WorkspacePool::Entry {
+  std::weak_ptr<Workspace> live;
+  bool allocating = false;
+  Status failed;  // the last allocation's error, for the acquirers that waited for it
+  uint64_t attempts = 0;
+  std::condition_variable done;
+};
+
 Status WorkspacePool::acquire(const WorkspaceKey& key, const Allocator& allocate, std::shared_ptr<Workspace>* out) {
+  if (!out) return invalid_argument("workspace pool", "out", "null", "must receive the workspace");
+  std::shared_ptr<Entry> entry;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = entries_.find(key);
-    if (it != entries_.end()) {
-      if (auto live = it->second.lock()) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    std::shared_ptr<Entry>& slot = entries_[key];
+    if (!slot) slot = std::make_shared<Entry>();
+    entry = slot;
+    if (entry->allocating) {
+      // Another thread of this rank is allocating this key (collectively): wait for its result.
+      const uint64_t attempt = entry->attempts;
+      const int64_t ms = env_knobs().barrier_timeout_ms;
+      const bool finished = entry->done.wait_for(lock, std::chrono::milliseconds(ms),
+                                                 [&] { return !entry->allocating || entry->attempts != attempt; });
+      if (!finished)
+        return Status(StatusCode::kTimeout, "workspace pool: waited " + std::to_string(ms) + " ms for another "
+                                            "thread's allocation of " + key.to_string() +
+                                            " (MEGAMOE_BARRIER_TIMEOUT_MS)");
+      if (auto live = entry->live.lock()) {
         *out = std::move(live);
         return Status::ok();
       }
-      entries_.erase(it);
+      return Status(entry->failed.is_ok() ? StatusCode::kInternal : entry->failed.code(),
+                    "workspace pool: another thread's allocation of " + key.to_string() + " failed: " +
+                        (entry->failed.is_ok() ? std::string("the workspace was released meanwhile")
+                                               : entry->failed.message()));
     }
+    if (auto live = entry->live.lock()) {
+      *out = std::move(live);
+      return Status::ok();
+    }
+    entry->allocating = true;
   }
   // Allocate without holding the lock: an allocation may be collective (other ranks of a
   // host-thread group acquire their own keys from this same pool meanwhile).
   auto ws = std::make_shared<Workspace>();
   ws->layout = WorkspaceLayout::make(key.params);
   ws->device = key.device;
-  MEGAMOE_RETURN_IF_ERROR(allocate(ws->layout.total_bytes, &ws->base, &ws->release));
+  const Status st = allocate(ws->layout.total_bytes, &ws->base, &ws->release);
   std::lock_guard<std::mutex> lock(mutex_);
-  auto& slot = entries_[key];
-  if (auto live = slot.lock()) {  // another thread of the same rank won the race: share its copy
-    *out = std::move(live);
-    return Status::ok();
+  entry->allocating = false;
+  ++entry->attempts;
+  entry->failed = st;
+  if (st.is_ok()) entry->live = ws;
+  entry->done.notify_all();
+  if (!st.is_ok()) {
+    ws->base = nullptr;  // nothing to release: the allocator failed
+    return st;
   }
-  slot = ws;
   *out = std::move(ws);
   return Status::ok();
 }
@@ -124,7 +162,7 @@ int64_t WorkspacePool::num_live() const {
   std::lock_guard<std::mutex> lock(mutex_);
   int64_t n = 0;
   for (const auto& e : entries_)
-    if (!e.second.expired()) ++n;
+    if (!e.second->live.expired()) ++n;
   return n;
 }
 
@@ -132,7 +170,7 @@ int64_t WorkspacePool::live_bytes() const {
   std::lock_guard<std::mutex> lock(mutex_);
   int64_t n = 0;
   for (const auto& e : entries_)
-    if (auto ws = e.second.lock()) n += ws->layout.total_bytes;
+    if (auto ws = e.second->live.lock()) n += ws->layout.total_bytes;
   return n;
 }
 

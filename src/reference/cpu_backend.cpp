@@ -172,6 +172,7 @@ Status CpuMoeLayer::warmup() {
     key.ep_rank = geometry_.ep_rank;
     key.group_id = comm_ ? comm_->group_id() : 0;
     key.device = Device::cpu();
+    key.lane = config_.workspace_lane;
     const WorkspaceLayout layout = layout_;
     auto allocate = [layout](int64_t bytes, void** base, std::function<void(void*)>* release) -> Status {
       const int64_t rounded = WorkspaceLayout::align_up(bytes > 0 ? bytes : 1, WorkspaceLayout::kAlign);

@@ -112,6 +112,76 @@ TEST(Selection, RoutedFormatGateNamesTheUnsupportedFormat) {
   EXPECT_FALSE(routed_format_gate(g, c).is_ok());
 }
 
+// The routed gate carries the EP transport's limits and the grouped GEMMs' shape rules, so `auto`
+// never picks a routed layer that create() or warmup() would refuse: each row is a geometry that the
+// config validation accepts, with the field and rule the gate names, and what auto then picks.
+struct RoutedLimitCase {
+  const char* what;
+  int64_t hidden, intermediate, experts, top_k, ep_size, max_tokens;
+  const char* field;  // "" when the gate passes
+  const char* rule;
+};
+
+class RoutedGateLimits : public ::testing::TestWithParam<RoutedLimitCase> {};
+
+TEST_P(RoutedGateLimits, AutoFallsBackWithTheReason) {
+  const RoutedLimitCase& p = GetParam();
+  MoeGeometry g;
+  g.hidden = p.hidden;
+  g.intermediate = p.intermediate;
+  g.num_experts = p.experts;
+  g.top_k = p.top_k;
+  g.ep_size = p.ep_size;
+  g.max_tokens_per_rank = p.max_tokens;
+  MoeConfig c;
+  ASSERT_TRUE(c.validate(g).is_ok()) << c.validate(g).to_string();
+  const Status gate = routed_format_gate(g, c);
+  const BackendSelection s = select_backend(g, c, kMegaDown, gate);
+  if (std::string(p.field).empty()) {
+    EXPECT_TRUE(gate.is_ok()) << p.what << ": " << gate.message();
+    EXPECT_EQ(s.backend, Backend::kRouted) << s.reason;
+    return;
+  }
+  ASSERT_FALSE(gate.is_ok()) << p.what;
+  EXPECT_EQ(gate.code(), StatusCode::kUnavailable);
+  EXPECT_NE(gate.message().find(p.field), std::string::npos) << p.what << ": " << gate.message();
+  EXPECT_NE(gate.message().find(p.rule), std::string::npos) << p.what << ": " << gate.message();
+  EXPECT_EQ(s.backend, Backend::kCpu) << s.reason;
+  EXPECT_NE(s.reason.find(p.field), std::string::npos) << s.reason;  // the fallback says why
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Selection, RoutedGateLimits,
+    ::testing::Values(
+        RoutedLimitCase{"deepseek-v3 EP8", 7168, 2048, 256, 8, 8, 256, "", ""},
+        RoutedLimitCase{"top-16 is the transport's bound", 2048, 768, 128, 16, 2, 64, "", ""},
+        RoutedLimitCase{"a top-20 model", 2048, 768, 128, 20, 2, 64, "top_k=20", "[1, 16]"},
+        RoutedLimitCase{"EP16: beyond one NVLink domain", 2048, 768, 128, 8, 16, 64, "ep_size=16", "[1, 8]"},
+        RoutedLimitCase{"T_max above the transport's 16-bit rows", 2048, 768, 128, 8, 2, 70000,
+                        "max_tokens_per_rank=70000", "[0, 65535]"},
+        RoutedLimitCase{"T_max at the bound", 512, 256, 16, 4, 1, 65535, "", ""},
+        RoutedLimitCase{"mixtral-8x7b EP1, T_max 1 (pool of 2 pairs)", 4096, 14336, 8, 2, 1, 1, "", ""},
+        RoutedLimitCase{"deepseek-v4-flash EP1, T_max 33 (pool of 198 pairs)", 4096, 2048, 256, 6, 1, 33, "", ""},
+        RoutedLimitCase{"1024 local experts", 512, 256, 1024, 4, 1, 8, "local experts", "512"}),
+    [](const ::testing::TestParamInfo<RoutedLimitCase>& info) { return "Case" + std::to_string(info.index); });
+
+TEST(Selection, AGroupThatIsNotAGpuGroupMakesAutoPickCpu) {
+  MoeGeometry g = geometry_with_tokens(8);
+  g.ep_size = 2;
+  g.num_experts = 8;
+  g.hidden = 128;
+  g.intermediate = 128;
+  g.top_k = 2;
+  std::vector<std::shared_ptr<Communicator>> ranks;
+  ASSERT_TRUE(create_host_group(2, &ranks).is_ok());
+  std::string why;
+  EXPECT_EQ(layer_device_of(ranks[0].get(), &why), -1);
+  EXPECT_NE(why.find("not a GPU group's"), std::string::npos) << why;
+  const BackendSelection s = select_backend_for(g, MoeConfig{}, ranks[0].get());
+  EXPECT_EQ(s.backend, Backend::kCpu) << s.reason;
+  EXPECT_NE(s.reason.find("not a GPU group's"), std::string::npos) << s.reason;
+}
+
 TEST(Selection, ExplicitUnavailableBackendFailsCreate) {
   MoeGeometry g = geometry_with_tokens(8);
   g.ep_size = 1;

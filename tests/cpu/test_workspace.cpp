@@ -1,7 +1,10 @@
 // Workspace layout and pool: sized from the per-rank bound only; shared between layers of one key.
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdlib>
+#include <thread>
 
 #include "megamoe/workspace.h"
 
@@ -55,6 +58,32 @@ TEST(WorkspaceLayout, RegionSizesFollowTheirFormulas) {
   EXPECT_EQ(l.intermediate_scales.bytes, P * (I / 128) * 4);
   EXPECT_EQ(l.combine.bytes, T * k * 2 * H);
   EXPECT_EQ(l.recv_expert_counts.bytes, R * El * 4);
+}
+
+// The pool's M-major scale arrays have leading dimension P, and the GEMM needs it to be a multiple
+// of 4 (16-byte TMA rows): top-2 at T_max = 1 (mixtral-8x7b EP1) has 2 pairs, top-6 at T_max = 33
+// (deepseek-v4-flash EP1) 198.
+TEST(WorkspaceLayout, PoolRowsAreAMultipleOfFour) {
+  MoeConfig c;
+  struct Row { int64_t E, k, R, T, pairs; };
+  for (const Row& r : {Row{8, 2, 1, 1, 2}, Row{256, 6, 1, 33, 198}, Row{16, 3, 1, 7, 21}, Row{16, 4, 2, 0, 0},
+                       Row{256, 8, 2, 1023, 16368}}) {
+    MoeGeometry g = deepseek(r.R, r.T);
+    g.num_experts = r.E;
+    g.top_k = r.k;
+    const WorkspaceLayout l = WorkspaceLayout::make(workspace_params(g, c));
+    SCOPED_TRACE(g.to_string());
+    EXPECT_EQ(l.pool_rows % 4, 0);
+    EXPECT_GE(l.pool_rows, r.pairs);
+    EXPECT_LT(l.pool_rows, r.pairs + 4);
+  }
+  for (int64_t sa : {1, 2, 3, 6, 128}) {
+    WorkspaceParams p = workspace_params(deepseek(1, 33), c);
+    p.segment_align = sa;
+    const int64_t P = WorkspaceLayout::make(p).pool_rows;
+    EXPECT_EQ(P % 4, 0) << "segment_align " << sa;
+    EXPECT_EQ(P % sa, 0) << "segment_align " << sa;
+  }
 }
 
 TEST(WorkspaceLayout, MinOfTopKAndLocalExpertsBoundsThePool) {
@@ -220,6 +249,62 @@ TEST(WorkspacePool, DifferentGeometryOptionsRankOrGroupNeverShare) {
   WorkspaceKey on_gpu = key_for(g, c);
   on_gpu.device = Device::cuda(0);
   expect_distinct(on_gpu);
+}
+
+// One key is allocated once, however many threads of the rank acquire it at the same time: a second
+// collective allocation would have no partner on the peers (they allocate the key once) and hang or
+// mismatch the group.
+TEST(WorkspacePool, ThreadsAcquiringOneKeyTogetherAllocateItOnce) {
+  WorkspacePool pool;
+  std::atomic<int> allocations{0};
+  auto slow = [&](int64_t bytes, void** base, std::function<void(void*)>* release) {
+    ++allocations;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // a collective step in progress
+    *base = std::malloc(static_cast<size_t>(bytes));
+    *release = [](void* p) { std::free(p); };
+    return Status::ok();
+  };
+  const WorkspaceKey key = key_for(deepseek(2, 16), MoeConfig{});
+  std::vector<std::shared_ptr<Workspace>> got(4);
+  std::vector<Status> st(4);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 4; ++i) threads.emplace_back([&, i] { st[i] = pool.acquire(key, slow, &got[i]); });
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < 4; ++i) {
+    ASSERT_TRUE(st[i].is_ok()) << st[i].to_string();
+    EXPECT_EQ(got[i].get(), got[0].get());
+  }
+  EXPECT_EQ(allocations.load(), 1);
+  EXPECT_EQ(pool.num_live(), 1);
+}
+
+TEST(WorkspacePool, AThreadWaitingForAFailedAllocationGetsItsErrorAndARetryWorks) {
+  WorkspacePool pool;
+  std::atomic<int> calls{0};
+  auto flaky = [&](int64_t bytes, void** base, std::function<void(void*)>* release) -> Status {
+    if (calls.fetch_add(1) == 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      return Status(StatusCode::kTimeout, "peer rank 1 did not arrive at symmetric-alloc");
+    }
+    *base = std::malloc(static_cast<size_t>(bytes));
+    *release = [](void* p) { std::free(p); };
+    return Status::ok();
+  };
+  const WorkspaceKey key = key_for(deepseek(2, 16), MoeConfig{});
+  std::shared_ptr<Workspace> a, b;
+  Status sa, sb;
+  std::thread first([&] { sa = pool.acquire(key, flaky, &a); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  std::thread second([&] { sb = pool.acquire(key, flaky, &b); });
+  first.join();
+  second.join();
+  EXPECT_EQ(sa.code(), StatusCode::kTimeout);
+  EXPECT_EQ(sb.code(), StatusCode::kTimeout) << sb.to_string();
+  EXPECT_NE(sb.message().find("peer rank 1"), std::string::npos) << sb.message();
+  EXPECT_EQ(calls.load(), 1);  // the waiter did not allocate on its own
+  EXPECT_EQ(pool.num_live(), 0);
+  ASSERT_TRUE(pool.acquire(key, flaky, &a).is_ok());  // retryable
+  EXPECT_EQ(pool.num_live(), 1);
 }
 
 TEST(WorkspacePool, AllocationFailureIsReported) {

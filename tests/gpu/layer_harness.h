@@ -47,12 +47,19 @@ enum class GroupKind { kNcclGpus, kSharedGpu };
 inline const char* group_suffix(GroupKind k) { return k == GroupKind::kSharedGpu ? "SharedGpu" : "Gpus"; }
 
 // One EP group of a GPU backend (GPUs 0..R-1, or R logical ranks on GPU 0) beside one of the cpu
-// backend (host threads).
+// backend (host threads). With `extra` problems (same geometry, other weights) every rank holds one
+// more layer pair per problem, built on the same communicators, so the layers of a geometry share one
+// workspace; run(..., layer) runs one of them.
 class Harness {
  public:
   Harness(const MoeProblem& p, const MoeConfig& c, GroupKind kind = GroupKind::kNcclGpus,
-          Backend gpu_backend = Backend::kRouted)
-      : problem_(p), config_(c), R_(static_cast<int>(p.geometry.ep_size)), kind_(kind), backend_(gpu_backend) {}
+          Backend gpu_backend = Backend::kRouted, std::vector<const MoeProblem*> extra = {})
+      : problem_(p), config_(c), R_(static_cast<int>(p.geometry.ep_size)), kind_(kind), backend_(gpu_backend),
+        problems_{&p} {
+    for (const MoeProblem* e : extra) problems_.push_back(e);
+  }
+  int num_layers() const { return static_cast<int>(problems_.size()); }
+  MoeLayer* gpu_layer(int r, int layer = 0) { return gpu_[layer * R_ + r].get(); }
 
   int device_of(int r) const { return kind_ == GroupKind::kSharedGpu ? 0 : r; }
 
@@ -67,8 +74,8 @@ class Harness {
       st = create_host_group(R_, &host);
       if (!st.is_ok()) return ::testing::AssertionFailure() << st.to_string();
     }
-    gpu_.resize(R_);
-    cpu_.resize(R_);
+    gpu_.resize(R_ * num_layers());
+    cpu_.resize(R_ * num_layers());
     streams_.resize(R_);
     std::vector<Status> status(R_);
     std::vector<std::thread> threads;
@@ -81,11 +88,15 @@ class Harness {
         MoeConfig gc = config_, cc = config_;
         gc.backend = backend_;
         cc.backend = Backend::kCpu;
-        const MoeWeights w = reference::local_weights(problem_, r);
-        Status st = MoeLayer::create(g.for_rank(r), gc, w, R_ > 1 ? nccl[r] : nullptr, &gpu_[r]);
-        if (st.is_ok()) st = gpu_[r]->warmup();
-        if (st.is_ok()) st = MoeLayer::create(g.for_rank(r), cc, w, R_ > 1 ? host[r] : nullptr, &cpu_[r]);
-        if (st.is_ok()) st = cpu_[r]->warmup();
+        Status st;
+        for (int L = 0; L < num_layers() && st.is_ok(); ++L) {
+          const MoeWeights w = reference::local_weights(*problems_[L], r);
+          const int i = L * R_ + r;
+          st = MoeLayer::create(g.for_rank(r), gc, w, R_ > 1 ? nccl[r] : nullptr, &gpu_[i]);
+          if (st.is_ok()) st = gpu_[i]->warmup();
+          if (st.is_ok()) st = MoeLayer::create(g.for_rank(r), cc, w, R_ > 1 ? host[r] : nullptr, &cpu_[i]);
+          if (st.is_ok()) st = cpu_[i]->warmup();
+        }
         status[r] = st;
       });
     }
@@ -97,7 +108,7 @@ class Harness {
 
   // One forward of both groups on `in`; y (bf16 bits) per rank. The GPU output is poisoned first.
   ::testing::AssertionResult run(const std::vector<RankInputs>& in, std::vector<std::vector<uint16_t>>* y_gpu,
-                                 std::vector<std::vector<uint16_t>>* y_cpu, bool graph = false) {
+                                 std::vector<std::vector<uint16_t>>* y_cpu, bool graph = false, int layer = 0) {
     const MoeGeometry& g = problem_.geometry;
     const int64_t H = g.hidden, k = g.top_k;
     y_gpu->assign(R_, {});
@@ -114,7 +125,8 @@ class Harness {
         TensorView cx(const_cast<uint16_t*>(x.x_bf16.data()), DType::kBFloat16, {T, H});
         TensorView cids(const_cast<int32_t*>(x.topk_ids.data()), DType::kInt32, {T, k});
         TensorView cw(const_cast<float*>(x.topk_weights.data()), DType::kFloat32, {T, k});
-        Status st = cpu_[r]->forward(cx, cids, cw, TensorView(yc.data(), DType::kBFloat16, {T, H}));
+        const int li = layer * R_ + r;
+        Status st = cpu_[li]->forward(cx, cids, cw, TensorView(yc.data(), DType::kBFloat16, {T, H}));
         if (!st.is_ok()) return fail("cpu: " + st.to_string());
         (*y_cpu)[r] = std::move(yc);
         // gpu
@@ -136,7 +148,7 @@ class Harness {
           cudaGraph_t gr;
           cudaGraphExec_t exec;
           cudaStreamBeginCapture(streams_[r], cudaStreamCaptureModeThreadLocal);
-          st = gpu_[r]->forward(gx, gids, gw, gy, streams_[r]);
+          st = gpu_[li]->forward(gx, gids, gw, gy, streams_[r]);
           cudaStreamEndCapture(streams_[r], &gr);
           if (!st.is_ok()) return fail("gpu capture: " + st.to_string());
           if (cudaGraphInstantiate(&exec, gr, 0) != cudaSuccess) return fail("graph instantiate failed");
@@ -144,10 +156,10 @@ class Harness {
           cudaGraphExecDestroy(exec);
           cudaGraphDestroy(gr);
         } else {
-          st = gpu_[r]->forward(gx, gids, gw, gy, streams_[r]);
+          st = gpu_[li]->forward(gx, gids, gw, gy, streams_[r]);
           if (!st.is_ok()) return fail("gpu: " + st.to_string());
         }
-        st = gpu_[r]->check_error(streams_[r]);
+        st = gpu_[li]->check_error(streams_[r]);
         if (!st.is_ok()) return fail("gpu check_error: " + st.to_string());
         std::vector<uint16_t> yg(T * H);
         cudaMemcpyAsync(yg.data(), dy, T * H * 2, cudaMemcpyDeviceToHost, streams_[r]);
@@ -167,13 +179,33 @@ class Harness {
     return ::testing::AssertionSuccess();
   }
 
-  ~Harness() {
-    // Destroy each rank's layers on its own thread: releasing the symmetric window is collective.
+  // release() on every rank's thread (collective, bounded); ok or the first rank's error.
+  ::testing::AssertionResult release_all() {
+    std::vector<Status> st(R_);
     std::vector<std::thread> threads;
     for (int r = 0; r < R_; ++r)
       threads.emplace_back([&, r] {
         cudaSetDevice(device_of(r));
-        if (r < static_cast<int>(gpu_.size())) gpu_[r].reset();
+        for (int L = 0; L < num_layers(); ++L)
+          if (L * R_ + r < static_cast<int>(gpu_.size()) && gpu_[L * R_ + r]) {
+            const Status s = gpu_[L * R_ + r]->release();
+            if (st[r].is_ok()) st[r] = s;
+          }
+      });
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < R_; ++r)
+      if (!st[r].is_ok()) return ::testing::AssertionFailure() << "rank " << r << ": " << st[r].to_string();
+    return ::testing::AssertionSuccess();
+  }
+
+  ~Harness() {
+    release_all();  // collective and bounded; a layer released already answers ok
+    std::vector<std::thread> threads;
+    for (int r = 0; r < R_; ++r)
+      threads.emplace_back([&, r] {
+        cudaSetDevice(device_of(r));
+        for (int L = 0; L < num_layers(); ++L)
+          if (L * R_ + r < static_cast<int>(gpu_.size())) gpu_[L * R_ + r].reset();
         if (r < static_cast<int>(streams_.size()) && streams_[r]) cudaStreamDestroy(streams_[r]);
       });
     for (auto& t : threads) t.join();
@@ -185,6 +217,7 @@ class Harness {
   int R_;
   GroupKind kind_;
   Backend backend_;
+  std::vector<const MoeProblem*> problems_;  // [layers]; the layers of problem L are gpu_[L * R + r]
   std::vector<std::unique_ptr<MoeLayer>> gpu_, cpu_;
   std::vector<cudaStream_t> streams_;
 };

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <mutex>
 
+#include "comm/gpu_comm.h"
 #include "test_transport_harness.h"
 
 namespace megamoe {
@@ -53,7 +54,11 @@ void setup_rank(const Case& c, std::shared_ptr<Communicator> comm, int rank, Ran
 
 void teardown_rank(RankRun* run) {
   if (run->stream) cudaStreamSynchronize(run->stream);
-  run->transport.reset();  // collective window release: every rank does it on its own thread
+  if (run->transport) {  // collective and bounded: every rank does it on its own thread
+    const Status st = run->transport->release(30000);
+    EXPECT_TRUE(st.is_ok()) << st.to_string();
+  }
+  run->transport.reset();
   if (run->stream) cudaStreamDestroy(run->stream);
 }
 
@@ -101,7 +106,8 @@ std::vector<T> read_region(const EpTransport& t, const WorkspaceRegion& r) {
 // Full check of one forward (fused combine): receive regions, pool, output; then `repeats` more
 // forwards, the even ones with the split combine (combine_send + combine), and with `graph` CUDA-graph
 // replays, must give the same y bit for bit.
-void run_case(const Case& c, int repeats = 1, bool graph = false) {
+// seed_launches > 0: the signal cells start as if that many forwards had run (seed_epoch_for_test).
+void run_case(const Case& c, int repeats = 1, bool graph = false, uint64_t seed_launches = 0) {
   REQUIRE_GROUP(group);
   std::vector<RankInputs> all;
   for (int r = 0; r < kRanks; ++r) all.push_back(c.inputs(r));
@@ -109,6 +115,11 @@ void run_case(const Case& c, int repeats = 1, bool graph = false) {
     RankRun run;
     setup_rank(c, (*group)[rank], rank, &run);
     if (::testing::Test::HasFatalFailure()) return teardown_rank(&run);
+    if (seed_launches > 0) {  // every rank seeded before any rank dispatches
+      EXPECT_TRUE(run.transport->seed_epoch_for_test(seed_launches).is_ok());
+      const Status b = gpu_rank_of((*group)[rank].get())->barrier("seed-epoch", 30000);
+      ASSERT_TRUE(b.is_ok()) << b.to_string();
+    }
     const EpTransport& t = *run.transport;
     const WorkspaceLayout& l = t.layout();
     const int64_t H = c.hidden, k = c.top_k, El = c.num_experts / kRanks, T_max = c.max_tokens;
@@ -396,6 +407,22 @@ TEST(Sm90Transport, Repeat100Bitwise_EP2) {
   run_case(c, 100);
   c.combine_groups = 5;
   run_case(c, 50);
+}
+
+// Forwards across the dispatch cell's wrap: the cells start at 2^32 - 2 launches, so the first
+// forward is epoch 2^32 - 1 (whose window [e << 32, (e + 1) << 32) ends at 0 modulo 2^64) and the next
+// ones run past 2^32; every one bitwise equal to the host truth, with each combine path (the split
+// one, the one-kernel one, and the grouped one whose publishes are ordered stores).
+TEST(Sm90Transport, EpochWrap_ForwardsFromCellsSeededAt2To32Minus2_EP2) {
+  const uint64_t seed = (uint64_t(1) << 32) - 2;
+  Case c = base_case();
+  c.dispatch_format = kWsFp8Block;
+  run_case(c, 4, /*graph=*/true, seed);
+  c.combine_format = kWsMxfp8;
+  c.combine_groups = 4;
+  run_case(c, 4, /*graph=*/false, seed);
+  c.owner_reduce = true;
+  run_case(c, 3, /*graph=*/false, seed);
 }
 
 TEST(Sm90Transport, CudaGraphReplayEqualsEager_EP2) {

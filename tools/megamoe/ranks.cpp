@@ -209,7 +209,9 @@ RankWeightsFn generated_weights(const MoeGeometry& g, uint64_t seed) {
 MoeWeights source_views(const PreparedWeights& p) { return p.as_source(); }
 
 RankGroup::~RankGroup() {
+  // release() first (collective, bounded): the workspaces go back now, not with the communicator.
   run_on_ranks(static_cast<int64_t>(layers.size()), [this](int64_t r) {
+    if (layers[r]) layers[r]->release();
     layers[r].reset();
     return Status::ok();
   });

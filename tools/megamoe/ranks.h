@@ -60,7 +60,7 @@ Status run_on_local_ranks(const ProcessRanks& pr, const std::function<Status(int
 struct RankGroup {
   std::vector<std::shared_ptr<Communicator>> comms;  // empty for ep_size == 1
   std::vector<std::unique_ptr<MoeLayer>> layers;     // [R]
-  // Each rank's layer is released on its own thread: releasing a symmetric window is collective.
+  // Each rank's layer is released (MoeLayer::release, collective) and destroyed on its own thread.
   ~RankGroup();
 };
 

@@ -323,6 +323,14 @@ Status launch_grouped_gemm_plan(const GroupedGemmPlan& plan, cudaStream_t stream
   const bool fp8 = plan.fp8;
   const bool w4 = plan.weight_fp4;
   const int p_epi = plan.epilogue;
+  // An error an earlier asynchronous operation left pending would be returned by the launch's check
+  // below and read as the GEMM's: report it as what it is.
+  const cudaError_t pending = cudaGetLastError();
+  if (pending != cudaSuccess)
+    return Status(StatusCode::kCudaError, std::string("a CUDA error was pending before the grouped GEMM launch (from an "
+                                                      "earlier asynchronous operation on this thread or device, not "
+                                                      "from the GEMM): ") +
+                                              cudaGetErrorName(pending) + " (" + cudaGetErrorString(pending) + ")");
   cudaError_t err = cudaErrorInvalidConfiguration;
   int launched = 0;
 #define MEGAMOE_DISPATCH(BM, BN, FP8, EPI, CL)                                                                  \
@@ -342,6 +350,13 @@ Status launch_grouped_gemm_plan(const GroupedGemmPlan& plan, cudaStream_t stream
   if (err != cudaSuccess)
     return Status(StatusCode::kCudaError, std::string("grouped GEMM launch failed: ") + cudaGetErrorString(err) + " (" +
                                               (what ? what : "planned launch") + ", " + cfg.to_string() + ")");
+  return Status::ok();
+}
+
+Status planned_gemm_tiles(const GroupedGemmArgs& args, GemmTileConfig* out) {
+  GroupedGemmPlan plan;
+  MEGAMOE_RETURN_IF_ERROR(plan_grouped_gemm(args, &plan));
+  *out = plan.tiles;
   return Status::ok();
 }
 

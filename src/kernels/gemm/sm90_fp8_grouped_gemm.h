@@ -144,9 +144,15 @@ struct GroupedGemmArgs {
 // Checks the arguments (shape rules, alignment, nulls) without launching. Messages name the field.
 Status validate_grouped_gemm(const GroupedGemmArgs& args);
 
+// The tile configuration launch_grouped_gemm() would run for `args` on the current device (the
+// heuristic's choice for the bucket hint, with the overrides applied), without launching (host code;
+// plan_grouped_gemm in sm90_gemm_plan.cuh is the whole plan).
+Status planned_gemm_tiles(const GroupedGemmArgs& args, GemmTileConfig* out);
+
 // Launches the grouped GEMM on `stream`. Returns kInvalidArgument for bad arguments, kUnavailable
-// when the current device is not sm_90, kCudaError when the launch fails. *used (optional) receives
-// the tile configuration that ran.
+// when the current device is not sm_90, kCudaError when the launch fails (an error an earlier
+// asynchronous operation left pending is reported as that, before the launch, not blamed on it).
+// *used (optional) receives the tile configuration that ran.
 Status launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream, GemmTileConfig* used = nullptr);
 
 }  // namespace megamoe::gemm

@@ -5,19 +5,32 @@
 //   -> fp8 only: the pool's activation scales transposed M-major for FC1's TMA loads
 //   -> FC1 grouped GEMM with the SwiGLU (+ fp8 1x128 requant) epilogue into the intermediate region
 //   -> FC2 grouped GEMM: with a bf16 wire and one row per slot, its epilogue writes the weighted rows
-//      into the source ranks' combine regions through the LSA pointers; else bf16 rows to expert_out
+//      into the source ranks' combine regions through the peer pointers; else bf16 rows to expert_out
 //   -> combine (the reduce alone) or send_and_combine (owner sums, encode, send, reduce) -> y.
 // Formats: fp8-block weights with fp8-block dispatch, or bf16 weights with bf16 dispatch; every
 // combine wire; no in-kernel FC2 reduce.
 //
-// Buffers: the symmetric workspace (EpTransport, shared through WorkspacePool by every layer of the
-// same geometry); the prepared weights (per layer, device); scratch shared by every layer of the
-// same sizes on a device (shared_scratch, kernels/common/layer_buffers.h): the M-major copy of the
-// pool's activation scales that FC1 reads, FC2's bf16 rows [pool_rows, H] where the combine reads
-// them (a quantised wire or the owner reduce), and the GEMMs' tile counter. Sharing is safe for the
-// same reason the workspace is: the layers of a model run one after another on a stream.
+// Buffers and who shares them (layer.h states the rules for callers):
+// - the symmetric workspace (EpTransport, WorkspacePool): every layer of one WorkspaceKey (geometry,
+//   options, rank, group, device, lane);
+// - scratch of the same key (KeyScratch below): the M-major copy of the pool's activation scales that
+//   FC1 reads, and FC2's bf16 rows [pool_rows, H] where the combine reads them (a quantised wire or
+//   the owner reduce). Layers of one key run one after another on one stream, so sharing is safe;
+//   forward() refuses two host threads inside it at once for one key (the one misuse cheap to see);
+// - per layer: the prepared weights and the GEMMs' tile counters (in the transport's scratch, zeroed
+//   by the pool build every forward before the GEMMs run).
+//
+// The GEMMs' tile bucket comes from this rank's T (host-known) or, with MEGAMOE_TILE_BUCKET=received
+// (off by default until measured on a GPU), from the rows this rank actually received, decided on the
+// device with no host synchronisation: when this rank's own tokens and the pool's bound would pick different
+// tiles, each GEMM is launched twice, once per tile configuration, on two copies of the expert
+// offsets that the pool build fills (EpTransport::build_expert_pool's gate): the copy for the larger
+// tiles gets the offsets when the received rows reach the switch point, the other zeros (a kernel
+// that finds no rows). A rank with T = 0 that receives a full pool runs prefill tiles.
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <map>
 #include <mutex>
@@ -27,10 +40,12 @@
 #include "comm/gpu_comm.h"
 #include "core/backends.h"
 #include "core/cuda_check.h"
+#include "core/env.h"
 #include "core/log.h"
 #include "kernels/common/layer_buffers.h"
 #include "kernels/gemm/gemm_weights.h"
 #include "kernels/gemm/sm90_fp8_grouped_gemm.h"
+#include "kernels/routed/routed_gemm_args.h"
 #include "kernels/routed/sm90_routing.h"
 #include "kernels/routed/sm90_scale_transpose.h"
 #include "kernels/transport/ep_transport.h"
@@ -39,6 +54,29 @@ namespace megamoe {
 namespace {
 
 std::string str(int64_t v) { return std::to_string(v); }
+
+// Scratch of the layers of one workspace key (see the top of this file); freed with its last user.
+struct KeyScratch {
+  std::mutex mutex;
+  std::shared_ptr<DeviceBuffer> a_scales, expert_out, routing;
+  std::atomic<int> host_forwards{0};  // threads inside forward() for this key
+};
+
+std::shared_ptr<KeyScratch> key_scratch(const WorkspaceKey& key) {
+  static std::mutex mutex;
+  static auto* entries = new std::map<WorkspaceKey, std::weak_ptr<KeyScratch>>();
+  std::lock_guard<std::mutex> lock(mutex);
+  std::weak_ptr<KeyScratch>& slot = (*entries)[key];
+  if (auto live = slot.lock()) return live;
+  auto made = std::make_shared<KeyScratch>();
+  slot = made;
+  return made;
+}
+
+bool same_tiles(const gemm::GemmTileConfig& a, const gemm::GemmTileConfig& b) {
+  return a.block_m == b.block_m && a.block_n == b.block_n && a.num_sms == b.num_sms && a.cluster == b.cluster &&
+         a.round_robin == b.round_robin;
+}
 
 class RoutedMoeLayer final : public MoeLayer {
  public:
@@ -51,17 +89,15 @@ class RoutedMoeLayer final : public MoeLayer {
       MEGAMOE_CUDA_CHECK(cudaGetDevice(&dev));
       MEGAMOE_RETURN_IF_ERROR(single_rank_group(dev, &comm));
     }
-    GpuRankComm* gpu = gpu_rank_of(comm.get());
-    if (!gpu)
+    gpu_ = gpu_rank_of(comm.get());
+    if (!gpu_)
       return invalid_argument("argument", "comm", comm->to_string(),
                               "the routed backend needs a GPU group's communicator (create_nccl_group / "
                               "create_nccl_rank / create_shared_gpu_group)");
-    device_ = gpu->device();
-    group_id_ = comm->group_id();
-    rank_ = comm->rank();
+    device_ = gpu_->device();
     // invariant (shared device): each kernel of this rank launches at most sm_budget() CTAs
     // (GpuRankComm::sm_budget), the GEMMs' persistent grids and a num_sms knob included.
-    gemm_sms_ = gpu->shares_device() ? gpu->sm_budget() : 0;
+    gemm_sms_ = gpu_->shares_device() ? gpu_->sm_budget() : 0;
     CudaDeviceGuard guard(device_);
     if (!guard.ok()) return Status(StatusCode::kCudaError, "cannot select cuda:" + str(device_));
 
@@ -70,32 +106,60 @@ class RoutedMoeLayer final : public MoeLayer {
     opt.pow2_scales = config_.pow2_scales;
     opt.num_sms = config_.knobs.num_sms;
     opt.combine_groups = config_.knobs.combine_groups;
+    opt.workspace_lane = config_.workspace_lane;
+    key_.params = opt.params;
+    key_.ep_rank = comm->rank();
+    key_.group_id = comm->group_id();
+    key_.device = Device::cuda(device_);
+    key_.lane = config_.workspace_lane;
     MEGAMOE_RETURN_IF_ERROR(EpTransport::create(std::move(comm), opt, &transport_));
     return upload_weights();
   }
 
+  // Collective; retryable: a failure keeps nothing of the attempt but what the transport kept (the
+  // transport commits all or nothing), so calling it again redoes what is missing.
   Status warmup() override {
+    if (warmed_up_) return Status::ok();
+    if (released_) return Status(StatusCode::kFailedPrecondition, "warmup() after release(): build a new layer");
     CudaDeviceGuard guard(device_);
     MEGAMOE_RETURN_IF_ERROR(transport_->warmup(nullptr));
     const WorkspaceLayout& l = transport_->layout();
     const int64_t P = l.pool_rows, H = geometry_.hidden;
-    if (fp8() && !a_scales_)
-      MEGAMOE_RETURN_IF_ERROR(shared_scratch(device_, group_id_, rank_, kScratchAScales, P * (H / 128) * 4, &a_scales_));
-    // expert_out only when the combine reads FC2's rows here (a quantised wire to encode, or the owner
-    // reduce's sums); else a bf16 wire is FC2's own output.
-    if (!fc2_writes_combine() && !expert_out_)
-      MEGAMOE_RETURN_IF_ERROR(shared_scratch(device_, group_id_, rank_, kScratchExpertOut, P * H * 2, &expert_out_));
-    // int32 ids + fp32 (scaled) weights for forwards whose routing the transport cannot read as given.
-    if (!routing_)
-      MEGAMOE_RETURN_IF_ERROR(shared_scratch(device_, group_id_, rank_, kScratchRouting,
-                                             geometry_.max_tokens_per_rank * geometry_.top_k * 8, &routing_));
-    // The GEMMs' dynamic tile counter: zero once here, every launch leaves it zero (shared like the
-    // workspace: the layers of a group run in stream order).
-    if (!tile_counter_) {
-      MEGAMOE_RETURN_IF_ERROR(shared_scratch(device_, group_id_, rank_, kScratchTileCounter, 2 * 4, &tile_counter_));
-      MEGAMOE_CUDA_CHECK(zero_device_sync(tile_counter_->ptr, 2 * 4));
+    std::shared_ptr<KeyScratch> scratch = key_scratch(key_);
+    {
+      std::lock_guard<std::mutex> lock(scratch->mutex);
+      if (fp8() && !scratch->a_scales)
+        MEGAMOE_RETURN_IF_ERROR(device_alloc(device_, P * (H / 128) * 4, &scratch->a_scales));
+      // expert_out only when the combine reads FC2's rows here (a quantised wire to encode, or the
+      // owner reduce's sums); else a bf16 wire is FC2's own output.
+      if (!routed_fc2_writes_combine(config_) && !scratch->expert_out)
+        MEGAMOE_RETURN_IF_ERROR(device_alloc(device_, P * H * 2, &scratch->expert_out));
+      // int32 ids + fp32 (scaled) weights for forwards whose routing the transport cannot read as given.
+      if (!scratch->routing)
+        MEGAMOE_RETURN_IF_ERROR(
+            device_alloc(device_, geometry_.max_tokens_per_rank * geometry_.top_k * 8, &scratch->routing));
     }
-    MEGAMOE_RETURN_IF_ERROR(build_gemm_args());
+    RoutedGemmBuffers b;
+    b.workspace = static_cast<char*>(transport_->base());
+    b.w13 = w13_->ptr;
+    b.w13_scales = w13_scales_ ? static_cast<const float*>(w13_scales_->ptr) : nullptr;
+    b.w2 = w2_->ptr;
+    b.w2_scales = w2_scales_ ? static_cast<const float*>(w2_scales_->ptr) : nullptr;
+    b.a_scales = scratch->a_scales ? static_cast<float*>(scratch->a_scales->ptr) : nullptr;
+    b.expert_out = scratch->expert_out ? scratch->expert_out->ptr : nullptr;
+    b.tile_counters = transport_->backend_counters();
+    const EpTransport::CombineTargets& targets = transport_->combine_targets();
+    b.pool_dst = targets.pool_dst;
+    b.pool_weight = targets.pool_weight;
+    b.num_ranks = targets.num_ranks;
+    b.rows_per_rank = targets.rows_per_rank;
+    for (int r = 0; r < targets.num_ranks; ++r) b.peer_combine[r] = targets.peer_combine[r];
+    gemm::GroupedGemmArgs fc1, fc2;
+    MEGAMOE_RETURN_IF_ERROR(make_routed_gemm_args(geometry_, config_, l, b, gemm_sms_, &fc1, &fc2));
+    scratch_ = std::move(scratch);
+    fc1_ = fc1;
+    fc2_ = fc2;
+    plans_.clear();
     warmed_up_ = true;
     return Status::ok();
   }
@@ -107,18 +171,32 @@ class RoutedMoeLayer final : public MoeLayer {
     if (!broken_.is_ok())
       return Status(broken_.code(), "the layer's EP group failed in an earlier forward and cannot run again (" +
                                         broken_.message() + "); rebuild the communicator and the layers");
+    if (released_) return Status(StatusCode::kFailedPrecondition, "forward() after release(): build a new layer");
     if (!warmed_up_)
       return Status(StatusCode::kFailedPrecondition,
                     "forward() before warmup(): call warmup() on every rank first (it allocates the symmetric "
                     "workspace collectively and must run before any CUDA-graph capture)");
+    // The layers of one workspace key must not overlap (layer.h); two host threads inside forward()
+    // at once for one key is the overlap cheap to see. Nothing is launched yet: refused, not latched.
+    if (scratch_->host_forwards.fetch_add(1) != 0) {
+      scratch_->host_forwards.fetch_sub(1);
+      return Status(StatusCode::kFailedPrecondition,
+                    "forward() called from two threads at once on layers that share a workspace (" + key_.to_string() +
+                        "): such layers run one after another on one stream; layers that may overlap need "
+                        "different MoeConfig::workspace_lane values");
+    }
     CudaDeviceGuard guard(device_);
     cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
     TensorView ids = topk_ids, weights = topk_weights;
-    MEGAMOE_RETURN_IF_ERROR(prepare_routing(&ids, &weights, stream));
+    if (Status prep = prepare_routing(&ids, &weights, stream); !prep.is_ok()) {  // before dispatch: not latched
+      scratch_->host_forwards.fetch_sub(1);
+      return prep;
+    }
     // invariant: once dispatch is launched every later stage must launch too, or this rank falls an
     // epoch behind its peers; a failure from here on latches the layer as broken.
     const Status st = run_stages(x, x_scale, ids, weights, y, stream);
-    if (!st.is_ok()) broken_ = st;
+    scratch_->host_forwards.fetch_sub(1);
+    if (!st.is_ok()) latch_broken(st);
     return st;
   }
 
@@ -129,9 +207,27 @@ class RoutedMoeLayer final : public MoeLayer {
   }
 
   Status check_error(void* stream) override {
+    if (!warmed_up_) return Status::ok();
     CudaDeviceGuard guard(device_);
     const Status st = transport_->check_error(static_cast<cudaStream_t>(stream));
-    if (st.code() == StatusCode::kTimeout) broken_ = st;  // the group is aborted for good
+    if (st.code() == StatusCode::kTimeout) latch_broken(st);  // the group is aborted for good
+    return st;
+  }
+
+  // Collective, bounded: the transport's release (barrier, then the workspace reference: the last one
+  // deregisters collectively), then this layer's device memory. Afterwards forward() is refused.
+  Status release() override {
+    if (released_) return Status::ok();
+    released_ = true;
+    warmed_up_ = false;
+    CudaDeviceGuard guard(device_);
+    const Status st = transport_->release(0);
+    if (!st.is_ok()) latch_broken(st);
+    scratch_.reset();
+    w13_.reset();
+    w13_scales_.reset();
+    w2_.reset();
+    w2_scales_.reset();
     return st;
   }
 
@@ -160,6 +256,7 @@ class RoutedMoeLayer final : public MoeLayer {
     return Status::ok();
   }
 
+  // Never waits for a peer (the transport's destructor does no collective step).
   ~RoutedMoeLayer() override {
     if (stage_events_[0]) {
       CudaDeviceGuard guard(device_);
@@ -172,9 +269,84 @@ class RoutedMoeLayer final : public MoeLayer {
 
  private:
   bool fp8() const { return config_.weight_format == WeightFormat::kFp8Block; }
-  // FC2's epilogue writes the per-slot bf16 combine rows itself (no combine_send); else it writes
-  // expert_out, which send_and_combine encodes (a quantised wire) or sums per owner first.
-  bool fc2_writes_combine() const { return config_.combine_dtype == CombineDtype::kBf16 && !config_.uses_owner_reduce(); }
+
+  void latch_broken(const Status& st) {
+    if (broken_.is_ok()) broken_ = st;
+    gpu_->mark_broken(st.message());  // teardown skips every collective step from now on
+  }
+
+  // The launches of one forward's GEMMs for this rank's T (see the top of this file).
+  struct GemmPlan {
+    int64_t gate_rows = -1;               // >= 0: the pool build fills the two gated offset copies
+    std::vector<gemm::GroupedGemmArgs> fc1, fc2;  // one launch each, or one per gated copy
+  };
+
+  // The plan for T tokens on this rank, made once per distinct T (host only).
+  Status plan_for(int64_t T, const GemmPlan** out) {
+    auto it = plans_.find(T);
+    if (it != plans_.end()) {
+      *out = &it->second;
+      return Status::ok();
+    }
+    const int64_t k = geometry_.top_k, P = transport_->layout().pool_rows;
+    // Bucket A: this rank's tokens as the row estimate (decode runs decode tiles); bucket B: the
+    // pool's bound (every rank at max_tokens_per_rank).
+    gemm::GroupedGemmArgs fc1a = fc1_, fc2a = fc2_, fc1b = fc1_, fc2b = fc2_;
+    fc1a.expected_m_per_expert = fc2a.expected_m_per_expert = routed_rows_per_expert(geometry_, T * k);
+    fc1b.expected_m_per_expert = fc2b.expected_m_per_expert =
+        routed_rows_per_expert(geometry_, geometry_.max_tokens_per_rank * k);
+    int32_t* counters = transport_->backend_counters();  // [8]: two words per launch
+    GemmPlan plan;
+    if (!env_knobs().tile_bucket_received) {  // the bucket from this rank's T: one launch per GEMM
+      fc1a.tile_counter = counters;
+      fc2a.tile_counter = counters + 2;
+      plan.fc1 = {fc1a};
+      plan.fc2 = {fc2a};
+      *out = &plans_.emplace(T, std::move(plan)).first->second;
+      return Status::ok();
+    }
+    gemm::GemmTileConfig t1a, t1b, t2a, t2b;
+    MEGAMOE_RETURN_IF_ERROR(gemm::planned_gemm_tiles(fc1a, &t1a));
+    MEGAMOE_RETURN_IF_ERROR(gemm::planned_gemm_tiles(fc1b, &t1b));
+    MEGAMOE_RETURN_IF_ERROR(gemm::planned_gemm_tiles(fc2a, &t2a));
+    MEGAMOE_RETURN_IF_ERROR(gemm::planned_gemm_tiles(fc2b, &t2b));
+    const bool fc1_same = same_tiles(t1a, t1b), fc2_same = same_tiles(t2a, t2b);
+    if (fc1_same && fc2_same) {
+      fc1a.tile_counter = counters;
+      fc2a.tile_counter = counters + 2;
+      plan.fc1 = {fc1a};
+      plan.fc2 = {fc2a};
+    } else {
+      // The switch point: the fewest received rows at which the GEMM that differs picks bucket B's
+      // tiles (the heuristic's tiles grow with the rows).
+      const bool by_fc1 = !fc1_same;
+      const gemm::GemmTileConfig want = by_fc1 ? t1b : t2b;
+      int64_t lo = std::min(T * k, P), hi = P;  // answer in (lo, hi]
+      if (lo >= hi) lo = hi - 1;
+      while (hi - lo > 1) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        gemm::GroupedGemmArgs probe = by_fc1 ? fc1_ : fc2_;
+        probe.expected_m_per_expert = routed_rows_per_expert(geometry_, mid);
+        gemm::GemmTileConfig t;
+        MEGAMOE_RETURN_IF_ERROR(gemm::planned_gemm_tiles(probe, &t));
+        (same_tiles(t, want) ? hi : lo) = mid;
+      }
+      plan.gate_rows = hi;
+      for (int i = 0; i < 2; ++i) {
+        gemm::GroupedGemmArgs a1 = i == 0 ? fc1a : fc1b, a2 = i == 0 ? fc2a : fc2b;
+        a1.expert_offsets = a2.expert_offsets = transport_->gated_offsets(i);
+        a1.tile_counter = counters + 4 * i;
+        a2.tile_counter = counters + 4 * i + 2;
+        if (!fc1_same || i == 0) plan.fc1.push_back(a1);
+        if (!fc2_same || i == 0) plan.fc2.push_back(a2);
+      }
+      // A GEMM whose tiles agree runs once, on the real offsets.
+      if (fc1_same) plan.fc1[0].expert_offsets = fc1_.expert_offsets;
+      if (fc2_same) plan.fc2[0].expert_offsets = fc2_.expert_offsets;
+    }
+    *out = &plans_.emplace(T, std::move(plan)).first->second;
+    return Status::ok();
+  }
 
   // The transport reads int32 ids and fp32 weights: int64 ids, bf16 weights or an output scale go
   // through one conversion kernel into the routing scratch first (int32 / fp32 with scale 1 launch
@@ -183,7 +355,7 @@ class RoutedMoeLayer final : public MoeLayer {
     const bool ids64 = ids->dtype == DType::kInt64, weights_bf16 = weights->dtype == DType::kBFloat16;
     if (!ids64 && !weights_bf16 && config_.output_scale == 1.0f) return Status::ok();
     const int64_t T = ids->shape[0], k = geometry_.top_k;
-    int32_t* ids32 = static_cast<int32_t*>(routing_->ptr);
+    int32_t* ids32 = static_cast<int32_t*>(scratch_->routing->ptr);
     float* weights32 = reinterpret_cast<float*>(ids32 + geometry_.max_tokens_per_rank * k);
     MEGAMOE_CUDA_CHECK(kernels::launch_routing_prep(ids->data, ids64, weights->data, weights_bf16, config_.output_scale,
                                                     T * k, ids32, weights32, gemm_sms_, stream));
@@ -197,10 +369,13 @@ class RoutedMoeLayer final : public MoeLayer {
                     const TensorView& topk_weights, const TensorView& y, cudaStream_t stream) {
     const WorkspaceLayout& l = transport_->layout();
     const int64_t P = l.pool_rows, H = geometry_.hidden;
+    const int64_t T = x.ndim == 2 ? x.shape[0] : 0;
+    const GemmPlan* plan = nullptr;
+    if (P > 0) MEGAMOE_RETURN_IF_ERROR(plan_for(T, &plan));  // before the dispatch: nothing launched yet
     MEGAMOE_RETURN_IF_ERROR(mark(0, stream));
     MEGAMOE_RETURN_IF_ERROR(transport_->dispatch(x, x_scale, topk_ids, topk_weights, stream));
     MEGAMOE_RETURN_IF_ERROR(mark(1, stream));
-    MEGAMOE_RETURN_IF_ERROR(transport_->build_expert_pool(stream));
+    MEGAMOE_RETURN_IF_ERROR(transport_->build_expert_pool(stream, plan ? plan->gate_rows : -1));
     if (expert_counts_.present()) {
       static_assert(kPoolSegmentAlign == 1, "segment sizes are the received rows only without padding");
       MEGAMOE_CUDA_CHECK(kernels::launch_accumulate_expert_counts(
@@ -210,105 +385,28 @@ class RoutedMoeLayer final : public MoeLayer {
     }
     MEGAMOE_RETURN_IF_ERROR(mark(2, stream));
     if (P > 0) {
-      const int64_t T = x.ndim == 2 ? x.shape[0] : 0;
       if (fp8()) {
         const char* base = static_cast<const char*>(transport_->base());
         MEGAMOE_CUDA_CHECK(kernels::launch_scale_transpose(
             reinterpret_cast<const float*>(base + l.pool_x_scales.offset),
             reinterpret_cast<const int32_t*>(base + l.expert_offsets.offset) + geometry_.experts_per_rank(), P, H / 128,
-            static_cast<float*>(a_scales_->ptr), P, stream));
+            static_cast<float*>(scratch_->a_scales->ptr), P, stream));
       }
-      // The tile bucket follows this forward's tokens (host-known, no sync): decode runs 64-row tiles.
-      gemm::GroupedGemmArgs fc1 = fc1_, fc2 = fc2_;
-      fc1.expected_m_per_expert = fc2.expected_m_per_expert = expected_rows_per_expert(T);
-      MEGAMOE_RETURN_IF_ERROR(gemm::launch_grouped_gemm(fc1, stream));
+      for (const gemm::GroupedGemmArgs& a : plan->fc1) MEGAMOE_RETURN_IF_ERROR(gemm::launch_grouped_gemm(a, stream));
       MEGAMOE_RETURN_IF_ERROR(mark(3, stream));
-      MEGAMOE_RETURN_IF_ERROR(gemm::launch_grouped_gemm(fc2, stream));
+      for (const gemm::GroupedGemmArgs& a : plan->fc2) MEGAMOE_RETURN_IF_ERROR(gemm::launch_grouped_gemm(a, stream));
     } else {
       MEGAMOE_RETURN_IF_ERROR(mark(3, stream));
     }
     MEGAMOE_RETURN_IF_ERROR(mark(4, stream));
     MEGAMOE_RETURN_IF_ERROR(mark(5, stream));
-    if (fc2_writes_combine()) {
+    if (routed_fc2_writes_combine(config_)) {
       MEGAMOE_RETURN_IF_ERROR(transport_->combine(topk_ids, y, stream));
     } else {  // (owner sums +) encode + send + reduce in one kernel (the combine_send stage reads 0)
-      TensorView out(expert_out_->ptr, DType::kBFloat16, {P, H}, device());
+      TensorView out(scratch_->expert_out->ptr, DType::kBFloat16, {P, H}, device());
       MEGAMOE_RETURN_IF_ERROR(transport_->send_and_combine(out, topk_ids, y, stream));
     }
     return mark(6, stream);
-  }
-
-  // Both GEMMs' arguments depend only on the geometry, the workspace and the weights: built and
-  // validated once in warmup(), so a bad knob fails there and never between dispatch and combine.
-  Status build_gemm_args() {
-    const WorkspaceLayout& l = transport_->layout();
-    char* base = static_cast<char*>(transport_->base());
-    const int64_t P = l.pool_rows, H = geometry_.hidden, I = geometry_.intermediate;
-    const int32_t El = static_cast<int32_t>(geometry_.experts_per_rank());
-    gemm::GroupedGemmArgs fc1;  // FC1 + SwiGLU (+ fp8 requant): pool_x -> intermediate
-    fc1.dtype = fp8() ? gemm::GemmDtype::kFp8Block : gemm::GemmDtype::kBf16;
-    fc1.layout = gemm::GroupedLayout::kContiguous;
-    fc1.epilogue = fp8() ? gemm::GemmEpilogue::kSwigluFp8 : gemm::GemmEpilogue::kSwigluBf16;
-    fc1.num_experts = El;
-    fc1.n = static_cast<int32_t>(2 * I);
-    fc1.k = static_cast<int32_t>(H);
-    fc1.a = base + l.pool_x.offset;
-    fc1.m_rows = P;
-    fc1.expert_offsets = reinterpret_cast<const int32_t*>(base + l.expert_offsets.offset);
-    fc1.b = w13_->ptr;
-    fc1.d = base + l.intermediate.offset;
-    fc1.ldd = I;
-    fc1.pow2_scales = config_.pow2_scales;
-    fc1.tiles = tiles_for(fc1.n, /*swiglu=*/true);
-    fc1.expected_m_per_expert = expected_rows_per_expert(geometry_.max_tokens_per_rank);
-    if (fp8()) {
-      fc1.a_scales = static_cast<const float*>(a_scales_->ptr);
-      fc1.ld_a_scales = P;
-      fc1.b_scales = static_cast<const float*>(w13_scales_->ptr);
-      // invariant: the intermediate_scales region holds P * I/128 fp32, here M-major [I/128][P].
-      fc1.d_scales = reinterpret_cast<float*>(base + l.intermediate_scales.offset);
-      fc1.ld_d_scales = P;
-    }
-    // FC2: intermediate -> the source ranks' combine rows (bf16 wire, one row per slot: weighted in
-    // fp32, one rounding, written through the LSA pointers), else -> expert_out (bf16, unweighted)
-    // for the combine to sum (owner reduce) and encode.
-    gemm::GroupedGemmArgs fc2;
-    fc2.dtype = fc1.dtype;
-    fc2.layout = gemm::GroupedLayout::kContiguous;
-    fc2.epilogue = gemm::GemmEpilogue::kStoreBf16;
-    fc2.num_experts = El;
-    fc2.n = static_cast<int32_t>(H);
-    fc2.k = static_cast<int32_t>(I);
-    fc2.a = base + l.intermediate.offset;
-    fc2.m_rows = P;
-    fc2.expert_offsets = fc1.expert_offsets;
-    fc2.b = w2_->ptr;
-    fc2.ldd = H;
-    if (!fc2_writes_combine()) {
-      fc2.d = expert_out_->ptr;
-    } else {
-      const EpTransport::CombineTargets& targets = transport_->combine_targets();
-      fc2.row_map = targets.pool_dst;
-      fc2.row_weight = targets.pool_weight;
-      fc2.num_peer_d = targets.num_ranks;
-      fc2.peer_d_rows = static_cast<int32_t>(targets.rows_per_rank);
-      for (int r = 0; r < targets.num_ranks; ++r) fc2.peer_d[r] = targets.peer_combine[r];
-    }
-    fc2.tiles = tiles_for(fc2.n, /*swiglu=*/false);
-    fc1.tile_counter = fc2.tile_counter = static_cast<int32_t*>(tile_counter_->ptr);
-    fc2.expected_m_per_expert = fc1.expected_m_per_expert;
-    if (fp8()) {
-      fc2.a_scales = fc1.d_scales;
-      fc2.ld_a_scales = P;
-      fc2.b_scales = static_cast<const float*>(w2_scales_->ptr);
-    }
-    if (P > 0) {
-      MEGAMOE_RETURN_IF_ERROR(gemm::validate_grouped_gemm(fc1));
-      MEGAMOE_RETURN_IF_ERROR(gemm::validate_grouped_gemm(fc2));
-    }
-    fc1_ = fc1;
-    fc2_ = fc2;
-    return Status::ok();
   }
 
   // Records stage boundary `i` (0 = start) when stage timing is on.
@@ -318,33 +416,6 @@ class RoutedMoeLayer final : public MoeLayer {
     MEGAMOE_CUDA_CHECK(cudaEventRecord(stage_events_[i], stream));
     if (i == kNumStages) stage_recorded_ = true;
     return Status::ok();
-  }
-
-  // Knobs as GEMM tiles; 0 leaves the field to the GEMM's heuristic for the forward's bucket. A
-  // BLOCK_N the GEMM cannot run for this N (not 128/256, not dividing N, or not 256 for SwiGLU) is
-  // left to the heuristic too. (The pool is not padded, so any BLOCK_M runs any segment.)
-  gemm::GemmTileConfig tiles_for(int32_t n, bool swiglu) const {
-    gemm::GemmTileConfig t;
-    t.block_m = config_.knobs.block_m;
-    const int32_t bn = config_.knobs.block_n;
-    const bool bn_ok = swiglu ? bn == 256 : ((bn == 128 || bn == 256) && n % bn == 0);
-    t.block_n = bn_ok ? bn : 0;
-    t.num_sms = config_.knobs.num_sms;
-    if (gemm_sms_ > 0) t.num_sms = t.num_sms > 0 ? std::min(t.num_sms, gemm_sms_) : gemm_sms_;
-    // clusters of 2 exist for fp8 128 x 256 tiles; a knob that asks for them elsewhere is left to the
-    // heuristic (which then runs none)
-    const bool cluster_ok = fp8() && (t.block_m == 0 || t.block_m == 128) && (t.block_n == 0 || t.block_n == 256);
-    t.cluster = config_.knobs.gemm_cluster == 2 && !cluster_ok ? 0 : config_.knobs.gemm_cluster;
-    return t;
-  }
-
-  // The GEMM's tile bucket when every rank has `tokens`: the rows a busy expert gets under uniform
-  // routing, mean + 2 standard deviations (Poisson), since a tile must hold an expert's rows rather
-  // than their mean (deepseek-v3 EP2 at 1024 tokens: mean 64 rows, 64-row tiles ran FC1 in 1297 us,
-  // 128-row tiles in 1160).
-  int64_t expected_rows_per_expert(int64_t tokens) const {
-    const double mean = static_cast<double>(geometry_.ep_size * tokens * geometry_.top_k) / geometry_.num_experts;
-    return std::max<int64_t>(1, static_cast<int64_t>(std::ceil(mean + 2.0 * std::sqrt(mean))));
   }
 
   // w13 reordered for the SwiGLU epilogue (gemm_weights.h), w2 as prepared; fp32 block scales.
@@ -361,21 +432,129 @@ class RoutedMoeLayer final : public MoeLayer {
   static constexpr int kNumStages = 6;
   static constexpr const char* kStageNames[kNumStages] = {"dispatch", "expert_pool", "fc1_swiglu",
                                                           "fc2",      "combine_send", "combine"};
-  int device_ = 0, rank_ = 0;
+  GpuRankComm* gpu_ = nullptr;  // the transport's communicator
+  int device_ = 0;
   int gemm_sms_ = 0;  // > 0 on a shared device: the GEMMs' grid bound (the rank's SM budget)
-  uint64_t group_id_ = 0;
+  WorkspaceKey key_;
   Status broken_;  // the first failure that left this rank out of step with its group
-  gemm::GroupedGemmArgs fc1_, fc2_;
-  bool warmed_up_ = false;           // warmup() completed: workspace, scratch, GEMM arguments
+  gemm::GroupedGemmArgs fc1_, fc2_;  // as warmup built them (bucket from max_tokens_per_rank)
+  std::map<int64_t, GemmPlan> plans_;
+  bool warmed_up_ = false;  // warmup() completed: workspace, scratch, GEMM arguments
+  bool released_ = false;
   bool stage_timing_ = false, stage_recorded_ = false;
   cudaEvent_t stage_events_[kNumStages + 1] = {};
   std::unique_ptr<EpTransport> transport_;
   std::shared_ptr<DeviceBuffer> w13_, w13_scales_, w2_, w2_scales_;
-  std::shared_ptr<DeviceBuffer> a_scales_, expert_out_, tile_counter_, routing_;
+  std::shared_ptr<KeyScratch> scratch_;
   TensorView expert_counts_;  // absent: not counting
 };
 
+// Knobs as GEMM tiles; 0 leaves the field to the GEMM's heuristic for the forward's bucket. A
+// BLOCK_N the GEMM cannot run for this N (not 128/256, not dividing N, or not 256 for SwiGLU) is left
+// to the heuristic too. (The pool is not padded, so any BLOCK_M runs any segment.)
+gemm::GemmTileConfig tiles_for(const MoeConfig& c, int32_t n, bool swiglu, int gemm_sms) {
+  const bool fp8 = c.weight_format == WeightFormat::kFp8Block;
+  gemm::GemmTileConfig t;
+  t.block_m = c.knobs.block_m;
+  const int32_t bn = c.knobs.block_n;
+  const bool bn_ok = swiglu ? bn == 256 : ((bn == 128 || bn == 256) && n % bn == 0);
+  t.block_n = bn_ok ? bn : 0;
+  t.num_sms = c.knobs.num_sms;
+  if (gemm_sms > 0) t.num_sms = t.num_sms > 0 ? std::min(t.num_sms, gemm_sms) : gemm_sms;
+  // clusters of 2 exist for fp8 128 x 256 tiles; a knob that asks for them elsewhere is left to the
+  // heuristic (which then runs none)
+  const bool cluster_ok = fp8 && (t.block_m == 0 || t.block_m == 128) && (t.block_n == 0 || t.block_n == 256);
+  t.cluster = c.knobs.gemm_cluster == 2 && !cluster_ok ? 0 : c.knobs.gemm_cluster;
+  return t;
+}
+
 }  // namespace
+
+bool routed_fc2_writes_combine(const MoeConfig& c) {
+  return c.combine_dtype == CombineDtype::kBf16 && !c.uses_owner_reduce();
+}
+
+// deepseek-v3 EP2 at 1024 tokens: mean 64 rows, 64-row tiles ran FC1 in 1297 us, 128-row tiles in 1160.
+int64_t routed_rows_per_expert(const MoeGeometry& g, int64_t rows) {
+  const double mean = static_cast<double>(std::max<int64_t>(rows, 0)) / std::max<int64_t>(g.experts_per_rank(), 1);
+  return std::max<int64_t>(1, static_cast<int64_t>(std::ceil(mean + 2.0 * std::sqrt(mean))));
+}
+
+Status make_routed_gemm_args(const MoeGeometry& g, const MoeConfig& c, const WorkspaceLayout& l,
+                             const RoutedGemmBuffers& b, int gemm_sms, gemm::GroupedGemmArgs* fc1_out,
+                             gemm::GroupedGemmArgs* fc2_out) {
+  const bool fp8 = c.weight_format == WeightFormat::kFp8Block;
+  const int64_t P = l.pool_rows, H = g.hidden, I = g.intermediate;
+  const int32_t El = static_cast<int32_t>(g.experts_per_rank());
+  // invariant: P is a multiple of 4, the leading dimension of the M-major scale arrays below.
+  if (P % 4 != 0)
+    return Status(StatusCode::kInternal, "routed GEMMs: pool_rows=" + str(P) + " is not a multiple of 4 (WorkspaceLayout)");
+  char* base = b.workspace;
+  gemm::GroupedGemmArgs fc1;  // FC1 + SwiGLU (+ fp8 requant): pool_x -> intermediate
+  fc1.dtype = fp8 ? gemm::GemmDtype::kFp8Block : gemm::GemmDtype::kBf16;
+  fc1.layout = gemm::GroupedLayout::kContiguous;
+  fc1.epilogue = fp8 ? gemm::GemmEpilogue::kSwigluFp8 : gemm::GemmEpilogue::kSwigluBf16;
+  fc1.num_experts = El;
+  fc1.n = static_cast<int32_t>(2 * I);
+  fc1.k = static_cast<int32_t>(H);
+  fc1.a = base + l.pool_x.offset;
+  fc1.m_rows = P;
+  fc1.expert_offsets = reinterpret_cast<const int32_t*>(base + l.expert_offsets.offset);
+  fc1.b = b.w13;
+  fc1.d = base + l.intermediate.offset;
+  fc1.ldd = I;
+  fc1.pow2_scales = c.pow2_scales;
+  fc1.tiles = tiles_for(c, fc1.n, /*swiglu=*/true, gemm_sms);
+  fc1.expected_m_per_expert = routed_rows_per_expert(g, g.max_tokens_per_rank * g.top_k);
+  if (fp8) {
+    fc1.a_scales = b.a_scales;
+    fc1.ld_a_scales = P;
+    fc1.b_scales = b.w13_scales;
+    // invariant: the intermediate_scales region holds P * I/128 fp32, here M-major [I/128][P].
+    fc1.d_scales = reinterpret_cast<float*>(base + l.intermediate_scales.offset);
+    fc1.ld_d_scales = P;
+  }
+  // FC2: intermediate -> the source ranks' combine rows (bf16 wire, one row per slot: weighted in
+  // fp32, one rounding, written through the peer pointers), else -> expert_out (bf16, unweighted)
+  // for the combine to sum (owner reduce) and encode.
+  gemm::GroupedGemmArgs fc2;
+  fc2.dtype = fc1.dtype;
+  fc2.layout = gemm::GroupedLayout::kContiguous;
+  fc2.epilogue = gemm::GemmEpilogue::kStoreBf16;
+  fc2.num_experts = El;
+  fc2.n = static_cast<int32_t>(H);
+  fc2.k = static_cast<int32_t>(I);
+  fc2.a = base + l.intermediate.offset;
+  fc2.m_rows = P;
+  fc2.expert_offsets = fc1.expert_offsets;
+  fc2.b = b.w2;
+  fc2.ldd = H;
+  if (!routed_fc2_writes_combine(c)) {
+    fc2.d = b.expert_out;
+  } else {
+    fc2.row_map = b.pool_dst;
+    fc2.row_weight = b.pool_weight;
+    fc2.num_peer_d = b.num_ranks;
+    fc2.peer_d_rows = static_cast<int32_t>(b.rows_per_rank);
+    for (int r = 0; r < b.num_ranks; ++r) fc2.peer_d[r] = b.peer_combine[r];
+  }
+  fc2.tiles = tiles_for(c, fc2.n, /*swiglu=*/false, gemm_sms);
+  fc1.tile_counter = b.tile_counters;
+  fc2.tile_counter = b.tile_counters ? b.tile_counters + 2 : nullptr;
+  fc2.expected_m_per_expert = fc1.expected_m_per_expert;
+  if (fp8) {
+    fc2.a_scales = fc1.d_scales;
+    fc2.ld_a_scales = P;
+    fc2.b_scales = b.w2_scales;
+  }
+  if (P > 0) {
+    MEGAMOE_RETURN_IF_ERROR(gemm::validate_grouped_gemm(fc1));
+    MEGAMOE_RETURN_IF_ERROR(gemm::validate_grouped_gemm(fc2));
+  }
+  *fc1_out = fc1;
+  *fc2_out = fc2;
+  return Status::ok();
+}
 
 Status routed_format_gate(const MoeGeometry& g, const MoeConfig& c) {
   if (c.weight_format == WeightFormat::kFp8Block && c.dispatch_format != DispatchFormat::kFp8Block)
@@ -395,6 +574,30 @@ Status routed_format_gate(const MoeGeometry& g, const MoeConfig& c) {
   if (c.in_kernel_fc2_reduce)
     return Status(StatusCode::kUnavailable,
                   "the routed backend has no in-kernel FC2 reduce yet (its FC2 writes local rows that combine sends)");
+  // The EP transport's limits, by its own check (ep_size <= 8, top_k <= 16, T_max <= 65535,
+  // E_l * R <= 65535, ...).
+  EpTransportOptions transport;
+  transport.params = workspace_params(g, c);
+  if (Status st = transport.validate(); !st.is_ok())
+    return Status(StatusCode::kUnavailable, "the routed backend's EP transport cannot run it: " + st.message());
+  // The GEMMs' shape rules, by the GEMM's own check on the arguments warmup() would build (any
+  // 16-byte aligned addresses: no device is touched).
+  RoutedGemmBuffers fake;
+  char* const addr = reinterpret_cast<char*>(uintptr_t(1) << 40);
+  fake.workspace = addr;
+  fake.w13 = fake.w2 = addr;
+  fake.w13_scales = fake.w2_scales = fake.a_scales = reinterpret_cast<float*>(addr);
+  fake.expert_out = addr;
+  fake.tile_counters = reinterpret_cast<int32_t*>(addr);
+  fake.pool_dst = reinterpret_cast<int32_t*>(addr);
+  fake.pool_weight = reinterpret_cast<float*>(addr);
+  fake.num_ranks = static_cast<int>(g.ep_size);
+  fake.rows_per_rank = g.max_tokens_per_rank * g.top_k;
+  for (int r = 0; r < fake.num_ranks && r < 8; ++r) fake.peer_combine[r] = addr;
+  gemm::GroupedGemmArgs fc1, fc2;
+  if (Status st = make_routed_gemm_args(g, c, WorkspaceLayout::make(transport.params), fake, 0, &fc1, &fc2);
+      !st.is_ok())
+    return Status(StatusCode::kUnavailable, "the routed backend's grouped GEMM cannot run it: " + st.message());
   return Status::ok();
 }
 

@@ -21,7 +21,8 @@ int64_t align256(int64_t v) { return (v + 255) / 256 * 256; }
 struct ScratchLayout {
   int64_t pool_intra = 0, pool_hist = 0, seg_total = 0, pool_dst = 0, pool_weight = 0, recv_pool_row = 0;
   int64_t input_status = 0;
-  int64_t dispatch_accum = 0, token_rows = 0, combine_counters = 0, total = 0;
+  int64_t dispatch_accum = 0, token_rows = 0, combine_counters = 0, backend_counters = 0, gated_offsets = 0;
+  int64_t total = 0;
   static ScratchLayout make(const WorkspaceParams& p) {
     ScratchLayout s;
     const int64_t R = p.ep_size, T = std::max<int64_t>(p.max_tokens_per_rank, 1), k = p.top_k;
@@ -42,13 +43,15 @@ struct ScratchLayout {
     take(&s.dispatch_accum, sizeof(kernels::DispatchAccum));
     take(&s.token_rows, T * R * 4);
     take(&s.combine_counters, sizeof(kernels::CombineCounters));
+    take(&s.backend_counters, kernels::kBackendCounterWords * 4);
+    take(&s.gated_offsets, 2 * (p.experts_per_rank + 1) * 4);
     s.total = cur;
     return s;
   }
 };
 
 TransportParams make_args(const EpTransport& t, void* scratch, const EpTransportOptions& o, int64_t num_tokens,
-                          bool allow_pdl);
+                          bool allow_pdl, int64_t gate_rows = -1);
 
 // Refuses collective work while this stream (or, in global capture mode, any stream) is capturing.
 Status refuse_during_capture(cudaStream_t stream, const char* what) {
@@ -154,15 +157,22 @@ Status EpTransport::create(std::shared_ptr<Communicator> comm, const EpTransport
 }
 
 EpTransport::~EpTransport() {
+  // Never waits for a peer: the scratch is local (cudaFree waits for this device's work, whose waits
+  // are bounded) and the workspace reference goes outside any CollectiveReleaseScope (a collective
+  // deregistration is left to the communicator's teardown).
   if (scratch_) {
     CudaDeviceGuard guard(device_);
     cudaFree(scratch_);
   }
-  workspace_.reset();  // may deregister the window (collective): destroy every rank's transport
+  workspace_.reset();
 }
 
+// Warmup either completes or leaves the transport as it was before (retryable): nothing is kept from
+// a failed attempt (the workspace reference and the scratch are only committed at the end).
 Status EpTransport::warmup(cudaStream_t stream) {
-  if (base_) return Status::ok();
+  if (warmed_up_) return Status::ok();
+  if (released_)
+    return Status(StatusCode::kFailedPrecondition, "EpTransport::warmup() after release(): build a new transport");
   MEGAMOE_RETURN_IF_ERROR(refuse_during_capture(stream, "EpTransport::warmup()"));
   MEGAMOE_CUDA_CHECK(cudaSetDevice(device_));
   // Collective work below must not be disturbed by another thread's capture (one process driving
@@ -175,6 +185,7 @@ Status EpTransport::warmup(cudaStream_t stream) {
     key.ep_rank = rank_;
     key.group_id = comm_->group_id();
     key.device = Device::cuda(device_);
+    key.lane = options_.workspace_lane;
     std::shared_ptr<Communicator> keep = comm_;  // the communicator outlives its workspaces
     GpuRankComm* gpu = gpu_;
     auto allocate = [keep, gpu](int64_t bytes, void** base, std::function<void(void*)>* release) {
@@ -188,16 +199,24 @@ Status EpTransport::warmup(cudaStream_t stream) {
       return Status(StatusCode::kInternal, "the pooled workspace for " + key.to_string() + " has " +
                                                std::to_string(peers.size()) + " peer bases, not " + std::to_string(size_));
     const ScratchLayout sl = ScratchLayout::make(options_.params);
-    void* scratch = nullptr;
-    MEGAMOE_CUDA_CHECK(cudaMalloc(&scratch, sl.total));
-    MEGAMOE_CUDA_CHECK(zero_device_sync(scratch, sl.total));
+    std::unique_ptr<void, void (*)(void*)> scratch(nullptr, [](void* p) { cudaFree(p); });
+    {
+      void* p = nullptr;
+      MEGAMOE_CUDA_CHECK(cudaMalloc(&p, sl.total));
+      scratch.reset(p);
+    }
+    MEGAMOE_CUDA_CHECK(zero_device_sync(scratch.get(), sl.total));
+    // Commit: nothing below fails.
     workspace_ = std::move(ws);
     base_ = workspace_->base;
-    scratch_ = scratch;
+    scratch_ = scratch.release();
     scratch_bytes_ = sl.total;
     for (int r = 0; r < size_; ++r) peer_base_[r] = peers[r];
     const TransportParams args = make_args(*this, scratch_, options_, 0, allow_pdl_);
     combine_targets_ = CombineTargets{};
+    backend_counters_ = args.backend_counters;
+    gated_offsets_ = args.gated_offsets;
+    warmed_up_ = true;
     // The owner reduce sums a token's rows here before one row goes out: no per-row targets.
     if (options_.params.owner_reduce) return Status::ok();
     combine_targets_.pool_dst = args.pool_dst;
@@ -212,8 +231,31 @@ Status EpTransport::warmup(cudaStream_t stream) {
   return st;
 }
 
+Status EpTransport::release(int64_t timeout_ms) {
+  if (released_) return Status::ok();
+  released_ = true;
+  if (!warmed_up_) return Status::ok();  // never took part in a collective allocation
+  CudaDeviceGuard guard(device_);
+  // Every rank here before any deregisters (the deregistration is collective); a rank that does not
+  // come within the bound leaves the group broken and the window to the communicator's teardown.
+  const Status st = gpu_->barrier("release", timeout_ms);
+  warmed_up_ = false;
+  base_ = nullptr;
+  for (void*& p : peer_base_) p = nullptr;
+  combine_targets_ = CombineTargets{};
+  if (scratch_) cudaFree(scratch_);
+  scratch_ = nullptr;
+  {
+    CollectiveReleaseScope scope(st.is_ok() ? gpu_ : nullptr);
+    workspace_.reset();
+  }
+  return st;
+}
+
 Status EpTransport::check_ready(cudaStream_t stream, const char* what) const {
-  if (base_) return Status::ok();
+  if (warmed_up_) return Status::ok();
+  if (released_)
+    return Status(StatusCode::kFailedPrecondition, std::string("EpTransport::") + what + " after release()");
   cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
   if (stream) cudaStreamIsCapturing(stream, &cs);
   return Status(StatusCode::kFailedPrecondition,
@@ -239,7 +281,7 @@ Status EpTransport::check_tokens(const TensorView& ids, const char* what, int64_
 
 namespace {
 TransportParams make_args(const EpTransport& t, void* scratch, const EpTransportOptions& o, int64_t num_tokens,
-                          bool allow_pdl) {
+                          bool allow_pdl, int64_t gate_rows) {
   TransportParams a{};
   const WorkspaceLayout& l = t.layout();
   const ScratchLayout sl = ScratchLayout::make(o.params);
@@ -268,6 +310,9 @@ TransportParams make_args(const EpTransport& t, void* scratch, const EpTransport
   a.token_rows = reinterpret_cast<int32_t*>(s + sl.token_rows);
   a.combine_counters = reinterpret_cast<kernels::CombineCounters*>(s + sl.combine_counters);
   a.allow_pdl = allow_pdl;
+  a.backend_counters = reinterpret_cast<int32_t*>(s + sl.backend_counters);
+  a.gated_offsets = reinterpret_cast<int32_t*>(s + sl.gated_offsets);
+  a.gate_rows = gate_rows;
   return a;
 }
 }  // namespace
@@ -311,10 +356,10 @@ Status EpTransport::dispatch(const TensorView& x, const TensorView& x_scale, con
                                   topk_weights.ptr<float>(), num_sms_, static_cast<cudaStream_t>(stream));
 }
 
-Status EpTransport::build_expert_pool(cudaStream_t stream) {
+Status EpTransport::build_expert_pool(cudaStream_t stream, int64_t gate_rows) {
   MEGAMOE_RETURN_IF_ERROR(check_ready(stream, "build_expert_pool()"));
   MEGAMOE_CUDA_CHECK(cudaSetDevice(device_));
-  const TransportParams args = make_args(*this, scratch_, options_, last_num_tokens_, allow_pdl_);
+  const TransportParams args = make_args(*this, scratch_, options_, last_num_tokens_, allow_pdl_, gate_rows);
   return kernels::launch_expert_pool(args, num_sms_, stream);
 }
 
@@ -371,8 +416,22 @@ Status EpTransport::send_and_combine(const TensorView& expert_out, const TensorV
                                  y.ptr<uint16_t>(), groups, num_sms_, stream);
 }
 
+Status EpTransport::seed_epoch_for_test(uint64_t launches) {
+  MEGAMOE_RETURN_IF_ERROR(check_ready(nullptr, "seed_epoch_for_test()"));
+  CudaDeviceGuard guard(device_);
+  std::vector<uint64_t> cells(static_cast<size_t>(layout_.signals.bytes / 8), 0);
+  for (int s = 0; s < size_; ++s) {
+    uint64_t* row = cells.data() + static_cast<size_t>(s) * WorkspaceLayout::kSignalSlots;
+    row[kernels::kSlotDispatch] = kernels::dispatch_progress(launches);
+    row[kernels::kSlotCombine] = kernels::combine_progress(launches, kernels::kCombineAllRows);
+  }
+  cells[static_cast<size_t>(rank_) * WorkspaceLayout::kSignalSlots + kernels::kLocalEpoch] = launches;
+  MEGAMOE_CUDA_CHECK(upload_sync(static_cast<char*>(base_) + layout_.signals.offset, cells.data(), cells.size() * 8));
+  return Status::ok();
+}
+
 Status EpTransport::check_error(cudaStream_t stream) {
-  if (!base_) return Status::ok();
+  if (!warmed_up_) return Status::ok();
   CudaDeviceGuard guard(device_);
   // Copies on the caller's stream (not the legacy default stream, which would order against, or
   // break the capture of, other threads' work in a one-process multi-rank driver).

@@ -52,6 +52,9 @@ struct EpTransportOptions {
   // send_and_combine(): recv-row groups whose reduce overlaps the later groups' sends, 1..8; 0 = by
   // the token count (default_combine_groups).
   int combine_groups = 0;
+  // Part of the workspace's pool key: transports of equal parameters share a workspace only within
+  // one lane (MoeConfig::workspace_lane).
+  int32_t workspace_lane = 0;
   Status validate() const;
 };
 
@@ -69,15 +72,23 @@ class EpTransport {
   EpTransport& operator=(const EpTransport&) = delete;
 
   // Collective, blocking: device communicator, symmetric workspace, scratch. Refused during CUDA-graph
-  // capture. Idempotent.
+  // capture. Idempotent; a failed warmup keeps nothing and may be retried.
   Status warmup(cudaStream_t stream = nullptr);
-  bool warmed_up() const { return base_ != nullptr; }
+  bool warmed_up() const { return warmed_up_; }
+  // Collective, bounded by timeout_ms (<= 0: MEGAMOE_BARRIER_TIMEOUT_MS): a barrier, then the
+  // scratch and this transport's workspace reference go (the last reference of a workspace
+  // deregisters it collectively). A rank that does not arrive in time: kTimeout, the group is left
+  // broken and the workspace to the communicator's teardown. Afterwards every call is refused.
+  // Without release() the destructor frees the same, but never collectively (never waits for a peer).
+  Status release(int64_t timeout_ms = 0);
 
   // x [T, H] bf16, or e4m3 with x_scale [T, H/128] fp32; topk_ids [T, k] int32; topk_weights [T, k]
   // fp32; all on this rank's device, contiguous. T <= max_tokens_per_rank (refused before launch).
   Status dispatch(const TensorView& x, const TensorView& x_scale, const TensorView& topk_ids,
                   const TensorView& topk_weights, cudaStream_t stream);
-  Status build_expert_pool(cudaStream_t stream);
+  // gate_rows >= 0: also the two gated copies of expert_offsets (gated_offsets()): the second gets
+  // the offsets when the pool's real rows reach gate_rows, the first otherwise, the other one zeros.
+  Status build_expert_pool(cudaStream_t stream, int64_t gate_rows = -1);
   // expert_out [pool_rows, H] fp32 or bf16: the FC2 output of each pool row (before the weight).
   Status combine_send(const TensorView& expert_out, cudaStream_t stream);
   // topk_ids as given to dispatch(); y [T, H] bf16.
@@ -87,6 +98,12 @@ class EpTransport {
   // and the reduce needs no second launch (the backends with a local FC2 output).
   Status send_and_combine(const TensorView& expert_out, const TensorView& topk_ids, const TensorView& y,
                           cudaStream_t stream);
+
+  // Test hook: this rank's copy of the signal cells as if `launches` forwards had run (the launch
+  // epoch, every source's dispatch and combine progress), so tests run forwards across the cells'
+  // wraps (the dispatch cell's at 2^32 launches). Every rank calls it after warmup() and before its
+  // next forward, with the same value, while no forward runs. Synchronous.
+  Status seed_epoch_for_test(uint64_t launches);
 
   // Synchronises `stream`; ok, or kTimeout (stage, peer, expected, seen), or kInvalidArgument (bad
   // topk ids: first bad token, slot, value; the counters are cleared once reported).
@@ -114,6 +131,14 @@ class EpTransport {
   // kernel that runs the transport's device code itself needs (signals, peer bases, workspace layout,
   // scratch). Valid after warmup().
   void kernel_params(int64_t num_tokens, kernels::TransportParams* out) const;
+  // [kernels::kBackendCounterWords] int32 of this transport's scratch that the pool build zeroes
+  // every forward before any later kernel of it: the backend's per-forward counters (the GEMMs' tile
+  // counters). Valid after warmup().
+  int32_t* backend_counters() const { return backend_counters_; }
+  // Copy i (0, 1) of the gated expert offsets ([E_l + 1] int32), see build_expert_pool().
+  const int32_t* gated_offsets(int i) const {
+    return gated_offsets_ ? gated_offsets_ + i * (options_.params.experts_per_rank + 1) : nullptr;
+  }
 
   const WorkspaceLayout& layout() const { return layout_; }
   void* base() const { return base_; }  // this rank's copy of the workspace
@@ -147,6 +172,9 @@ class EpTransport {
   CombineTargets combine_targets_;
   void* peer_base_[kMaxCombinePeers] = {};  // every rank's workspace copy (warmup)
   bool allow_pdl_ = true;
+  bool warmed_up_ = false, released_ = false;
+  int32_t* backend_counters_ = nullptr;
+  int32_t* gated_offsets_ = nullptr;
 };
 
 // Stage names of the transport's waits ("dispatch-done", "combine-done").

@@ -1,5 +1,7 @@
 // Launchers of the combine kernels.
 #include <algorithm>
+#include <atomic>
+#include <string>
 
 #include "core/cuda_check.h"
 #include "kernels/common/pdl.cuh"
@@ -10,6 +12,42 @@ namespace megamoe {
 namespace kernels {
 
 namespace {
+// A cooperative launch (every CTA co-resident), with programmatic dependent launch when `pdl` and
+// the runtime takes both attributes together (else without it, decided once per process).
+template <typename... KernelArgs, typename... Args>
+cudaError_t launch_cooperative(void (*kernel)(KernelArgs...), int grid, int block, cudaStream_t stream, bool pdl,
+                               Args... args) {
+  static std::atomic<bool> pdl_refused{false};
+  cudaLaunchAttribute attrs[2];
+  attrs[0].id = cudaLaunchAttributeCooperative;
+  attrs[0].val.cooperative = 1;
+  attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attrs[1].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(grid));
+  cfg.blockDim = dim3(static_cast<unsigned>(block));
+  cfg.stream = stream;
+  cfg.attrs = attrs;
+  cfg.numAttrs = pdl && !pdl_refused.load() ? 2 : 1;
+  cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, static_cast<KernelArgs>(args)...);
+  if (err != cudaSuccess && err != cudaErrorCooperativeLaunchTooLarge && cfg.numAttrs == 2) {
+    cudaGetLastError();
+    pdl_refused.store(true);
+    cfg.numAttrs = 1;
+    err = cudaLaunchKernelEx(&cfg, kernel, static_cast<KernelArgs>(args)...);
+  }
+  // A runtime that takes no cooperative launch here (capture of one, say): the plain launch, the
+  // grid still capped at the occupancy limit (what ran before the cooperative launch existed).
+  if (err != cudaSuccess && err != cudaErrorCooperativeLaunchTooLarge) {
+    cudaGetLastError();
+    attrs[0] = attrs[1];
+    cfg.numAttrs = pdl ? 1 : 0;
+    err = cudaLaunchKernelEx(&cfg, kernel, static_cast<KernelArgs>(args)...);
+  }
+  if (err != cudaSuccess) cudaGetLastError();
+  return err;
+}
+
 template <typename InT, bool kOwner>
 cudaError_t send_as_mode(const TransportArgs& args, const void* out, int ctas, int parts, cudaStream_t stream) {
   const InT* in = static_cast<const InT*>(out);
@@ -98,8 +136,15 @@ Status launch_fused(const TransportArgs& args, const InT* in, const int32_t* top
   const int ctas = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want_ctas, static_cast<int64_t>(sms) * std::max(per_sm, 1))));
   if (ctas < 2) shape.groups = 1;  // groups need a sending and a reducing CTA
   shape.reducers = shape.groups > 1 ? std::max(1, ctas / 8) : 0;
-  MEGAMOE_CUDA_CHECK(launch_pdl(combine_kernel<kFormat, InT, kOwner>, ctas, kCombineThreads, 0, stream, use_pdl(args),
-                                args, in, topk_ids, y, shape));
+  // Cooperative: the grid starts only once every CTA has an SM (a kernel on another stream, or a
+  // logical peer's, cannot leave some of them waiting for SMs that the others spin on), or is refused.
+  const cudaError_t err = launch_cooperative(combine_kernel<kFormat, InT, kOwner>, ctas, kCombineThreads, stream,
+                                             use_pdl(args), args, in, topk_ids, y, shape);
+  if (err == cudaErrorCooperativeLaunchTooLarge)
+    return Status(StatusCode::kUnavailable,
+                  "the one-kernel combine needs its " + std::to_string(ctas) + " CTAs resident at once on cuda:" +
+                      std::to_string(device) + ", which cannot hold them (refused rather than risk a deadlock)");
+  MEGAMOE_CUDA_CHECK(err);
   return Status::ok();
 }
 

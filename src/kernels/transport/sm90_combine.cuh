@@ -1,6 +1,6 @@
 // Combine kernels of the EP transport (sm_90a).
 //
-// Progress cells: owner r raises [r][kSlotCombine] in source d's copy (red.max) to epoch << 20 |
+// Progress cells: owner r sets [r][kSlotCombine] in source d's copy (ordered stores) to epoch << 20 |
 // bound: every partial of d's tokens whose recv row at r is below `bound` is in d's combine rows;
 // kCombineAllRows: all of them. A source waits for the bound its tokens need (the fused kernel, per
 // token, from the rows dispatch recorded in token_rows) or for all rows.
@@ -108,8 +108,10 @@ __global__ void __launch_bounds__(kCombineThreads)
   if (threadIdx.x == 0) {
     const SignalCtx sig = a.sig;  // a local copy: the wait is not inlined
     const uint64_t epoch = sig.local_epoch();
-    if (blockIdx.x == 0)  // its fence covers the rows this rank sent (earlier kernels)
+    if (blockIdx.x == 0) {  // its fence covers the rows this rank sent (earlier kernels)
+      zero_next_forward_counters(a);
       publish_combine(sig, epoch, [](int) { return kCombineAllRows; });
+    }
     s_ok = wait_combine_all(sig, epoch);
   }
   __syncthreads();
@@ -139,7 +141,8 @@ struct CombineShape {
 //   complete first and the reduce runs behind the sends instead of after them.
 // invariant: every sending CTA takes exactly one ticket per group and every CTA one `done` ticket;
 //   the last taker of each counter returns it to zero (the next launch is stream-ordered).
-// invariant: the grid is co-resident (the launcher caps it at the occupancy limit): waiting CTAs
+// invariant: the grid is co-resident (the launcher caps it at the occupancy limit and launches it
+//   cooperatively: it starts only once every CTA has an SM, beside whatever else runs): waiting CTAs
 //   spin until CTAs of this and the other ranks have sent, so a CTA that never got an SM would hang
 //   the group (the bounded wait would report it as a timeout).
 template <int kFormat, typename InT, bool kOwner>
@@ -148,6 +151,7 @@ __global__ void __launch_bounds__(kCombineThreads)
                    uint16_t* __restrict__ y, CombineShape shape) {
   __shared__ bool s_ok;
   pdl_enter();  // launched with launch_pdl (sm90_combine.cu); see pdl.cuh on co-residency
+  if (blockIdx.x == 0 && threadIdx.x == 0) zero_next_forward_counters(a);
   if (shape.groups <= 1) {
     combine_send_rows<kFormat, InT, kOwner>(a, expert_out, shape.send_parts);  // ends with a barrier; thread 0 fenced
     if (threadIdx.x == 0) {
@@ -237,9 +241,15 @@ __global__ void __launch_bounds__(kCombineThreads)
           cc->group_ticket[g] = 0;
           const SignalCtx sig = a.sig;
           const bool last = g == G - 1;
-          publish_combine(sig, epoch, [&](int s) {
-            return last ? kCombineAllRows : static_cast<uint64_t>(((g + 1) * static_cast<int64_t>(counts[s]) + G - 1) / G);
-          });
+          // Group g's publish after group g - 1's (their stores to one cell must not reorder): its
+          // last sender finished group g - 1 first, so that publisher is running; a local wait.
+          if (g == 0 || wait_local_at_least(sig, &cc->published, static_cast<uint64_t>(g), kStageCombineDone)) {
+            publish_combine(sig, epoch, [&](int s) {
+              return last ? kCombineAllRows : static_cast<uint64_t>(((g + 1) * static_cast<int64_t>(counts[s]) + G - 1) / G);
+            });
+            fence_acq_rel_sys();  // the stores above before the next group's (through `published`)
+            st_release_gpu(&cc->published, static_cast<uint64_t>(g + 1));
+          }
         }
       }
     }
@@ -274,6 +284,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   if (threadIdx.x == 0 && atomic_add_acq_rel_gpu(reinterpret_cast<uint64_t*>(&cc->done), 1) + 1 == gridDim.x) {
     cc->next_token = 0;
     cc->done = 0;
+    cc->published = 0;
   }
 }
 

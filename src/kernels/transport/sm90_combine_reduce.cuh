@@ -198,21 +198,19 @@ __device__ __forceinline__ void combine_reduce_tokens(const TransportArgs& a, co
   }
 }
 
-// Progress cell values (see the top of this file).
-constexpr int kCombineBoundBits = 20;
-constexpr uint64_t kCombineAllRows = (uint64_t(1) << kCombineBoundBits) - 1;  // > any recv row (T_max <= 65535)
-__device__ __forceinline__ uint64_t combine_progress(uint64_t epoch, uint64_t bound) {
-  return epoch << kCombineBoundBits | bound;
-}
+// Progress cell values: combine_progress() (sm90_launch.h).
 
-// Raises [me][kSlotCombine] in every rank's copy to (epoch, bound(s)) for source s, with release
-// semantics: one fence, then relaxed reductions (as signal_all_ranks; a red.release.sys per rank
-// would wait for the previous rank's update to land before issuing the next).
+// Sets [me][kSlotCombine] in every rank's copy to (epoch, bound(s)) for source s, with release
+// semantics: one fence, then relaxed stores (as signal_all_ranks). Stores, not a max: the cell runs
+// forwards modulo 2^64 (cell_position), which a max would not follow across the wrap.
+// invariant: one rank's publishes of one epoch are ordered (one publisher, or the groups' publishers
+// in group order: combine_kernel), and epoch e + 1's come after every rank has seen epoch e's (its
+// dispatch needs theirs), so every cell only runs forwards.
 template <typename Bound>
 __device__ __forceinline__ void publish_combine(const SignalCtx& sig, uint64_t epoch, Bound bound) {
   fence_acq_rel_sys();
   for (int s = 0; s < sig.num_ranks; ++s)
-    red_max_relaxed_sys(sig.peer_cell(s, sig.rank, kSlotCombine), combine_progress(epoch, bound(s)));
+    st_relaxed_sys(sig.peer_cell(s, sig.rank, kSlotCombine), combine_progress(epoch, bound(s)));
 }
 
 // Until owner r has published at least `bound` for this rank (this epoch). One thread.

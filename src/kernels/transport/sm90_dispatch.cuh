@@ -489,7 +489,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 2)
   const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(epoch_cell) + 1;
   *reinterpret_cast<volatile uint64_t*>(epoch_cell) = epoch;  // read by later kernels (stream order)
   const SignalCtx sig = a.sig;  // a local copy: the wait is not inlined
-  wait_all_sources(sig, kSlotDispatch, epoch << 32, (epoch + 1) << 32, kStageDispatchDone, 32);
+  wait_all_sources(sig, kSlotDispatch, dispatch_progress(epoch), dispatch_progress(epoch + 1), kStageDispatchDone, 32);
 }
 
 }  // namespace kernels

@@ -107,6 +107,13 @@ __global__ void __launch_bounds__(kPoolOffsetsThreads) pool_offsets_kernel(Trans
   const int32_t* recv_counts = a.own<int32_t>(a.layout.recv_token_counts);
   int32_t* offsets = a.own<int32_t>(a.layout.expert_offsets);
   int32_t* expert_counts = a.own<int32_t>(a.layout.recv_expert_counts);
+  // This forward's later kernels' counters (the GEMMs', the combine's) start from zero whatever an
+  // earlier forward left (sm90_launch.h); no later kernel of the forward runs before this one ends.
+  if (blockIdx.x == 0) {
+    if (threadIdx.x < kBackendCounterWords && a.backend_counters) a.backend_counters[threadIdx.x] = 0;
+    if (threadIdx.x == 32) *a.sig.own_cell(a.sig.rank, kLocalCombineTicket) = 0;
+    if (threadIdx.x == 64) *a.combine_counters = CombineCounters{};
+  }
 
   // A warp per expert: exclusive bases over (source, chunk) in place, 32 chunks per warp scan.
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * warps_per_cta + warp; e < El;
@@ -165,6 +172,16 @@ __global__ void __launch_bounds__(kPoolOffsetsThreads) pool_offsets_kernel(Trans
       end = a.layout.pool_rows;
     }
     offsets[El] = static_cast<int32_t>(end);
+    s_carry = end;
+  }
+  if (a.gate_rows < 0) return;
+  // The tile bucket on the device: the copy for the larger tiles gets the offsets when the pool's real
+  // rows reach gate_rows, the other one zeros (its kernel finds no rows).
+  __syncthreads();
+  const int chosen = gated_copy_for(s_carry, a.gate_rows);
+  for (int64_t e = threadIdx.x; e <= El; e += blockDim.x) {
+    a.gated_offsets[chosen * (El + 1) + e] = e < El ? offsets[e] : static_cast<int32_t>(s_carry);
+    a.gated_offsets[(1 - chosen) * (El + 1) + e] = 0;
   }
 }
 

@@ -35,6 +35,18 @@ enum SignalSlot : int {
   kLocalCombineTicket = 10,  // blocks of combine_kernel that finished sending (last one resets it)
   kLocalPoolTicket = 11,     // blocks of pool_offsets_kernel that finished (last one resets it)
 };
+// invariant: every per-launch counter (the tickets above, DispatchAccum, CombineCounters, the
+// backend's counters) is also re-zeroed once per forward by a kernel that runs strictly between two
+// of its uses (the pool build zeroes the combine's and the backend's, the combine the dispatch's and
+// the pool build's), so a counter left off zero (a launch that died, a misuse) spoils one forward at
+// most, never every later one.
+
+// Combine progress cell values (sm90_combine.cuh): epoch << kCombineBoundBits | bound, modulo 2^64.
+constexpr int kCombineBoundBits = 20;
+constexpr uint64_t kCombineAllRows = (uint64_t(1) << kCombineBoundBits) - 1;  // > any recv row (T_max <= 65535)
+MEGAMOE_HD uint64_t combine_progress(uint64_t epoch, uint64_t bound) { return epoch << kCombineBoundBits | bound; }
+// Dispatch cell value once `launches` dispatches of a source have completed, modulo 2^64.
+MEGAMOE_HD uint64_t dispatch_progress(uint64_t launches) { return launches << 32; }
 
 // WaitError::flag values.
 enum WaitErrorKind : int32_t {
@@ -69,6 +81,7 @@ struct CombineCounters {
   uint64_t group_ticket[kMaxCombineGroups];  // sending CTAs done with group g
   unsigned long long next_token;             // the next token a reducing warp takes
   unsigned long long done;                   // CTAs finished
+  uint64_t published;                        // groups whose progress is published (in group order)
 };
 
 struct SignalParams {
@@ -104,12 +117,24 @@ struct TransportParams {
   int32_t* token_rows;           // [T_max, R] this rank's token t's recv row at owner r (-1: none), by dispatch
   CombineCounters* combine_counters;
   bool allow_pdl;  // programmatic dependent launch for small launches (off on a shared device)
+  // The backend's per-forward counters ([kBackendCounterWords] int32, per layer: the GEMMs' tile
+  // counters), zeroed by the pool build every forward before any later kernel of it runs.
+  int32_t* backend_counters;
+  // gate_rows >= 0: the pool build also writes expert_offsets into gated_offsets + (real rows >=
+  // gate_rows ? E_l + 1 : 0) and zeros into the other copy ([2][E_l + 1] int32), so of two kernels
+  // launched one on each copy exactly one has rows (the tile bucket chosen on the device).
+  int32_t* gated_offsets;
+  int64_t gate_rows;
 };
+
+constexpr int kBackendCounterWords = 8;
 
 // Dispatch: one fused layout + copy kernel for `mode`, shaped for `num_sms` SMs.
 Status launch_dispatch(const TransportParams& params, int mode, const void* x, const float* x_scale,
                        const int32_t* topk_ids, const float* topk_weights, int num_sms, cudaStream_t stream);
 Status launch_expert_pool(const TransportParams& params, int num_sms, cudaStream_t stream);
+// The pool build's choice between the two gated copies of expert_offsets (gate_rows >= 0), for tests.
+MEGAMOE_HD int gated_copy_for(int64_t real_rows, int64_t gate_rows) { return real_rows >= gate_rows ? 1 : 0; }
 // expert_out: fp32 when out_is_fp32, else bf16. Grids are shaped for `num_sms` SMs.
 Status launch_combine_send(const TransportParams& params, const void* expert_out, bool out_is_fp32, int num_sms,
                            cudaStream_t stream);

@@ -30,6 +30,9 @@ struct TransportArgs {
   int32_t* token_rows;
   CombineCounters* combine_counters;
   bool allow_pdl;
+  int32_t* backend_counters;
+  int32_t* gated_offsets;
+  int64_t gate_rows;
   ExactDiv16 el_div;  // n / experts_per_rank: the owner rank of expert n, the rank of a (rank, expert) index
 
   static TransportArgs from(const TransportParams& p) {
@@ -50,6 +53,9 @@ struct TransportArgs {
     a.token_rows = p.token_rows;
     a.combine_counters = p.combine_counters;
     a.allow_pdl = p.allow_pdl;
+    a.backend_counters = p.backend_counters;
+    a.gated_offsets = p.gated_offsets;
+    a.gate_rows = p.gate_rows;
     a.el_div = ExactDiv16::make(static_cast<uint32_t>(p.layout.params.experts_per_rank));
     return a;
   }
@@ -64,6 +70,13 @@ __device__ __forceinline__ int64_t hidden() const { return layout.params.hidden;
     return reinterpret_cast<T*>(sig.own_base + r.offset);
   }
 };
+
+// Counters the next forward's dispatch and pool build use: zeroed by the combine (one thread).
+__device__ __forceinline__ void zero_next_forward_counters(const TransportArgs& a) {
+  *a.sig.own_cell(a.sig.rank, kLocalDispatchTicket) = 0;
+  *a.sig.own_cell(a.sig.rank, kLocalPoolTicket) = 0;
+  *a.dispatch_accum = DispatchAccum{};
+}
 
 // Programmatic dependent launch for this launch (pdl.cuh): small launches, where allowed.
 inline bool use_pdl(const TransportArgs& a) { return a.allow_pdl && pdl_wanted(a.num_tokens); }

@@ -1,0 +1,92 @@
+// The routed backend's grouped-GEMM arguments (make_routed_gemm_args) through the real
+// validate_grouped_gemm, for the presets' geometries at EP 1 / 2 / 8 and odd max_tokens_per_rank: the
+// pool's scale leading dimension is its row count, which must be a multiple of 4 (top-2 at T_max = 1
+// and top-6 at T_max = 33 were refused at warmup). No GPU: any 16-byte aligned addresses do.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <string>
+
+#include "core/backends.h"
+#include "kernels/routed/routed_gemm_args.h"
+#include "megamoe/workspace.h"
+
+namespace megamoe {
+namespace {
+
+struct Preset {
+  const char* name;
+  int64_t hidden, intermediate, experts, top_k;
+};
+
+const Preset kPresets[] = {{"deepseek-v3", 7168, 2048, 256, 8},    {"deepseek-v4-flash", 4096, 2048, 256, 6},
+                           {"qwen3-235b-a22b", 4096, 1536, 128, 8}, {"qwen3-30b-a3b", 2048, 768, 128, 8},
+                           {"mixtral-8x7b", 4096, 14336, 8, 2},     {"tiny", 512, 256, 16, 4}};
+
+RoutedGemmBuffers fake_buffers(const MoeGeometry& g) {
+  RoutedGemmBuffers b;
+  char* const addr = reinterpret_cast<char*>(uintptr_t(1) << 40);
+  b.workspace = addr;
+  b.w13 = b.w2 = addr;
+  b.w13_scales = b.w2_scales = b.a_scales = reinterpret_cast<float*>(addr);
+  b.expert_out = addr;
+  b.tile_counters = reinterpret_cast<int32_t*>(addr);
+  b.pool_dst = reinterpret_cast<int32_t*>(addr);
+  b.pool_weight = reinterpret_cast<float*>(addr);
+  b.num_ranks = static_cast<int>(g.ep_size);
+  b.rows_per_rank = g.max_tokens_per_rank * g.top_k;
+  for (int r = 0; r < b.num_ranks; ++r) b.peer_combine[r] = addr;
+  return b;
+}
+
+TEST(RoutedGemmArgs, EveryPresetAtOddMaxTokensValidates) {
+  int checked = 0;
+  for (const Preset& p : kPresets) {
+    for (int64_t ep : {1, 2, 8}) {
+      if (p.experts % ep != 0) continue;
+      for (int64_t t_max : {1, 2, 3, 7, 33, 127, 1000, 4095}) {
+        for (bool bf16 : {false, true}) {
+          for (CombineDtype wire : {CombineDtype::kBf16, CombineDtype::kMxfp8}) {
+            MoeGeometry g;
+            g.hidden = p.hidden;
+            g.intermediate = p.intermediate;
+            g.num_experts = p.experts;
+            g.top_k = p.top_k;
+            g.ep_size = ep;
+            g.max_tokens_per_rank = t_max;
+            MoeConfig c;
+            c.combine_dtype = wire;
+            if (bf16) {
+              c.weight_format = WeightFormat::kBf16;
+              c.dispatch_format = DispatchFormat::kBf16;
+            }
+            const WorkspaceLayout l = WorkspaceLayout::make(workspace_params(g, c));
+            gemm::GroupedGemmArgs fc1, fc2;
+            const Status st = make_routed_gemm_args(g, c, l, fake_buffers(g), 0, &fc1, &fc2);
+            ASSERT_TRUE(st.is_ok()) << p.name << " EP" << ep << " T_max " << t_max << (bf16 ? " bf16" : " fp8")
+                                    << " pool_rows " << l.pool_rows << ": " << st.to_string();
+            EXPECT_EQ(fc1.ld_a_scales % 4, 0);
+            EXPECT_TRUE(routed_format_gate(g, c).is_ok()) << p.name << " EP" << ep << " T_max " << t_max;
+            ++checked;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_GT(checked, 200);
+}
+
+TEST(RoutedGemmArgs, TheBucketHintFollowsTheRowsReceived) {
+  MoeGeometry g;
+  g.hidden = 7168;
+  g.intermediate = 2048;
+  g.num_experts = 256;
+  g.top_k = 8;
+  g.ep_size = 2;  // 128 local experts
+  EXPECT_EQ(routed_rows_per_expert(g, 0), 1);
+  EXPECT_EQ(routed_rows_per_expert(g, 128 * 64), 64 + 16);  // mean 64: + 2 sqrt(64)
+  EXPECT_GT(routed_rows_per_expert(g, 2 * 8192 * 8), routed_rows_per_expert(g, 8 * 8));
+}
+
+}  // namespace
+}  // namespace megamoe

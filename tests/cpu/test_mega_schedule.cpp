@@ -67,7 +67,8 @@ TEST(MegaSchedule, ScratchHoldsEveryMBlockCounter) {
   const MegaScratchLayout s = MegaScratchLayout::make(P, El, 64);
   EXPECT_EQ(s.max_m_blocks, P / 16 + El);
   EXPECT_GE(s.expert_fill - s.counters, 64);
-  EXPECT_GE(s.fc1_done - s.expert_fill, El * 4);
+  EXPECT_GE(s.expert_placed - s.expert_fill, El * 4);
+  EXPECT_GE(s.fc1_done - s.expert_placed, El * 4);
   EXPECT_GE(s.total - s.fc1_done, s.max_m_blocks * 4);
   for (int bm : kMegaBlockMs) EXPECT_LE(mega_max_m_blocks(P, El, bm), s.max_m_blocks);
   std::mt19937 rng(3);

@@ -73,7 +73,8 @@ inline int64_t mega_max_m_blocks(int64_t pool_rows, int64_t experts, int block_m
 // Local (non-symmetric) scratch of a mega layer, in bytes from its base (256-byte aligned pieces).
 struct MegaScratchLayout {
   int64_t counters = 0;     // MegaCounters
-  int64_t expert_fill = 0;  // int32 [E_l]: rows placed so far per local expert
+  int64_t expert_fill = 0;  // int32 [E_l]: rows claimed so far per local expert (their pool slot)
+  int64_t expert_placed = 0;  // int32 [E_l]: rows copied into the pool per local expert (FC1 waits on it)
   int64_t fc1_done = 0;     // int32 [max m-blocks at BLOCK_M 16]: FC1 tiles done per m-block, x math warps
   int64_t max_m_blocks = 0;
   int64_t total = 0;
@@ -87,6 +88,7 @@ struct MegaScratchLayout {
     s.max_m_blocks = mega_max_m_blocks(pool_rows, experts_per_rank, 16);
     take(&s.counters, counters_bytes);
     take(&s.expert_fill, experts_per_rank * 4);
+    take(&s.expert_placed, experts_per_rank * 4);
     take(&s.fc1_done, s.max_m_blocks * 4);
     s.total = cur;
     return s;

@@ -210,6 +210,7 @@ Status launch_mega(const MegaPlan& plan, const MegaForwardArgs& f, cudaStream_t 
   char* scratch = static_cast<char*>(pa.scratch);
   a.ctr = reinterpret_cast<MegaCounters*>(scratch + plan.scratch.counters);
   a.expert_fill = reinterpret_cast<int32_t*>(scratch + plan.scratch.expert_fill);
+  a.expert_placed = reinterpret_cast<int32_t*>(scratch + plan.scratch.expert_placed);
   a.fc1_done = reinterpret_cast<int32_t*>(scratch + plan.scratch.fc1_done);
   a.max_m_blocks = static_cast<int32_t>(mega_max_m_blocks(pa.transport.layout.pool_rows, wp.experts_per_rank, bm));
   a.trace = f.trace;

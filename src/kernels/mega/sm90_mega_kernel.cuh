@@ -15,10 +15,15 @@
 //                warps take (recv row, slot) items and place each row expert-major in pool_x at
 //                offsets[e] + atomicAdd(fill[e]) with its scales written M-major (pool_x_scales[kb *
 //                ld_pool + p]: FC1 reads them by TMA as they are, no transpose kernel), and where FC2's
-//                partial goes (pool_dst, pool_weight). Then a grid barrier (B3, bounded).
+//                partial goes (pool_dst, pool_weight); each placed row bumps expert_placed[e]
+//                (release). No grid barrier: every CTA has the counts, builds the GEMMs' scheduler
+//                tables from them in shared memory and starts its tiles; an FC1 tile waits for its own
+//                expert's rows only. Meanwhile each CTA's first FC1 weight tile is prefetched into L2.
 //   GEMM (warp-specialised from here on; setmaxnreg as the grouped GEMM):
 //     producer   one thread takes tiles u = 0, 1, ... from the tile counter (CTA i's first is i):
-//                u < T1 is FC1 tile u, else FC2 tile u - T1; before an FC2 tile it waits (bounded,
+//                u < T1 is FC1 tile u, else FC2 tile u - T1; before an expert's first FC1 tile it waits
+//                (bounded, abort-aware) until expert_placed[e] reaches the expert's rows, then a global
+//                proxy fence; before an FC2 tile it waits (bounded,
 //                abort-aware) until every FC1 n-block of its m-block is done (fc1_done[mb] ==
 //                nb1 * math warps), then a global proxy fence so TMA reads what generic stores wrote;
 //                then produce_tile (the grouped GEMM's building block). After the last: the end marker.
@@ -37,12 +42,13 @@
 // dependencies (FC1 tiles of its m-block, all < T1 <= u) completed, so the producer issues u's loads
 // (it has issued every load of its CTA's earlier tiles before it blocks); the math warpgroups then
 // finish u (its epilogue waits on nothing). Contradiction: every tile completes, then every CTA
-// reaches the ticket. A producer whose wait fails (timeout, abort) still posts the end marker, so
+// reaches the ticket. The FC1 tiles' wait for placed rows depends on no tile: every CTA places its
+// share of the rows in its prologue, before its first tile, so every expert_placed count completes. A producer whose wait fails (timeout, abort) still posts the end marker, so
 // its math warpgroups leave the ring and nothing inside the CTA hangs.
 //
 // Counters: the cross-rank cells are the transport's (epoch-tagged, only grow, compared with the
-// epoch); local ones are zero at rest: fill and fc1_done are zeroed in the prologue before B1 and used
-// after it, the grid barrier, the tile counter and the CTA ticket return to zero with their last user.
+// epoch); local ones are zero at rest: fill, placed and fc1_done are zeroed in the prologue before B1
+// (which every CTA of the rank passes only once all of them signalled) and used after it, the grid barrier, the tile counter and the CTA ticket return to zero with their last user.
 // The count bank [(epoch + 1) & 1] is zeroed here for the next launch: its sources write it only after
 // this rank's combine signal of this launch, which follows the zeroing. No host reset, no exit barrier.
 #pragma once
@@ -72,7 +78,7 @@ using kernels::TransportArgs;
 enum MegaTraceWord : int {
   kTraceStart = 0,
   kTraceDispatched = 1,  // B1 passed: every source's rows are here
-  kTracePlaced = 2,      // B3 passed: the pool is built
+  kTracePlaced = 2,      // this CTA placed its share of the rows
   kTraceFc1Done = 3,     // this CTA's last FC1 epilogue finished (0: none)
   kTraceGemmDone = 4,    // the math warpgroups saw the end marker
   kTraceCombineIn = 5,   // every owner's partials of this rank's tokens are here
@@ -113,7 +119,8 @@ struct MegaArgs {
   int32_t counts_int64;
   int64_t ld_pool;                // M-major stride of pool_x_scales and intermediate_scales (rows)
   MegaCounters* ctr;
-  int32_t* expert_fill;           // [E_l]
+  int32_t* expert_fill;           // [E_l]: rows claimed (their pool slot) per local expert
+  int32_t* expert_placed;         // [E_l]: rows copied into the pool per local expert
   int32_t* fc1_done;              // [max_m_blocks]
   int32_t max_m_blocks;
   int32_t pad;
@@ -123,6 +130,7 @@ struct MegaArgs {
 // Stage ids of the kernel's own waits (the transport's are kStageDispatchDone / kStageCombineDone).
 constexpr int32_t kStageGridBarrier = kernels::kStageMegaGrid;
 constexpr int32_t kStageFc1Rows = kernels::kStageMegaFc1;
+constexpr int32_t kStageRowsPlaced = kernels::kStageMegaPlaced;
 
 __device__ __forceinline__ uint32_t ld_acquire_gpu_u32(const uint32_t* p) {
   uint32_t v;
@@ -279,14 +287,22 @@ struct MegaWeightPrefetch {
   int32_t block_k_bytes;       // 128
   int32_t block_k;             // elements per K block (128 fp8, 64 bf16)
 };
+// Where the prologue writes the GEMMs' scheduler tables (the carve's, as build_schedule would).
+struct MegaTables {
+  int32_t* row_begin;       // [E_l]
+  int32_t* num_rows;        // [E_l]
+  int32_t* m_block_prefix;  // [E_l + 1]
+};
+
 // K blocks of the first tile prefetched per CTA: 6 x 32 KiB x 132 CTAs ~ 25 MiB, half of L2.
 constexpr int kMegaPrefetchKBlocks = 6;
 
-// Prologue: dispatch (B1) and placement (B3). Returns false, in every CTA alike, when a wait failed
-// (recorded in the error cell) anywhere before B3.
+// Prologue: dispatch (B1), placement (each row counted in expert_placed as it lands) and the
+// scheduler tables (`tables`' arrays, from the counts). Returns false when this CTA's dispatch wait
+// failed (recorded; its abort makes every other wait of the group give up promptly).
 template <int kThreads, bool kFp8Wire, int kBlockM>
 __device__ __forceinline__ bool mega_prologue(const MegaArgs& a, MegaPrologueSmem<kThreads>& s, uint64_t epoch,
-                                              const MegaWeightPrefetch& wp) {
+                                              const MegaWeightPrefetch& wp, const MegaTables& tables) {
   const TransportArgs& tr = a.tr;
   const SignalCtx& sig = tr.sig;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
@@ -298,7 +314,7 @@ __device__ __forceinline__ bool mega_prologue(const MegaArgs& a, MegaPrologueSme
   // Local counters of this launch, and the next launch's count bank, zeroed before this CTA's
   // dispatch signal (so before B1 completes anywhere).
   const int64_t gtid = static_cast<int64_t>(blockIdx.x) * kThreads + tid, gthreads = int64_t(gridDim.x) * kThreads;
-  for (int64_t i = gtid; i < El; i += gthreads) a.expert_fill[i] = 0;
+  for (int64_t i = gtid; i < El; i += gthreads) a.expert_fill[i] = a.expert_placed[i] = 0;
   for (int64_t i = gtid; i < a.max_m_blocks; i += gthreads) a.fc1_done[i] = 0;
   for (int64_t i = gtid; i < R * El; i += gthreads) counts_base[(bank ^ 1u) * R * El + i] = 0;
   for (int64_t e = tid; e < E; e += kThreads) s.hist[e] = 0;
@@ -389,7 +405,7 @@ __device__ __forceinline__ bool mega_prologue(const MegaArgs& a, MegaPrologueSme
     }
   }
   __syncthreads();
-  if (blockIdx.x == 0) {  // the GEMMs' expert_offsets (read by every CTA's scheduler tables after B3)
+  if (blockIdx.x == 0) {  // expert_offsets for the staged send (read after its grid barrier)
     int32_t* offsets = tr.own<int32_t>(tr.layout.expert_offsets);
     for (int64_t e = tid; e <= El; e += kThreads) offsets[e] = s.offsets[e];
     // EPLB receive counts (the caller reads and zeroes them; launches are stream-ordered).
@@ -458,13 +474,24 @@ __device__ __forceinline__ bool mega_prologue(const MegaArgs& a, MegaPrologueSme
       // the owner reduce's sums read the slot's weight from the row's metadata (owner_slots)
       if (recv_pool_row != nullptr) const_cast<int32_t*>(meta)[1 + k + j] = __float_as_int(w);
     }
+    // The row is in the pool: release it to the FC1 producers of its expert (every lane's stores,
+    // the proxy fence for their TMA loads, then one count).
+    fence_proxy_async_global();
+    __syncwarp();
+    fence_acq_rel_gpu();
+    red_add_relaxed_gpu_s32_if(lane == 0, a.expert_placed + e, 1);
   }
-  fence_proxy_async_global();  // FC1's TMA loads read the rows and scales these stores wrote
-  grid_barrier(a.ctr, sig, &s.ok);
+  // The GEMMs' scheduler tables from this launch's counts (the grouped GEMM builds them from
+  // expert_offsets in global memory; here every CTA has them in shared memory already, so no barrier
+  // is needed before its first tile: an FC1 tile waits for its own expert's rows instead).
+  for (int64_t e = tid; e < El; e += kThreads) {
+    tables.row_begin[e] = s.offsets[e];
+    tables.num_rows[e] = s.counts[e];
+  }
+  for (int64_t e = tid; e <= El; e += kThreads) tables.m_block_prefix[e] = s.m_blocks[e];
+  __syncthreads();
   if (a.trace != nullptr && tid == 0) a.trace[blockIdx.x * kMegaTraceWords + kTracePlaced] = kernels::globaltimer_ns();
-  // Every failure so far is in the error cell, visible to every CTA after the barrier: the same
-  // answer in every CTA (a CTA deciding alone would leave its tiles untaken).
-  return dispatched && *reinterpret_cast<volatile int32_t*>(&sig.error_cell->flag) == 0;
+  return dispatched;
 }
 
 // Per-warp shared staging of the staged send (kMaxWarps: the most math warps a CTA has).
@@ -593,7 +620,15 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
   const uint64_t epoch = sig.local_epoch() + 1;
 
   const MegaWeightPrefetch prefetch{&tmap_b1, p1.n, p1.k, Cfg::kBlockKBytes, Cfg::kBlockK};
-  const bool ok = mega_prologue<kThreads, Cfg::kFp8, Cfg::kBlockM>(a, ps, epoch, prefetch);  // ends with a CTA barrier
+  const MegaTables tables{sm.row_begin, sm.num_rows, sm.m_block_prefix};  // the carve's, not the B ring's
+  gemm::GroupedSchedule sched1;
+  sched1.row_begin = sm.row_begin;
+  sched1.num_rows = sm.num_rows;
+  sched1.m_block_prefix = sm.m_block_prefix;
+  sched1.num_experts = p1.num_experts;
+  sched1.num_n_blocks = p1.n / Cfg::kBlockN;
+  sched1.block_m = Cfg::kBlockM;
+  const bool ok = mega_prologue<kThreads, Cfg::kFp8, Cfg::kBlockM>(a, ps, epoch, prefetch, tables);  // ends with a barrier
 
   if (threadIdx.x == 0) {
     gemm::init_barriers<Cfg>(sm);  // after the prologue's use of the ring (its proxy fence included)
@@ -606,13 +641,14 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
       gemm::ptx::tma_prefetch_desc(&tmap_sfa2);
     }
   }
-  const gemm::GroupedSchedule sched1 = gemm::build_schedule<Cfg>(sm, p1, p1.n / Cfg::kBlockN);  // __syncthreads inside
+  __syncthreads();  // the barriers are initialised
   gemm::GroupedSchedule sched2 = sched1;
   sched2.num_n_blocks = p2.n / Cfg::kBlockN;
   // Warp-uniform by a shuffle (values from shared memory are per-lane to ptxas; a loop exit on one
-  // moved the K loop's ring position out of the uniform registers). A failed prologue (a dead group:
-  // every CTA sees the same error after B3) runs no tiles: its producer posts the end marker at once
-  // (gating the counts instead cost the K loops their uniform registers too: +35 instructions).
+  // moved the K loop's ring position out of the uniform registers). A CTA whose dispatch wait failed
+  // runs no tiles: its producer posts the end marker at once (gating the counts instead cost the K
+  // loops their uniform registers too: +35 instructions); the abort it raised ends the other CTAs'
+  // waits for its tiles promptly.
   const int32_t fc1_tiles = warp_broadcast(sched1.num_tiles());
   const int32_t num_tiles = fc1_tiles + warp_broadcast(sched2.num_tiles());
   const int32_t fc1_expect = sched1.num_n_blocks * kMathWarps;  // fc1_done of a complete m-block
@@ -622,11 +658,21 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
   if (wg == Cfg::kNumMathWG) {
     gemm::ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
     if (threadIdx.x % 128 == 0) {
-      fence_proxy_async_global();  // the placement's generic stores (released by B3), before TMA reads them
+      int32_t placed_expert = -1;  // the last expert whose rows this producer saw placed
       // A failed prologue runs no tiles (the math warpgroups get the end marker at once).
       for (int32_t t = ok ? gemm::next_tile(p1, -1) : num_tiles; t < num_tiles; t = gemm::next_tile(p1, t)) {
         if (t < fc1_tiles) {
           const gemm::GroupedTile tile = sched1.tile(t);
+          if (tile.expert != placed_expert) {  // the expert's rows are all in the pool (bounded wait)
+            const int32_t* placed = a.expert_placed + tile.expert;
+            const int32_t rows = sched1.num_rows[tile.expert];
+            if (!wait_local(
+                    sig, kStageRowsPlaced, uint64_t(rows), [&] { return ld_acquire_gpu_s32(placed) >= rows; },
+                    [&] { return uint64_t(ld_acquire_gpu_s32(placed)); }))
+              break;  // recorded and aborted; the end marker below releases the math warpgroups
+            fence_proxy_async_global();  // the placement's generic stores, before these TMA loads
+            placed_expert = tile.expert;
+          }
           gemm::produce_tile<Cfg, false>(sm, pipe, t, tile, p1, &tmap_a1, &tmap_b1, &tmap_sfa1, 0);
         } else {
           const gemm::GroupedTile tile = sched2.tile(t - fc1_tiles);

@@ -87,6 +87,7 @@ const char* transport_stage_name(int32_t stage) {
     case kernels::kStageCombineDone: return "combine-done";
     case kernels::kStageMegaGrid: return "mega-grid-barrier";
     case kernels::kStageMegaFc1: return "mega-fc1-rows";
+    case kernels::kStageMegaPlaced: return "mega-rows-placed";
     default: return "unknown-stage";
   }
 }

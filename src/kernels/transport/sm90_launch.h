@@ -22,7 +22,14 @@ enum DispatchMode : int { kBf16ToFp8 = 0, kFp8Copy = 1, kBf16Copy = 2, kFp8ToBf1
 
 // Stage ids shared with the CPU reference (reference::ProtocolStage).
 // The mega kernel's own waits: a grid barrier of its CTAs, and an FC2 tile waiting for its FC1 rows.
-enum TransportStage : int32_t { kStageDispatchDone = 3, kStageCombineDone = 4, kStageMegaGrid = 5, kStageMegaFc1 = 6 };
+// (and an FC1 tile waiting for its expert's rows to be placed in the pool).
+enum TransportStage : int32_t {
+  kStageDispatchDone = 3,
+  kStageCombineDone = 4,
+  kStageMegaGrid = 5,
+  kStageMegaFc1 = 6,
+  kStageMegaPlaced = 7,
+};
 
 // Cells of the signals region (uint64 [R][WorkspaceLayout::kSignalSlots]); see sm90_signals.cuh.
 enum SignalSlot : int {

@@ -104,10 +104,12 @@ __device__ __forceinline__ void dispatch_layout(const TransportArgs& a, const in
   }
   __syncthreads();
 
-  // Tokens before the chunk, per destination (redundant across CTAs; the ids come from L2).
+  // Tokens before the chunk, per destination (redundant across CTAs; the ids come from L2). A fused
+  // kernel's grid may hold CTAs past the last token (t_lo >= T): their "before" is every token.
   unsigned long long packed0 = 0, packed1 = 0;
+  const int64_t t_before = t_lo < a.num_tokens ? t_lo : a.num_tokens;
 #pragma unroll 4
-  for (int64_t t = tid; t < t_lo; t += blockDim.x) {
+  for (int64_t t = tid; t < t_before; t += blockDim.x) {
     const uint32_t m = token_dest_mask(topk_ids + t * k, k, E, a.el_div);
     packed0 += spread4(m & 0xFu);
     packed1 += spread4(m >> 4);

@@ -18,6 +18,8 @@ namespace megamoe {
 
 // Hidden and intermediate sizes must be multiples of this (one fp8 1x128 scale block).
 constexpr int64_t kDimAlignment = 128;
+// MoeConfig::mega_max_tokens_per_rank unless set (a measured crossover from the knob cache replaces it).
+constexpr int64_t kDefaultMegaMaxTokensPerRank = 1024;
 
 struct MoeGeometry {
   int64_t hidden = 0;                // H
@@ -62,13 +64,17 @@ struct Knobs {
   // CTAs per cluster of the fp8 GEMM's 128 x 256 tiles: 2 = pairs of CTAs sharing each weight tile by
   // TMA multicast, 1 = none, 0 = the heuristic's choice (2 for long K). Ignored by other tiles.
   int32_t gemm_cluster = 0;
+  // Order in which the persistent GEMM's CTAs take their tiles: 1 = from a global counter, 2 =
+  // round-robin, 0 = the heuristic's choice (round-robin for short launches of several m-blocks).
+  int32_t gemm_tile_order = 0;
 
   Status validate() const;
   std::string to_string() const;
   bool operator==(const Knobs& o) const {
     return block_m == o.block_m && block_n == o.block_n && num_sms == o.num_sms && combine_groups == o.combine_groups &&
-           gemm_cluster == o.gemm_cluster;
+           gemm_cluster == o.gemm_cluster && gemm_tile_order == o.gemm_tile_order;
   }
+  bool operator!=(const Knobs& o) const { return !(*this == o); }
 };
 
 struct MoeConfig {
@@ -99,7 +105,7 @@ struct MoeConfig {
   float output_scale = 1.0f;
   // auto: mega when 0 < max_tokens_per_rank <= this, routed above. Overridden by a measured
   // crossover from the knob cache when one exists.
-  int64_t mega_max_tokens_per_rank = 1024;
+  int64_t mega_max_tokens_per_rank = kDefaultMegaMaxTokensPerRank;
   // Layers of equal geometry and options share one workspace and its scratch, and so must run one
   // after another on one stream. An engine that overlaps two such layers (micro-batches on two
   // streams, a speculative-decoding draft beside the target) gives them different lanes, 0..255:

@@ -19,8 +19,8 @@
 //   logged at debug level only. Any other load problem warns as load() does.
 //
 // File format (version 1). Enum names are the canonical names of megamoe/types.h (to_string /
-// parse_*). Entries are written in key order; "knobs" fields and the last three fields may be
-// omitted on read (defaults 0, 0, 0.0, "").
+// parse_*). Entries are written in key order; "knobs" fields and the fields after "knobs" may be
+// omitted on read (defaults 0, "auto", 0, 0.0, {}, ""), and a reader ignores fields it does not know.
 //   {
 //     "version": 1,
 //     "entries": [
@@ -36,10 +36,17 @@
 //         "top_k": 8,                          // integer >= 1
 //         "max_tokens": 128,                   // integer >= 0 (bucket: max_tokens_per_rank)
 //         "knobs": {"block_m": 64, "block_n": 128, "num_sms": 0, "combine_groups": 0,
-//                   "gemm_cluster": 0},        // Knobs::validate(); every knob optional, 0 = heuristic
-//         "mega_max_tokens_per_rank": 256,     // integer >= 0; measured crossover, 0 = none
-//         "measured_us": 41.5,                 // number >= 0
-//         "note": "autotune 2025-01-01"        // string
+//                   "gemm_cluster": 0, "gemm_tile_order": 0},  // knob_fields(); Knobs::validate();
+//                                              // every knob optional, 0 = heuristic
+//         "owner_reduce": "auto",              // OwnerReduce name: a measured choice for configs that
+//                                              // leave it to auto (MoeConfig::owner_reduce)
+//         "mega_max_tokens_per_rank": 256,     // integer >= -1; measured crossover: mega up to this
+//                                              // many tokens per rank, routed above; 0 = none
+//                                              // measured, -1 = routed measured faster at every bucket
+//         "measured_us": 41.5,                 // number >= 0: the chosen configuration's time
+//         "backend_us": {"routed": 41.5, "mega": 30.2},  // numbers >= 0: each backend's best time at
+//                                              // this bucket (what the crossover was computed from)
+//         "note": "megamoe tune 2025-01-01"    // string
 //       }
 //     ]
 //   }
@@ -85,10 +92,24 @@ struct KnobKey {
 // max_tokens = g.max_tokens_per_rank; ep_rank does not enter the key (all ranks share the tuning).
 KnobKey make_knob_key(const std::string& device_name, const MoeGeometry& g, const MoeConfig& c);
 
+// One field of Knobs as the knob cache names it. Every reader and writer of Knobs fields (the cache's
+// load and save, apply_tuned_knobs, megamoe tune) goes through this table: a new knob is a Knobs
+// field, its line here and its rule in Knobs::validate().
+struct KnobField {
+  const char* name;
+  int32_t Knobs::*member;
+};
+const std::vector<KnobField>& knob_fields();
+
+// mega_max_tokens_per_rank of an entry when routed was measured faster at every bucket.
+constexpr int64_t kMegaNever = -1;
+
 struct KnobEntry {
   Knobs knobs;
-  int64_t mega_max_tokens_per_rank = 0;  // measured mega/routed crossover, 0 = none
+  OwnerReduce owner_reduce = OwnerReduce::kAuto;  // kAuto: no measured choice
+  int64_t mega_max_tokens_per_rank = 0;  // measured mega/routed crossover, 0 = none, kMegaNever
   double measured_us = 0;
+  std::map<std::string, double> backend_us;  // backend name -> its best time at this bucket
   std::string note;
 };
 
@@ -127,8 +148,22 @@ void reset_process_knob_cache();
 
 // The config with tuned knobs filled in: each Knobs field left at 0 (heuristic) takes the value of
 // the cache entry for (device_name, geometry, config) under the bucket rule; a field the caller set
-// stays. Returns `config` unchanged when there is no entry. *note (optional) says what was applied.
+// stays. owner_reduce left at kAuto takes the entry's measured choice (kOn only where the config
+// allows it: not with in_kernel_fc2_reduce). Returns `config` unchanged when there is no entry.
+// *note (optional) says what was applied.
 MoeConfig apply_tuned_knobs(const MoeConfig& config, const MoeGeometry& geometry, const std::string& device_name,
                             const KnobCache& cache, std::string* note = nullptr);
+
+// The mega/routed threshold `auto` uses for (geometry, config) and where it came from: the config's
+// own value when it is not the default (an explicit setting wins), else the measured crossover of the
+// cache entry for (device_name, geometry, config) under the bucket rule (kMegaNever -> 0: never
+// mega), else the default. device_name empty: the cache is not consulted (no CUDA device).
+struct MegaThreshold {
+  int64_t value = 0;
+  std::string source;  // "MoeConfig::mega_max_tokens_per_rank (default)", "knob cache entry ...", ...
+  bool from_cache = false;
+};
+MegaThreshold mega_threshold_in_force(const MoeGeometry& geometry, const MoeConfig& config,
+                                      const std::string& device_name, const KnobCache& cache);
 
 }  // namespace megamoe

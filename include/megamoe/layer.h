@@ -126,6 +126,18 @@ class MoeLayer {
     return Status(StatusCode::kUnavailable, "this backend has no per-stage timing");
   }
 
+  // Tuning: replaces the knobs of a built layer (config().knobs) without building it again; the next
+  // forward runs with them. Call it between forwards (no forward of this layer in flight or being
+  // captured), with the same knobs on every rank of the group before any rank's next forward.
+  // Returns the Knobs::validate() error for bad knobs (and keeps the old ones). Knobs the backend
+  // does not read are kept and ignored (the cpu backend reads none). Knobs that size buffers or
+  // change the workspace are not Knobs (owner_reduce is MoeConfig's: a new layer).
+  virtual Status set_knobs(const Knobs& knobs) {
+    MEGAMOE_RETURN_IF_ERROR(knobs.validate());
+    config_.knobs = knobs;
+    return Status::ok();
+  }
+
   virtual Backend backend() const = 0;
   // The device the layer's tensors live on (cpu for the cpu backend).
   virtual Device device() const = 0;

@@ -81,13 +81,17 @@ Status Knobs::validate() const {
     return invalid_argument("knobs", "combine_groups", str(combine_groups), "must be in [0, 8] (0 = by the token count)");
   if (gemm_cluster < 0 || gemm_cluster > 2)
     return invalid_argument("knobs", "gemm_cluster", str(gemm_cluster), "must be 0 (heuristic), 1 or 2");
+  if (gemm_tile_order < 0 || gemm_tile_order > 2)
+    return invalid_argument("knobs", "gemm_tile_order", str(gemm_tile_order),
+                            "must be 0 (heuristic), 1 (counter) or 2 (round-robin)");
   return Status::ok();
 }
 
 std::string Knobs::to_string() const {
   std::ostringstream os;
   os << "Knobs(block_m=" << block_m << ", block_n=" << block_n << ", num_sms=" << num_sms
-     << ", combine_groups=" << combine_groups << ", gemm_cluster=" << gemm_cluster << ")";
+     << ", combine_groups=" << combine_groups << ", gemm_cluster=" << gemm_cluster
+     << ", gemm_tile_order=" << gemm_tile_order << ")";
   return os.str();
 }
 

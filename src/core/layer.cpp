@@ -13,8 +13,6 @@
 namespace megamoe {
 namespace {
 
-constexpr int64_t kDefaultMegaMaxTokensPerRank = 1024;
-
 std::string str(int64_t v) { return std::to_string(v); }
 
 // Shared by the GPU backends' gates: the layer's device must be a Hopper GPU. device < 0: the layer
@@ -129,14 +127,13 @@ BackendSelection select_backend_for(const MoeGeometry& g, const MoeConfig& c, co
   MoeConfig effective = c;
   std::string crossover_note;
   // The measured crossover replaces the default threshold (an explicit non-default value wins).
-  if (c.backend == Backend::kAuto && c.mega_max_tokens_per_rank == kDefaultMegaMaxTokensPerRank) {
+  if (c.backend == Backend::kAuto) {
     auto devices = cuda_devices();
-    if (!devices.empty()) {
-      auto entry = process_knob_cache().lookup(make_knob_key(devices.front().name, g, c));
-      if (entry && entry->mega_max_tokens_per_rank > 0) {
-        effective.mega_max_tokens_per_rank = entry->mega_max_tokens_per_rank;
-        crossover_note = " (threshold " + str(entry->mega_max_tokens_per_rank) + " from the knob cache)";
-      }
+    const MegaThreshold t =
+        mega_threshold_in_force(g, c, devices.empty() ? std::string() : devices.front().name, process_knob_cache());
+    if (t.from_cache) {
+      effective.mega_max_tokens_per_rank = t.value;
+      crossover_note = " (threshold " + str(t.value) + " from the knob cache)";
     }
   }
   BackendSelection s = select_backend(g, effective, mega_auto_capability(g, effective, device, why_not),

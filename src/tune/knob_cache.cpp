@@ -140,28 +140,24 @@ bool parse_entry(const json& e, KnobKey* key, KnobEntry* entry, std::string* err
     return false;
   }
   constexpr int64_t kMaxInt32 = std::numeric_limits<int32_t>::max();
-  int64_t block_m = 0, block_n = 0, num_sms = 0, combine_groups = 0, gemm_cluster = 0;
-  std::string knob_error;
-  if (!read_int(*knobs_it, "block_m", 0, kMaxInt32, true, &block_m, &knob_error) ||
-      !read_int(*knobs_it, "block_n", 0, kMaxInt32, true, &block_n, &knob_error) ||
-      !read_int(*knobs_it, "num_sms", 0, kMaxInt32, true, &num_sms, &knob_error) ||
-      !read_int(*knobs_it, "combine_groups", 0, kMaxInt32, true, &combine_groups, &knob_error) ||
-      !read_int(*knobs_it, "gemm_cluster", 0, kMaxInt32, true, &gemm_cluster, &knob_error)) {
-    *error = "knobs." + knob_error;
-    return false;
+  for (const KnobField& f : knob_fields()) {
+    int64_t v = 0;
+    std::string knob_error;
+    if (!read_int(*knobs_it, f.name, 0, kMaxInt32, true, &v, &knob_error)) {
+      *error = "knobs." + knob_error;
+      return false;
+    }
+    entry->knobs.*f.member = static_cast<int32_t>(v);
   }
-  entry->knobs.block_m = static_cast<int32_t>(block_m);
-  entry->knobs.block_n = static_cast<int32_t>(block_n);
-  entry->knobs.num_sms = static_cast<int32_t>(num_sms);
-  entry->knobs.combine_groups = static_cast<int32_t>(combine_groups);
-  entry->knobs.gemm_cluster = static_cast<int32_t>(gemm_cluster);
   Status knobs_status = entry->knobs.validate();
   if (!knobs_status.is_ok()) {
     *error = knobs_status.message();  // "invalid knobs: block_m=96, must be ..."
     return false;
   }
 
-  if (!read_int(e, "mega_max_tokens_per_rank", 0, kMaxInt, true, &entry->mega_max_tokens_per_rank, error))
+  if (e.contains("owner_reduce") && !read_enum(e, "owner_reduce", &parse_owner_reduce, &entry->owner_reduce, error))
+    return false;
+  if (!read_int(e, "mega_max_tokens_per_rank", kMegaNever, kMaxInt, true, &entry->mega_max_tokens_per_rank, error))
     return false;
   if (auto it = e.find("measured_us"); it != e.end()) {
     if (!it->is_number() || !std::isfinite(it->get<double>()) || it->get<double>() < 0) {
@@ -169,6 +165,21 @@ bool parse_entry(const json& e, KnobKey* key, KnobEntry* entry, std::string* err
       return false;
     }
     entry->measured_us = it->get<double>();
+  }
+  if (auto it = e.find("backend_us"); it != e.end()) {
+    if (!it->is_object()) {
+      *error = "backend_us=" + short_dump(*it) + ", must be an object of backend name -> number";
+      return false;
+    }
+    for (auto b = it->begin(); b != it->end(); ++b) {
+      Backend backend;
+      if (!parse_backend(b.key(), &backend).is_ok() || !b->is_number() || !std::isfinite(b->get<double>()) ||
+          b->get<double>() < 0) {
+        *error = "backend_us." + b.key() + "=" + short_dump(*b) + ", must be a backend name with a finite number >= 0";
+        return false;
+      }
+      entry->backend_us[b.key()] = b->get<double>();
+    }
   }
   return read_string(e, "note", true, &entry->note, error);
 }
@@ -342,13 +353,15 @@ Status KnobCache::save(const std::string& path) const {
       e["num_experts"] = key.num_experts;
       e["top_k"] = key.top_k;
       e["max_tokens"] = key.max_tokens;
-      e["knobs"] = {{"block_m", entry.knobs.block_m},
-                    {"block_n", entry.knobs.block_n},
-                    {"num_sms", entry.knobs.num_sms},
-                    {"combine_groups", entry.knobs.combine_groups},
-                    {"gemm_cluster", entry.knobs.gemm_cluster}};
+      json knobs = json::object();
+      for (const KnobField& f : knob_fields()) knobs[f.name] = entry.knobs.*f.member;
+      e["knobs"] = std::move(knobs);
+      e["owner_reduce"] = megamoe::to_string(entry.owner_reduce);
       e["mega_max_tokens_per_rank"] = entry.mega_max_tokens_per_rank;
       e["measured_us"] = entry.measured_us;
+      json backend_us = json::object();
+      for (const auto& [name, us] : entry.backend_us) backend_us[name] = us;
+      e["backend_us"] = std::move(backend_us);
       e["note"] = entry.note;
       list.push_back(std::move(e));
     }
@@ -439,18 +452,60 @@ MoeConfig apply_tuned_knobs(const MoeConfig& config, const MoeGeometry& geometry
   const std::optional<KnobEntry> entry = cache.lookup(make_knob_key(device_name, geometry, config));
   if (!entry) return out;
   std::string applied;
-  auto take = [&applied](int32_t* field, int32_t tuned, const char* name) {
-    if (*field != 0 || tuned == 0) return;
+  for (const KnobField& f : knob_fields()) {
+    int32_t* field = &(out.knobs.*f.member);
+    const int32_t tuned = entry->knobs.*f.member;
+    if (*field != 0 || tuned == 0) continue;
     *field = tuned;
-    applied += std::string(applied.empty() ? "" : ", ") + name + "=" + std::to_string(tuned);
-  };
-  take(&out.knobs.block_m, entry->knobs.block_m, "block_m");
-  take(&out.knobs.block_n, entry->knobs.block_n, "block_n");
-  take(&out.knobs.num_sms, entry->knobs.num_sms, "num_sms");
-  take(&out.knobs.combine_groups, entry->knobs.combine_groups, "combine_groups");
-  take(&out.knobs.gemm_cluster, entry->knobs.gemm_cluster, "gemm_cluster");
+    applied += std::string(applied.empty() ? "" : ", ") + f.name + "=" + std::to_string(tuned);
+  }
+  const bool owner_ok = entry->owner_reduce == OwnerReduce::kOff || !config.in_kernel_fc2_reduce;
+  if (config.owner_reduce == OwnerReduce::kAuto && entry->owner_reduce != OwnerReduce::kAuto && owner_ok) {
+    out.owner_reduce = entry->owner_reduce;
+    applied += std::string(applied.empty() ? "" : ", ") + "owner_reduce=" + megamoe::to_string(entry->owner_reduce);
+  }
   if (note) *note = applied.empty() ? "" : "tuned knobs from the knob cache: " + applied;
   return out;
+}
+
+const std::vector<KnobField>& knob_fields() {
+  static const std::vector<KnobField> fields = {
+      {"block_m", &Knobs::block_m},
+      {"block_n", &Knobs::block_n},
+      {"num_sms", &Knobs::num_sms},
+      {"combine_groups", &Knobs::combine_groups},
+      {"gemm_cluster", &Knobs::gemm_cluster},
+      {"gemm_tile_order", &Knobs::gemm_tile_order},
+  };
+  return fields;
+}
+
+MegaThreshold mega_threshold_in_force(const MoeGeometry& geometry, const MoeConfig& config,
+                                      const std::string& device_name, const KnobCache& cache) {
+  MegaThreshold t;
+  t.value = config.mega_max_tokens_per_rank;
+  if (config.mega_max_tokens_per_rank != kDefaultMegaMaxTokensPerRank) {
+    t.source = "MoeConfig::mega_max_tokens_per_rank set by the caller";
+    return t;
+  }
+  t.source = "MoeConfig::mega_max_tokens_per_rank default";
+  if (device_name.empty()) {
+    t.source += " (no CUDA device: the knob cache is not consulted)";
+    return t;
+  }
+  const KnobKey key = make_knob_key(device_name, geometry, config);
+  const std::optional<KnobEntry> entry = cache.lookup(key);
+  if (!entry || entry->mega_max_tokens_per_rank == 0) {
+    t.source += entry ? " (the knob cache's entry for this shape has no measured crossover)"
+                      : " (no knob cache entry for this shape on " + device_name + ")";
+    return t;
+  }
+  t.value = entry->mega_max_tokens_per_rank == kMegaNever ? 0 : entry->mega_max_tokens_per_rank;
+  t.from_cache = true;
+  t.source = "the knob cache's measured crossover for " + key.to_string() +
+             (entry->mega_max_tokens_per_rank == kMegaNever ? " (routed measured faster at every bucket: never mega)" : "") +
+             (entry->note.empty() ? "" : " [" + entry->note + "]");
+  return t;
 }
 
 }  // namespace megamoe

@@ -451,6 +451,11 @@ INSTANTIATE_TEST_SUITE_P(
         BadFieldCase{"KnobsGemmClusterThree", "gemm_cluster", [](json* e) { (*e)["knobs"]["gemm_cluster"] = 3; }},
         BadFieldCase{"NegativeCrossover", "mega_max_tokens_per_rank",
                      [](json* e) { (*e)["mega_max_tokens_per_rank"] = -5; }},
+        BadFieldCase{"KnobsTileOrderThree", "gemm_tile_order", [](json* e) { (*e)["knobs"]["gemm_tile_order"] = 3; }},
+        BadFieldCase{"OwnerReduceName", "owner_reduce", [](json* e) { (*e)["owner_reduce"] = "sometimes"; }},
+        BadFieldCase{"BackendUsNotObject", "backend_us", [](json* e) { (*e)["backend_us"] = 3.0; }},
+        BadFieldCase{"BackendUsUnknownBackend", "backend_us.fused", [](json* e) { (*e)["backend_us"]["fused"] = 3.0; }},
+        BadFieldCase{"BackendUsNegative", "backend_us.mega", [](json* e) { (*e)["backend_us"]["mega"] = -3.0; }},
         BadFieldCase{"NegativeMeasuredUs", "measured_us", [](json* e) { (*e)["measured_us"] = -1.0; }},
         BadFieldCase{"MeasuredUsString", "measured_us", [](json* e) { (*e)["measured_us"] = "fast"; }},
         BadFieldCase{"NoteNotString", "note", [](json* e) { (*e)["note"] = json::array(); }}),
@@ -658,6 +663,88 @@ TEST(ApplyTunedKnobs, NoEntryLeavesTheConfigAlone) {
   EXPECT_TRUE(note.empty()) << note;
   const MoeConfig other_device = apply_tuned_knobs(MoeConfig{}, tuned_geometry(128), "NVIDIA H100", cache_with_tuned_entry());
   EXPECT_EQ(other_device.knobs.block_m, 0);
+}
+
+// ---- the fields megamoe tune writes ----
+
+TEST_F(KnobCacheTest, RoundTrip_TunedFields) {
+  KnobEntry e = make_entry(32, 128, 0, kMegaNever, 41.5, "megamoe tune");
+  e.knobs.gemm_tile_order = 2;
+  e.owner_reduce = OwnerReduce::kOn;
+  e.backend_us = {{"routed", 41.5}, {"mega", 50.25}};
+  KnobCache cache;
+  cache.put(h200_key(128), e);
+  const std::string p = path("tuned.json");
+  ASSERT_TRUE(cache.save(p).is_ok());
+  const json doc = json::parse(read_text(p));
+  EXPECT_EQ(doc["entries"][0]["knobs"]["gemm_tile_order"], 2);
+  EXPECT_EQ(doc["entries"][0]["owner_reduce"], "on");
+  EXPECT_EQ(doc["entries"][0]["mega_max_tokens_per_rank"], -1);
+  std::string warning;
+  const std::optional<KnobEntry> got = KnobCache::load(p, &warning).lookup(h200_key(128));
+  EXPECT_EQ(warning, "");
+  expect_entry_eq(e, got);
+  EXPECT_EQ(got->owner_reduce, OwnerReduce::kOn);
+  EXPECT_EQ(got->backend_us, e.backend_us);
+}
+
+MoeGeometry h200_geometry(int64_t max_tokens) {
+  return MoeGeometry{7168, 2048, 256, 8, 8, 0, max_tokens};
+}
+
+TEST(ApplyTunedKnobs, OwnerReduceOnlyWhereTheConfigLeavesItToAuto) {
+  KnobCache cache;
+  KnobEntry e;
+  e.owner_reduce = OwnerReduce::kOn;
+  cache.put(h200_key(128), e);
+  std::string note;
+  EXPECT_EQ(apply_tuned_knobs(MoeConfig{}, h200_geometry(128), "NVIDIA H200", cache, &note).owner_reduce,
+            OwnerReduce::kOn);
+  EXPECT_NE(note.find("owner_reduce=on"), std::string::npos) << note;
+  MoeConfig off;
+  off.owner_reduce = OwnerReduce::kOff;  // the caller's choice stays
+  EXPECT_EQ(apply_tuned_knobs(off, h200_geometry(128), "NVIDIA H200", cache).owner_reduce, OwnerReduce::kOff);
+  MoeConfig in_kernel;
+  in_kernel.in_kernel_fc2_reduce = true;  // on is refused with it
+  EXPECT_EQ(apply_tuned_knobs(in_kernel, h200_geometry(128), "NVIDIA H200", cache).owner_reduce, OwnerReduce::kAuto);
+}
+
+TEST(MegaThreshold, InForceAndWhereItCameFrom) {
+  KnobCache cache;
+  KnobEntry measured;
+  measured.mega_max_tokens_per_rank = 256;
+  measured.note = "megamoe tune 2026-12-01";
+  cache.put(h200_key(128), measured);
+  KnobEntry never;
+  never.mega_max_tokens_per_rank = kMegaNever;
+  KnobKey other = h200_key(128);
+  other.combine_dtype = CombineDtype::kMxfp8;
+  cache.put(other, never);
+
+  MegaThreshold t = mega_threshold_in_force(h200_geometry(100), MoeConfig{}, "NVIDIA H200", cache);
+  EXPECT_EQ(t.value, 256);
+  EXPECT_TRUE(t.from_cache);
+  EXPECT_NE(t.source.find("measured crossover"), std::string::npos) << t.source;
+  EXPECT_NE(t.source.find("2026-12-01"), std::string::npos) << t.source;
+
+  MoeConfig mx;
+  mx.combine_dtype = CombineDtype::kMxfp8;
+  t = mega_threshold_in_force(h200_geometry(100), mx, "NVIDIA H200", cache);
+  EXPECT_EQ(t.value, 0);  // never mega
+  EXPECT_NE(t.source.find("never mega"), std::string::npos) << t.source;
+
+  MoeConfig set;
+  set.mega_max_tokens_per_rank = 64;  // the caller's value wins
+  t = mega_threshold_in_force(h200_geometry(100), set, "NVIDIA H200", cache);
+  EXPECT_EQ(t.value, 64);
+  EXPECT_FALSE(t.from_cache);
+  EXPECT_NE(t.source.find("set by the caller"), std::string::npos) << t.source;
+
+  t = mega_threshold_in_force(h200_geometry(100), MoeConfig{}, "NVIDIA H100", cache);
+  EXPECT_EQ(t.value, kDefaultMegaMaxTokensPerRank);
+  EXPECT_NE(t.source.find("no knob cache entry"), std::string::npos) << t.source;
+  t = mega_threshold_in_force(h200_geometry(100), MoeConfig{}, "", cache);
+  EXPECT_NE(t.source.find("no CUDA device"), std::string::npos) << t.source;
 }
 
 }  // namespace

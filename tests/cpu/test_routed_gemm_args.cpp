@@ -88,5 +88,26 @@ TEST(RoutedGemmArgs, TheBucketHintFollowsTheRowsReceived) {
   EXPECT_GT(routed_rows_per_expert(g, 2 * 8192 * 8), routed_rows_per_expert(g, 8 * 8));
 }
 
+TEST(RoutedGemmArgs, TheTileOrderKnobReachesBothGemms) {
+  MoeGeometry g;
+  g.hidden = 7168;
+  g.intermediate = 2048;
+  g.num_experts = 256;
+  g.top_k = 8;
+  g.ep_size = 2;
+  g.max_tokens_per_rank = 128;
+  const gemm::GemmTileOrder want[] = {gemm::GemmTileOrder::kAuto, gemm::GemmTileOrder::kCounter,
+                                      gemm::GemmTileOrder::kRoundRobin};
+  for (int32_t order : {0, 1, 2}) {
+    MoeConfig c;
+    c.knobs.gemm_tile_order = order;
+    const WorkspaceLayout l = WorkspaceLayout::make(workspace_params(g, c));
+    gemm::GroupedGemmArgs fc1, fc2;
+    ASSERT_TRUE(make_routed_gemm_args(g, c, l, fake_buffers(g), 0, &fc1, &fc2).is_ok());
+    EXPECT_EQ(fc1.tile_order, want[order]) << "gemm_tile_order " << order;
+    EXPECT_EQ(fc2.tile_order, want[order]) << "gemm_tile_order " << order;
+  }
+}
+
 }  // namespace
 }  // namespace megamoe

@@ -139,27 +139,8 @@ class RoutedMoeLayer final : public MoeLayer {
         MEGAMOE_RETURN_IF_ERROR(
             device_alloc(device_, geometry_.max_tokens_per_rank * geometry_.top_k * 8, &scratch->routing));
     }
-    RoutedGemmBuffers b;
-    b.workspace = static_cast<char*>(transport_->base());
-    b.w13 = w13_->ptr;
-    b.w13_scales = w13_scales_ ? static_cast<const float*>(w13_scales_->ptr) : nullptr;
-    b.w2 = w2_->ptr;
-    b.w2_scales = w2_scales_ ? static_cast<const float*>(w2_scales_->ptr) : nullptr;
-    b.a_scales = scratch->a_scales ? static_cast<float*>(scratch->a_scales->ptr) : nullptr;
-    b.expert_out = scratch->expert_out ? scratch->expert_out->ptr : nullptr;
-    b.tile_counters = transport_->backend_counters();
-    const EpTransport::CombineTargets& targets = transport_->combine_targets();
-    b.pool_dst = targets.pool_dst;
-    b.pool_weight = targets.pool_weight;
-    b.num_ranks = targets.num_ranks;
-    b.rows_per_rank = targets.rows_per_rank;
-    for (int r = 0; r < targets.num_ranks; ++r) b.peer_combine[r] = targets.peer_combine[r];
-    gemm::GroupedGemmArgs fc1, fc2;
-    MEGAMOE_RETURN_IF_ERROR(make_routed_gemm_args(geometry_, config_, l, b, gemm_sms_, &fc1, &fc2));
+    MEGAMOE_RETURN_IF_ERROR(build_gemm_args(*scratch));
     scratch_ = std::move(scratch);
-    fc1_ = fc1;
-    fc2_ = fc2;
-    plans_.clear();
     warmed_up_ = true;
     return Status::ok();
   }
@@ -231,6 +212,22 @@ class RoutedMoeLayer final : public MoeLayer {
     return st;
   }
 
+  // The knobs the routed layer reads: the GEMMs' tiles, cluster, tile order and SMs (their arguments
+  // are built again), the transport's SMs and combine groups.
+  Status set_knobs(const Knobs& knobs) override {
+    MEGAMOE_RETURN_IF_ERROR(knobs.validate());
+    const Knobs before = config_.knobs;
+    config_.knobs = knobs;
+    Status st = transport_->set_launch_options(knobs.num_sms, knobs.combine_groups);
+    if (st && warmed_up_) st = build_gemm_args(*scratch_);
+    if (!st) {  // the old knobs passed these checks once
+      config_.knobs = before;
+      (void)transport_->set_launch_options(before.num_sms, before.combine_groups);
+      if (warmed_up_) (void)build_gemm_args(*scratch_);
+    }
+    return st;
+  }
+
   Status set_stage_timing(bool enabled) override {
     CudaDeviceGuard guard(device_);
     if (enabled && !stage_events_[0]) {
@@ -269,6 +266,32 @@ class RoutedMoeLayer final : public MoeLayer {
 
  private:
   bool fp8() const { return config_.weight_format == WeightFormat::kFp8Block; }
+
+  // Both GEMMs' arguments (make_routed_gemm_args) for the current config and the plans made from
+  // them: built at warmup and again when set_knobs changes the knobs. Keeps the old ones on failure.
+  Status build_gemm_args(const KeyScratch& scratch) {
+    RoutedGemmBuffers b;
+    b.workspace = static_cast<char*>(transport_->base());
+    b.w13 = w13_->ptr;
+    b.w13_scales = w13_scales_ ? static_cast<const float*>(w13_scales_->ptr) : nullptr;
+    b.w2 = w2_->ptr;
+    b.w2_scales = w2_scales_ ? static_cast<const float*>(w2_scales_->ptr) : nullptr;
+    b.a_scales = scratch.a_scales ? static_cast<float*>(scratch.a_scales->ptr) : nullptr;
+    b.expert_out = scratch.expert_out ? scratch.expert_out->ptr : nullptr;
+    b.tile_counters = transport_->backend_counters();
+    const EpTransport::CombineTargets& targets = transport_->combine_targets();
+    b.pool_dst = targets.pool_dst;
+    b.pool_weight = targets.pool_weight;
+    b.num_ranks = targets.num_ranks;
+    b.rows_per_rank = targets.rows_per_rank;
+    for (int r = 0; r < targets.num_ranks; ++r) b.peer_combine[r] = targets.peer_combine[r];
+    gemm::GroupedGemmArgs fc1, fc2;
+    MEGAMOE_RETURN_IF_ERROR(make_routed_gemm_args(geometry_, config_, transport_->layout(), b, gemm_sms_, &fc1, &fc2));
+    fc1_ = fc1;
+    fc2_ = fc2;
+    plans_.clear();  // made from fc1_ / fc2_
+    return Status::ok();
+  }
 
   void latch_broken(const Status& st) {
     if (broken_.is_ok()) broken_ = st;
@@ -437,7 +460,7 @@ class RoutedMoeLayer final : public MoeLayer {
   int gemm_sms_ = 0;  // > 0 on a shared device: the GEMMs' grid bound (the rank's SM budget)
   WorkspaceKey key_;
   Status broken_;  // the first failure that left this rank out of step with its group
-  gemm::GroupedGemmArgs fc1_, fc2_;  // as warmup built them (bucket from max_tokens_per_rank)
+  gemm::GroupedGemmArgs fc1_, fc2_;  // as build_gemm_args made them (bucket from max_tokens_per_rank)
   std::map<int64_t, GemmPlan> plans_;
   bool warmed_up_ = false;  // warmup() completed: workspace, scratch, GEMM arguments
   bool released_ = false;
@@ -540,6 +563,9 @@ Status make_routed_gemm_args(const MoeGeometry& g, const MoeConfig& c, const Wor
   }
   fc2.tiles = tiles_for(c, fc2.n, /*swiglu=*/false, gemm_sms);
   fc1.tile_counter = b.tile_counters;
+  fc1.tile_order = fc2.tile_order = c.knobs.gemm_tile_order == 1   ? gemm::GemmTileOrder::kCounter
+                                    : c.knobs.gemm_tile_order == 2 ? gemm::GemmTileOrder::kRoundRobin
+                                                                   : gemm::GemmTileOrder::kAuto;
   fc2.tile_counter = b.tile_counters ? b.tile_counters + 2 : nullptr;
   fc2.expected_m_per_expert = fc1.expected_m_per_expert;
   if (fp8) {

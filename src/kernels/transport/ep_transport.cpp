@@ -151,9 +151,22 @@ Status EpTransport::create(std::shared_ptr<Communicator> comm, const EpTransport
   // launchers make up to 2 CTAs per SM they shape for, so they shape for half the budget, a knob
   // included, and no kernel launches early (PDL) to hold SMs outside it.
   const int shape_sms = gpu->shares_device() ? std::max(1, gpu->sm_budget() / 2) : prop.multiProcessorCount;
+  t->shape_sms_ = shape_sms;
   t->num_sms_ = options.num_sms > 0 ? std::min(options.num_sms, shape_sms) : shape_sms;
   t->allow_pdl_ = !gpu->shares_device();
   *out = std::move(t);
+  return Status::ok();
+}
+
+Status EpTransport::set_launch_options(int num_sms, int combine_groups) {
+  EpTransportOptions o = options_;
+  o.num_sms = num_sms;
+  o.combine_groups = combine_groups;
+  MEGAMOE_RETURN_IF_ERROR(o.validate());
+  if (num_sms < 0)
+    return invalid_argument("EP transport", "num_sms", std::to_string(num_sms), "must be >= 0 (0: every SM)");
+  options_ = o;
+  num_sms_ = num_sms > 0 ? std::min(num_sms, shape_sms_) : shape_sms_;
   return Status::ok();
 }
 

@@ -149,6 +149,9 @@ class EpTransport {
   int device() const { return device_; }
   Communicator* communicator() const { return comm_.get(); }
   int num_sms() const { return num_sms_; }  // SMs the grids are shaped for
+  // The launch shape of later calls: EpTransportOptions::num_sms and ::combine_groups, validated as
+  // create() does. Between forwards only (no call of this transport in flight or being captured).
+  Status set_launch_options(int num_sms, int combine_groups);
   // Bytes this rank's last dispatch/combine configuration moves are computed by callers (bench).
 
  private:
@@ -163,6 +166,7 @@ class EpTransport {
   EpTransportOptions options_;
   WorkspaceLayout layout_;
   int rank_ = 0, size_ = 1, device_ = 0, num_sms_ = 0;
+  int shape_sms_ = 0;  // what num_sms = 0 shapes for (the device's SMs, or the shared device's budget / 2)
   int64_t num_experts_ = 0;
   std::shared_ptr<Workspace> workspace_;
   void* base_ = nullptr;

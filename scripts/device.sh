@@ -31,6 +31,10 @@
 #                          the amortised table too, and megamoe_before's)
 #   transport-ab           `bench-transport` of each BINS binary for each line of BENCH
 #   link                   `bench-link`: every path, several shapes, the signal's round trip
+#   tune                   `megamoe tune` on PRESETS (deepseek-v3 qwen3-30b-a3b) at EP1, TOKENS
+#                          (1,8,128,1024,4096,8192) into $OUT/knobs.json (timed), then `megamoe bench` with
+#                          that cache and with none (MEGAMOE_KNOB_CACHE=off), alternated ROUNDS (2) times
+#                          at the same points; a tiny tuning run and its bench first; the table at the end
 #   harness-ab             the bench harness of each BINS binary (megamoe_before: a build of 1f3011b,
 #                          before the harness; megamoe), alternated ROUNDS (2) times on the same points
 #                          of bench, bench-gemm and bench-transport on one GPU; medians side by side
@@ -56,7 +60,7 @@ sub=${1:-}
 [[ $# -gt 0 ]] && shift
 case $sub in
   tests | check | bench-table | layer-ab | launch | barrier-timeout | gemm | fp4 | gemm-ab | gemm-matrix | transport | \
-    transport-ab | link | harness-ab | mega | sanitize | profile | python) ;;
+    transport-ab | link | harness-ab | mega | tune | sanitize | profile | python) ;;
   *)
     sed -n '2,/^# shellcheck disable=SC2317/p' "$0" | sed '$d; s/^# \{0,1\}//'
     [[ -z $sub || $sub == help || $sub == -h || $sub == --help ]] && exit 0
@@ -348,6 +352,49 @@ link() {
   echo "table: python3 scripts/perf_refresh.py --machine '2 x H200' $OUT/link*.json"
 }
 
+tune_one() {  # preset tokens: tune into $OUT/knobs.json, then bench with it and without, alternated
+  local preset=$1 tokens=$2 t0 t1 round cache
+  t0=$(date +%s)
+  timeout "${TUNE_TIMEOUT:-540}" "$TOOL" tune --preset "$preset" --backend routed --tokens "$tokens" \
+    --cache "$OUT/knobs.json" --json "$OUT/tune_$preset.json" --max-host-gb 120 ${TUNE_ARGS:-} \
+    > "$OUT/tune_$preset.log" 2>&1 || rc=1
+  t1=$(date +%s)
+  echo "== tune $preset: $((t1 - t0)) s"
+  grep -vE "^\[tune\]" "$OUT/tune_$preset.log" | tail -14
+  for round in $(seq 1 "${ROUNDS:-2}"); do
+    for cache in "$OUT/knobs.json" off; do
+      local tag=tuned; [[ $cache == off ]] && tag=heuristic
+      MEGAMOE_KNOB_CACHE=$cache MEGAMOE_WAIT_TIMEOUT_MS=${MEGAMOE_WAIT_TIMEOUT_MS:-5000} timeout "${BENCH_TIMEOUT:-300}" \
+        "$TOOL" bench --preset "$preset" --backend routed --tokens "$tokens" --iters "${ITERS:-20}" --warmup 5 \
+        --max-host-gb 120 --json "$OUT/bench_${preset}_${tag}_r$round.json" > "$OUT/bench_${preset}_${tag}_r$round.log" 2>&1 || rc=1
+    done
+  done
+}
+
+tune_table() {  # the tuned against the heuristic, per preset and point (median of the rounds' medians)
+  python3 - "$OUT" ${PRESETS:-deepseek-v3 qwen3-30b-a3b} <<'PY'
+import glob, json, statistics, sys
+out, presets = sys.argv[1], sys.argv[2:]
+for preset in ["tiny"] + presets:
+    med = {}
+    for tag in ("tuned", "heuristic"):
+        for f in glob.glob(f"{out}/bench_{preset}_{tag}_r*.json"):
+            for r in json.load(open(f))["rows"]:
+                if "median_us" in r:
+                    med.setdefault((r["tokens"], tag), []).append(r["median_us"])
+    if not med:
+        continue
+    print(f"| {preset} tokens/rank | heuristic µs | tuned µs | gain |")
+    print("| ---: | ---: | ---: | ---: |")
+    for t in sorted({k[0] for k in med}):
+        h, u = med.get((t, "heuristic")), med.get((t, "tuned"))
+        if not h or not u:
+            continue
+        h, u = statistics.median(h), statistics.median(u)
+        print(f"| {t} | {h:.1f} ({len(med[(t, 'heuristic')])} runs) | {u:.1f} | {100 * (h - u) / h:+.1f}% |")
+PY
+}
+
 harness_ab() {
   local round b
   for round in $(seq 1 "${ROUNDS:-2}"); do
@@ -576,6 +623,12 @@ case $sub in
   link) link ;;
   harness-ab) harness_ab ;;
   mega) mega "$@" ;;
+  tune)
+    tune_one tiny 1,8,128
+    for preset in ${PRESETS:-deepseek-v3 qwen3-30b-a3b}; do tune_one "$preset" "${TOKENS:-1,8,128,1024,4096,8192}"; done
+    tune_table
+    echo "plots (here, with matplotlib): megamoe plot OUT/tune_<preset>.json tune.png; megamoe plot OUT/bench_<preset>_tuned_r1.json bench.png"
+    ;;
   sanitize) sanitize "$@" ;;
   profile) profile ;;
   python) python_tests ;;

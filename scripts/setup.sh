@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what megamoe builds against and a fresh Debian machine may lack. Idempotent: installs
-# only what is missing. Needs root (or sudo) for apt-get.
+# only what is missing. Needs root (or sudo) for apt-get; pip installs into the active python3.
 set -euo pipefail
 
 APT_PACKAGES=(cmake g++ make python3 python3-pip nlohmann-json3-dev libcli11-dev libgtest-dev libgmock-dev)
@@ -23,8 +23,9 @@ fi
 
 # The Python package (pip install .) builds with scikit-build-core + nanobind; its tests need numpy,
 # ml_dtypes (bf16 / e4m3 numpy dtypes) and pytest. torch is optional (megamoe.torch, the adapters).
-PY_MODULES=(nanobind scikit_build_core numpy ml_dtypes pytest)
-PY_PACKAGES=(nanobind scikit-build-core numpy ml_dtypes pytest)
+# matplotlib: the plots of `megamoe bench --plot`, `megamoe tune --plot` and `megamoe plot`.
+PY_MODULES=(nanobind scikit_build_core numpy ml_dtypes pytest matplotlib)
+PY_PACKAGES=(nanobind scikit-build-core numpy ml_dtypes pytest matplotlib)
 py_missing=()
 for i in "${!PY_MODULES[@]}"; do
   python3 -c "import ${PY_MODULES[$i]}" >/dev/null 2>&1 || py_missing+=("${PY_PACKAGES[$i]}")

@@ -30,6 +30,8 @@
 #include "bench_output.h"
 #include "commands.h"
 #include "forward_timing.h"
+#include "kept_weights.h"
+#include "plot.h"
 #include "core/device.h"
 #include "megamoe/layer.h"
 #include "presets.h"
@@ -47,7 +49,7 @@ struct BenchOptions {
   std::string tokens;    // empty: per the resolved backend (cpu: 1,16,128; GPU: 1,16,128,1024,8192)
   std::string iters, warmup, input_sets = "4";
   std::string routing = "uniform", seed = "1";
-  std::string json, csv;
+  std::string json, csv, plot;
   std::string layers = "1";  // --layers N
   MaxHostGbOption max_host_gb;
 };
@@ -55,12 +57,6 @@ struct BenchOptions {
 constexpr const char* kCpuDefaultTokens = "1,16,128";
 constexpr const char* kGpuDefaultTokens = "1,16,128,1024,8192";
 
-reference::Routing parse_routing(const std::string& s) {
-  if (s == "uniform") return reference::Routing::kUniform;
-  if (s == "single-expert") return reference::Routing::kSingleExpert;
-  if (s == "dropped") return reference::Routing::kWithDropped;
-  throw ToolError(kExitUsage, "invalid value for --routing: '" + s + "', must be uniform, single-expert or dropped");
-}
 
 // The backend a case would run on, without building anything.
 Backend resolve(const MoeGeometry& g, const MoeConfig& c) {
@@ -87,54 +83,6 @@ std::string reproduce_command(const BenchOptions& o, const std::string& preset, 
   cmd += " --routing " + shell_quote(o.routing) + " --seed " + shell_quote(o.seed) + " --input-sets " +
          std::to_string(sets);
   return cmd;
-}
-
-// Every rank's prepared weights, kept after the first case for the later ones (empty: none kept).
-using KeptWeights = std::vector<std::shared_ptr<const PreparedWeights>>;
-
-// Whether `p` holds all of a rank's experts in `format` (a backend that released its host copy would
-// leave it empty).
-bool complete(const PreparedWeights& p, const MoeGeometry& g, WeightFormat format) {
-  const int64_t El = g.experts_per_rank();
-  auto whole = [El](const QuantizedTensor& t, int64_t rows, int64_t cols) {
-    return t.num_experts == El && t.rows == rows && t.cols == cols &&
-           static_cast<int64_t>(t.data.size()) == El * t.data_bytes_per_expert();
-  };
-  return p.format == format && whole(p.w13, 2 * g.intermediate, g.hidden) && whole(p.w2, g.hidden, g.intermediate);
-}
-
-// Builds one case's layers: from `kept` when it holds the weights, else generating each rank's slice;
-// then fills `kept` when it is empty and the format allows.
-Status build_case(const MoeGeometry& g, const MoeConfig& c, uint64_t seed, const ProcessRanks& pr, KeptWeights* kept,
-                  RankGroup* group) {
-  const bool reuse = !kept->empty();
-  RankWeightsFn source = generated_weights(g, seed);
-  if (reuse)
-    source = [kept](int64_t r, RankWeights* out) {
-      out->views = source_views(*(*kept)[r]);
-      out->storage = (*kept)[r];
-      return Status::ok();
-    };
-  std::fprintf(stderr, "[bench]   building %lld layer(s): %s\n", static_cast<long long>(g.ep_size),
-               reuse ? "weights from the first case's prepared copy"
-                     : ("each rank generates its " + format_bytes(fp32_weight_bytes(g) / g.ep_size) +
-                        " fp32 slice, then prepares " + to_string(c.weight_format)).c_str());
-  BuildTimes times;
-  MEGAMOE_RETURN_IF_ERROR(build_group(g, c, source, group, &times, &pr));
-  std::fprintf(stderr, "[bench]   layers built: source weights %.2f s, create (prepare + upload) %.2f s, warmup %.2f s\n",
-               times.source_s, times.create_s, times.warmup_s);
-  if (reuse || !reusable_source_format(c.weight_format)) return Status::ok();
-  KeptWeights copies(static_cast<size_t>(g.ep_size));
-  const Status st = run_on_local_ranks(pr, [&](int64_t r) -> Status {
-    const PreparedWeights& p = group->layers[r]->prepared_weights();
-    if (complete(p, g, c.weight_format)) copies[r] = std::make_shared<const PreparedWeights>(p);
-    return Status::ok();
-  });
-  if (!st) return Status::ok();  // no copy (out of memory): the later cases generate again
-  for (int64_t r = 0; r < g.ep_size; ++r)
-    if (pr.runs(r) && !copies[r]) return Status::ok();
-  *kept = std::move(copies);
-  return Status::ok();
 }
 
 // A few more lockstep forwards with the layers' stage timing on; fills row->stages_us with, per
@@ -203,7 +151,7 @@ Status build_layer_stack(const MoeGeometry& g, const MoeConfig& c, uint64_t seed
   const int64_t R = g.ep_size;
   for (int64_t l = 1; l < layers; ++l) {
     s->more.push_back(std::make_unique<RankGroup>());
-    MEGAMOE_RETURN_IF_ERROR(build_case(g, c, seed, pr, kept, s->more.back().get()));
+    MEGAMOE_RETURN_IF_ERROR(build_group_reusing(g, c, seed, pr, kept, s->more.back().get(), "[bench]"));
   }
   s->chain.assign(static_cast<size_t>(R), {});
   s->graphs.assign(static_cast<size_t>(R), {});
@@ -248,7 +196,7 @@ void run_case(const MoeGeometry& g, const MoeConfig& c, uint64_t seed, const Pro
               int64_t warmup, KeptWeights* kept, BenchRow* row) {
   const int64_t R = g.ep_size, k = g.top_k;
   RankGroup group;
-  Status st = build_case(g, c, seed, pr, kept, &group);
+  Status st = build_group_reusing(g, c, seed, pr, kept, &group, "[bench]");
   if (!st) {
     row->error = st.message();
     return;
@@ -398,10 +346,11 @@ BenchPlan plan_bench(BenchOptions* o) {
   if (plan.default_mode) choose_default_run(o);
   if (o->backends.empty()) o->backends = "auto";
   for (const std::string& b : split_list(o->backends)) plan.backends.push_back(parse_backend_flag("--backend", b));
-  plan.routing = parse_routing(o->routing);
+  plan.routing = parse_routing_flag(o->routing);
   plan.seed = static_cast<uint64_t>(parse_int_flag("--seed", o->seed, 0, INT64_MAX));
   plan.limit = host_memory_limit(o->max_host_gb);
   plan.sets_flag = parse_int_flag("--input-sets", o->input_sets, 1, 64);
+  if (!o->plot.empty()) check_plot_path(o->plot, "--plot");
   // Validates the preset and flags before anything else runs.
   (void)make_geometry(o->layer, 1);
   (void)make_config(o->layer, Backend::kAuto);
@@ -480,7 +429,7 @@ int run_bench(BenchOptions o) {
                 "graph per rank on a GPU); times and rates are per layer\n",
                 static_cast<long long>(n), static_cast<long long>(n));
   int exit_code = kExitOk;
-  KeptWeights kept;  // the weights are generated by the first case, per rank (build_case)
+  KeptWeights kept;  // the weights are generated by the first case, per rank (build_group_reusing)
   for (size_t i = 0; i < rows.size(); ++i) {
     BenchRow& row = rows[i];
     const Backend b = plan.backends[i / plan.tokens.size()];
@@ -501,6 +450,7 @@ int run_bench(BenchOptions o) {
   }
   if (!o.json.empty()) write_bench_json(o.json, header, rows);
   if (!o.csv.empty()) write_bench_csv(o.csv, rows);
+  if (!o.plot.empty()) plot_json(bench_document(header, rows), o.plot, "--plot");
   return exit_code;
 }
 
@@ -535,6 +485,9 @@ CommandRun add_bench_command(CLI::App* app) {
       ->default_str(o->layers);
   sub->add_option("--json", o->json, "write the rows as JSON to F")->type_name("F");
   sub->add_option("--csv", o->csv, "write the rows as CSV to F")->type_name("F");
+  sub->add_option("--plot", o->plot, "plot median us and time/floor against tokens per rank, one line per backend, "
+                                     "to F.png (python3 with matplotlib)")
+      ->type_name("F.png");
   add_max_host_gb_option(sub, &o->max_host_gb);
   add_layer_options(sub, &o->layer, /*with_pow2_scales=*/true);
   return [o] { return run_bench(*o); };

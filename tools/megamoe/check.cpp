@@ -20,6 +20,7 @@
 #include "megamoe/layer.h"
 #include "presets.h"
 #include "ranks.h"
+#include "reference_check.h"
 #include "reference/error_model.h"
 #include "reference/problem.h"
 #include "reference/reference_moe.h"
@@ -57,52 +58,6 @@ RankWeightsFn checkpoint_weights(const std::string& dir, int64_t layer, const Mo
   };
 }
 
-reference::Routing parse_routing(const std::string& s) {
-  if (s == "uniform") return reference::Routing::kUniform;
-  if (s == "single-expert") return reference::Routing::kSingleExpert;
-  if (s == "dropped") return reference::Routing::kWithDropped;
-  throw ToolError(kExitUsage, "invalid value for --routing: '" + s + "', must be uniform, single-expert or dropped");
-}
-
-// x as the layer consumed it (ep_protocol.h, quantisation points 1-2): fp8-block dispatch quantises
-// each bf16 row with fmt::quantize_fp8_1x128 (pow2 scales per config) and FC1 reads it dequantised;
-// a bf16 dispatch passes the bf16 values through.
-std::vector<float> consumed_x(const MoeConfig& c, const std::vector<uint16_t>& x_bf16, int64_t T, int64_t H) {
-  std::vector<float> x(static_cast<size_t>(T * H));
-  for (size_t i = 0; i < x.size(); ++i) x[i] = fmt::bf16_to_float(x_bf16[i]);
-  if (c.dispatch_format != DispatchFormat::kFp8Block) return x;
-  std::vector<uint8_t> q(static_cast<size_t>(H));
-  std::vector<float> scales(static_cast<size_t>(H / fmt::kFp8BlockSize));
-  for (int64_t t = 0; t < T; ++t) {
-    float* row = x.data() + t * H;
-    fmt::quantize_fp8_1x128(row, H, q.data(), scales.data(), c.pow2_scales);
-    fmt::dequantize_fp8_1x128(q.data(), scales.data(), H, row);
-  }
-  return x;
-}
-
-struct RankError {
-  int64_t tokens = 0;
-  double sum_sq_err = 0, sum_sq_ref = 0, max_abs = 0;
-  int64_t non_finite = 0;
-  double rel_l2() const { return sum_sq_ref > 0 ? std::sqrt(sum_sq_err / sum_sq_ref) : std::sqrt(sum_sq_err); }
-};
-
-RankError compare(const std::vector<uint16_t>& y, const std::vector<double>& ref) {
-  RankError e;
-  for (size_t i = 0; i < y.size(); ++i) {
-    const double v = fmt::bf16_to_float(y[i]);
-    if (!std::isfinite(v)) {
-      ++e.non_finite;
-      continue;
-    }
-    const double d = v - ref[i];
-    e.sum_sq_err += d * d;
-    e.sum_sq_ref += ref[i] * ref[i];
-    e.max_abs = std::max(e.max_abs, std::fabs(d));
-  }
-  return e;
-}
 
 int run_check(const CheckOptions& o) {
   const Backend backend = parse_backend_flag("--backend", o.backend);
@@ -113,7 +68,7 @@ int run_check(const CheckOptions& o) {
     throw ToolError(kExitUsage, "invalid value for --max-tokens: " + o.layer.max_tokens + ", must be at least --tokens=" +
                                     std::to_string(tokens) + " (the layer refuses a forward with T > max_tokens_per_rank)");
   const uint64_t seed = static_cast<uint64_t>(parse_int_flag("--seed", o.seed, 0, INT64_MAX));
-  const reference::Routing routing = parse_routing(o.routing);
+  const reference::Routing routing = parse_routing_flag(o.routing);
   const HostMemoryLimit limit = host_memory_limit(o.max_host_gb);
   const bool from_checkpoint = !o.checkpoint.empty();
   if (from_checkpoint == !o.layer.preset.empty())
@@ -274,14 +229,14 @@ int run_check(const CheckOptions& o) {
   });
   if (!st) throw ToolError(kExitUnavailable, "the reference weights: " + st.message());
   std::vector<std::vector<float>> x(static_cast<size_t>(R));
-  std::vector<RankError> errors(static_cast<size_t>(R));
+  std::vector<ErrorSums> errors(static_cast<size_t>(R));
   st = run_on_local_ranks(pr, [&](int64_t r) -> Status {
     const reference::RankInputs& in = inputs[r];
-    x[r] = consumed_x(c, in.x_bf16, in.num_tokens, H);
+    x[r] = consumed_x(c, in.x_bf16.data(), in.num_tokens, H);
     std::vector<double> ref(static_cast<size_t>(in.num_tokens * H));
     reference::reference_moe(g, in.num_tokens, x[r].data(), in.topk_ids.data(), in.topk_weights.data(), w13.data(),
                              w2.data(), ref.data());
-    errors[r] = compare(y[r], ref);
+    errors[r] = compare_output(y[r].data(), ref.data(), static_cast<int64_t>(y[r].size()));
     errors[r].tokens = in.num_tokens;
     return Status::ok();
   });
@@ -292,12 +247,12 @@ int run_check(const CheckOptions& o) {
               to_string(c.weight_format), to_string(c.dispatch_format));
   std::printf("  bound: rel_l2 <= %.3g (%s)\n", bound.rel_l2, bound.derivation.c_str());
   std::printf("%-6s %8s %12s %12s %8s\n", "rank", "tokens", "rel_l2", "max_abs", "result");
-  RankError all;
+  ErrorSums all;
   bool pass = true;
   nlohmann::json per_rank = nlohmann::json::array();
   for (int64_t r = 0; r < R; ++r) {
     if (!pr.runs(r)) continue;  // reported by its own process
-    const RankError& e = errors[r];
+    const ErrorSums& e = errors[r];
     const bool ok = e.non_finite == 0 && e.rel_l2() <= bound.rel_l2;
     pass = pass && ok;
     std::printf("%-6lld %8lld %12.4e %12.4e %8s", static_cast<long long>(r), static_cast<long long>(e.tokens),

@@ -24,6 +24,8 @@ CommandRun add_gemm_bench_command(CLI::App* app);       // gemm_cmd.cpp: bench-g
 CommandRun add_transport_bench_command(CLI::App* app);  // transport_cmd.cpp: bench-transport
 CommandRun add_link_bench_command(CLI::App* app);       // link_cmd.cpp: bench-link
 CommandRun add_launch_command(CLI::App* app);           // transport_cmd.cpp: launch
+CommandRun add_tune_command(CLI::App* app);             // tune_cmd.cpp: tune
+CommandRun add_plot_command(CLI::App* app);             // plot.cpp: plot
 
 // Every subcommand on `app`, with the function that runs it, by name.
 std::vector<std::pair<std::string, CommandRun>> add_all_commands(CLI::App* app);

@@ -9,6 +9,8 @@
 
 #include "commands.h"
 #include "core/device.h"
+#include "core/env.h"
+#include "megamoe/knobs.h"
 #include "megamoe/layer.h"
 #include "megamoe/workspace.h"
 #include "presets.h"
@@ -114,6 +116,15 @@ int run_info(const InfoOptions& o) {
     if (nl == std::string::npos) break;
     start = nl + 1;
   }
+  const std::vector<CudaDeviceInfo> devices = cuda_devices();
+  const MegaThreshold threshold =
+      mega_threshold_in_force(g, c, devices.empty() ? std::string() : devices.front().name, process_knob_cache());
+  std::printf("  mega_max_tokens_per_rank in force: %lld, from %s\n", static_cast<long long>(threshold.value),
+              threshold.source.c_str());
+  if (const EnvKnobs& env = env_knobs(); !env.knob_cache_off)
+    std::printf("  knob cache: %s (MEGAMOE_KNOB_CACHE; `megamoe tune` writes it)\n", env.knob_cache_path.c_str());
+  else
+    std::printf("  knob cache: off (MEGAMOE_KNOB_CACHE=off)\n");
   for (Backend b : {Backend::kMega, Backend::kRouted, Backend::kCpu}) {
     const Status gate = b == Backend::kMega     ? mega_capability(g, c)
                         : b == Backend::kRouted ? routed_capability(g, c)

@@ -117,10 +117,50 @@ Backend parse_backend_flag(const std::string& flag, const std::string& text) {
   return b;
 }
 
-MoeGeometry make_geometry(const LayerOptions& o, int64_t max_tokens_per_rank) {
+namespace {
+
+// The dims of --preset, or of --hidden/--intermediate/--experts/--top-k without one.
+Preset preset_or_dims(const LayerOptions& o) {
+  const bool dims = !o.hidden.empty() || !o.intermediate.empty() || !o.top_k.empty();
+  if (!o.preset.empty() && dims)
+    throw ToolError(kExitUsage, "--preset " + o.preset + " and --hidden/--intermediate/--top-k: give one of them");
+  if (o.preset.empty() && dims) {
+    for (const auto& [flag, v] : {std::pair<const char*, const std::string*>{"--hidden", &o.hidden},
+                                  {"--intermediate", &o.intermediate},
+                                  {"--experts", &o.experts},
+                                  {"--top-k", &o.top_k}})
+      if (v->empty())
+        throw ToolError(kExitUsage, std::string("explicit dims need --hidden, --intermediate, --experts and --top-k: ") +
+                                        flag + " is missing");
+    return Preset{"", parse_int_flag("--hidden", o.hidden, 1, 1 << 16),
+                  parse_int_flag("--intermediate", o.intermediate, 1, 1 << 16),
+                  parse_int_flag("--experts", o.experts, 1, 4096), parse_int_flag("--top-k", o.top_k, 1, 64), ""};
+  }
   const Preset* p = find_preset(o.preset);
   if (!p)
     throw ToolError(kExitUsage, "unknown preset: --preset '" + o.preset + "', must be one of: " + preset_names());
+  return *p;
+}
+
+}  // namespace
+
+void add_shape_options(CLI::App* app, LayerOptions* o) {
+  app->add_option("--hidden", o->hidden, "hidden size H (explicit dims, with --intermediate, --experts, --top-k)")
+      ->type_name("H");
+  app->add_option("--intermediate", o->intermediate, "expert intermediate size I (explicit dims)")->type_name("I");
+  app->add_option("--top-k", o->top_k, "experts per token (explicit dims)")->type_name("K");
+}
+
+reference::Routing parse_routing_flag(const std::string& s) {
+  if (s == "uniform") return reference::Routing::kUniform;
+  if (s == "single-expert") return reference::Routing::kSingleExpert;
+  if (s == "dropped") return reference::Routing::kWithDropped;
+  throw ToolError(kExitUsage, "invalid value for --routing: '" + s + "', must be uniform, single-expert or dropped");
+}
+
+MoeGeometry make_geometry(const LayerOptions& o, int64_t max_tokens_per_rank) {
+  const Preset preset = preset_or_dims(o);
+  const Preset* p = &preset;
   MoeGeometry g;
   g.hidden = p->hidden;
   g.intermediate = p->intermediate;

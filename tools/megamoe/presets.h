@@ -10,6 +10,7 @@
 
 #include "megamoe/config.h"
 #include "megamoe/types.h"
+#include "reference/problem.h"
 
 namespace CLI {
 class App;
@@ -61,9 +62,16 @@ struct LayerOptions {
   bool pow2_scales = false;
   bool pad = false;
   bool shared_gpu = false;  // --shared-gpu: the --ep ranks as logical ranks of GPU 0 (GPU backends)
+  // Explicit dims instead of --preset (add_shape_options: tune): all four, --experts among them.
+  std::string hidden, intermediate, top_k;
 };
 
 void add_layer_options(CLI::App* app, LayerOptions* o, bool with_pow2_scales);
+// --hidden, --intermediate, --top-k (with --experts from add_layer_options: a geometry without a preset).
+void add_shape_options(CLI::App* app, LayerOptions* o);
+
+// --routing: uniform | single-expert | dropped.
+reference::Routing parse_routing_flag(const std::string& text);
 
 // Integer flag values: "invalid value for --ep: 'x', must be an integer in [1, 4096]".
 int64_t parse_int_flag(const std::string& flag, const std::string& text, int64_t min, int64_t max);
@@ -72,8 +80,9 @@ std::vector<int64_t> parse_int_list_flag(const std::string& flag, const std::str
                                          int64_t max);
 std::vector<std::string> split_list(const std::string& text);
 
-// The geometry of rank 0: the preset, overridden by --experts and --ep, padded with --pad, with the
-// given per-rank token bound. Throws ToolError (kExitUsage) naming the flag, value and rule.
+// The geometry of rank 0: the preset (or, without one, the explicit dims), overridden by --experts
+// and --ep, padded with --pad, with the given per-rank token bound. Throws ToolError (kExitUsage)
+// naming the flag, value and rule.
 MoeGeometry make_geometry(const LayerOptions& o, int64_t max_tokens_per_rank);
 // The config for `backend` with the format flags. Throws ToolError naming the flag and rule.
 MoeConfig make_config(const LayerOptions& o, Backend backend);

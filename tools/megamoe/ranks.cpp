@@ -225,26 +225,50 @@ RankBarrier::~RankBarrier() {
   if (stream_) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
 }
 
+Status RankBarrier::launched_comm(int64_t rank, ncclComm_t* comm) {
+  const NcclRankComm* nccl = nccl_rank_of(group_.comms[rank].get());
+  if (!nccl) return Status(StatusCode::kInternal, "rank barrier: rank " + std::to_string(rank) + " has no NCCL communicator");
+  if (!flag_) {
+    MEGAMOE_CUDA_CHECK(cudaSetDevice(pr_.device_of(rank)));
+    MEGAMOE_CUDA_CHECK(cudaMalloc(&flag_, sizeof(double)));
+    cudaStream_t s = nullptr;
+    MEGAMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    stream_ = s;
+  }
+  *comm = nccl->nccl();
+  return Status::ok();
+}
+
 Status RankBarrier::wait(int64_t rank) {
   if (!pr_.launched || pr_.ep_size == 1) {
     threads_.wait();
     return Status::ok();
   }
-  const NcclRankComm* nccl = nccl_rank_of(group_.comms[rank].get());
-  if (!nccl) return Status(StatusCode::kInternal, "rank barrier: rank " + std::to_string(rank) + " has no NCCL communicator");
-  if (!flag_) {
-    MEGAMOE_CUDA_CHECK(cudaSetDevice(pr_.device_of(rank)));
-    MEGAMOE_CUDA_CHECK(cudaMalloc(&flag_, sizeof(float)));
-    cudaStream_t s = nullptr;
-    MEGAMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    stream_ = s;
-  }
-  return nccl_barrier(nccl->nccl(), flag_, stream_, rank, "rank barrier");
+  ncclComm_t comm = nullptr;
+  MEGAMOE_RETURN_IF_ERROR(launched_comm(rank, &comm));
+  return nccl_barrier(comm, flag_, stream_, rank, "rank barrier");
 }
 
-Status nccl_barrier(ncclComm_t comm, void* flag, void* stream_ptr, int64_t rank, const char* what) {
+Status RankBarrier::max_over_processes(int64_t rank, double* value) {
+  if (!pr_.launched || pr_.ep_size == 1) return Status::ok();
+  ncclComm_t comm = nullptr;
+  MEGAMOE_RETURN_IF_ERROR(launched_comm(rank, &comm));
+  const cudaStream_t s = static_cast<cudaStream_t>(stream_);
+  MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(flag_, value, sizeof(double), cudaMemcpyHostToDevice, s));
+  MEGAMOE_RETURN_IF_ERROR(nccl_all_reduce_bounded(comm, flag_, 1, ncclDouble, ncclMax, stream_, rank, "the maximum"));
+  MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(value, flag_, sizeof(double), cudaMemcpyDeviceToHost, s));
+  MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(s));
+  return Status::ok();
+}
+
+Status nccl_barrier(ncclComm_t comm, void* flag, void* stream, int64_t rank, const char* what) {
+  return nccl_all_reduce_bounded(comm, flag, 1, ncclFloat, ncclSum, stream, rank, what);
+}
+
+Status nccl_all_reduce_bounded(ncclComm_t comm, void* buf, size_t count, ncclDataType_t type, ncclRedOp_t op,
+                               void* stream_ptr, int64_t rank, const char* what) {
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
-  const ncclResult_t r = ncclAllReduce(flag, flag, 1, ncclFloat, ncclSum, comm, stream);
+  const ncclResult_t r = ncclAllReduce(buf, buf, count, type, op, comm, stream);
   if (r != ncclSuccess)
     return Status(StatusCode::kInternal, std::string(what) + ": ncclAllReduce failed: " + ncclGetErrorString(r));
   const int64_t bound_ms = env_knobs().barrier_timeout_ms;

@@ -129,6 +129,10 @@ class ThreadBarrier {
 // Returns only on success or when the all-reduce could not be enqueued.
 constexpr int kBarrierExitCode = 5;
 Status nccl_barrier(ncclComm_t comm, void* flag, void* stream, int64_t rank, const char* what);
+// The all-reduce under nccl_barrier, of any `count` values of `type` with `op`, waited for with the
+// same bound and the same exit on a missing peer.
+Status nccl_all_reduce_bounded(ncclComm_t comm, void* buf, size_t count, ncclDataType_t type, ncclRedOp_t op,
+                               void* stream, int64_t rank, const char* what);
 
 // A barrier over every rank of the group, for lockstep timing: host threads when this process runs
 // every rank, nccl_barrier across the launched processes.
@@ -139,12 +143,17 @@ class RankBarrier {
   RankBarrier& operator=(const RankBarrier&) = delete;
   ~RankBarrier();
   Status wait(int64_t rank);
+  // Launched: *value becomes the largest of every process's (an NCCL all-reduce, bounded and fatal
+  // on a missing peer like wait()); every process calls it in the same order. One process: unchanged.
+  Status max_over_processes(int64_t rank, double* value);
 
  private:
+  Status launched_comm(int64_t rank, ncclComm_t* comm);
+
   const ProcessRanks& pr_;
   const RankGroup& group_;
   ThreadBarrier threads_;
-  void* flag_ = nullptr;    // launched: one float on the rank's device
+  void* flag_ = nullptr;    // launched: one float (barrier) or double (maximum) on the rank's device
   void* stream_ = nullptr;  // launched: the stream the all-reduce runs on
 };
 

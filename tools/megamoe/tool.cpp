@@ -22,6 +22,8 @@ std::vector<std::pair<std::string, CommandRun>> add_all_commands(CLI::App* app) 
           {"bench-gemm", add_gemm_bench_command(app)},
           {"bench-transport", add_transport_bench_command(app)},
           {"bench-link", add_link_bench_command(app)},
+          {"tune", add_tune_command(app)},
+          {"plot", add_plot_command(app)},
           {"launch", add_launch_command(app)}};
 }
 

@@ -1,10 +1,14 @@
 // `megamoe tune` on the CPU: the search of src/tune/autotune.h (candidates, the slowest-rank score,
 // the winner, the crossover), and the command itself with the cpu backend standing in for routed and
 // mega and an injected deterministic timer: argmin, the slowest rank over 2 and 4 host ranks, the
-// atomic write after every bucket, resume, a corrupt or foreign cache, --dry-run, the plot.
+// atomic write after every bucket, resume, a corrupt or foreign cache, --dry-run, the plot; and
+// launched processes, simulated by threads agreeing through a shared maximum, choosing alike.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -13,11 +17,13 @@
 #include <set>
 #include <sstream>
 #include <stdexcept>
+#include <thread>
 
 #include "megamoe/knobs.h"
 #include "presets.h"
 #include "tune.h"
 #include "tune/autotune.h"
+#include "tune_session.h"
 
 namespace megamoe::tool {
 namespace {
@@ -285,6 +291,168 @@ TEST(TuneCommand, EveryBucketIsWrittenAtOnceAndARunResumes) {
   force.force = true;
   EXPECT_EQ(run_tune(force, hooks), kExitOk);
   EXPECT_EQ(timed, (std::set<int64_t>{1, 4, 16}));
+}
+
+// ---- launched processes agree: simulated, one run_tune per thread, through a shared maximum ----
+
+// The all-reduce of ProcessMax among n threads: each call waits (bounded) for the other n - 1.
+class ThreadMax {
+ public:
+  explicit ThreadMax(int n) : n_(n) {}
+  Status operator()(double* value) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    const int64_t round = round_;
+    best_ = arrived_ == 0 ? *value : std::max(best_, *value);
+    if (++arrived_ == n_) {
+      result_ = best_;
+      arrived_ = 0;
+      ++round_;
+      cv_.notify_all();
+    } else if (!cv_.wait_for(lock, std::chrono::seconds(60), [&] { return round_ != round; })) {
+      return Status(StatusCode::kTimeout, "simulated process maximum: a peer never arrived");
+    }
+    *value = result_;
+    return Status::ok();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  int n_, arrived_ = 0;
+  int64_t round_ = 0;
+  double best_ = 0, result_ = 0;
+};
+
+struct ProcessRun {
+  int rc = -1;
+  std::string error;  // a ToolError's message
+};
+
+// run_tune(options[i], hooks[i]) for every simulated process i at once, agreeing through one ThreadMax.
+std::vector<ProcessRun> run_processes(const std::vector<TuneOptions>& options, std::vector<TuneHooks> hooks) {
+  const int n = static_cast<int>(options.size());
+  auto max = std::make_shared<ThreadMax>(n);
+  std::vector<ProcessRun> out(static_cast<size_t>(n));
+  std::vector<std::thread> threads;
+  for (int i = 0; i < n; ++i) {
+    hooks[i].max_over_processes = [max](double* v) { return (*max)(v); };
+    threads.emplace_back([&, i] {
+      try {
+        out[i].rc = run_tune(options[i], hooks[i]);
+      } catch (const ToolError& e) {
+        out[i].rc = e.code();
+        out[i].error = e.what();
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  return out;
+}
+
+// Process 0 sees block_m=64 fast (10 us) and process 1 slow (90); block_m=128 is 70 on both. Alone,
+// process 0 would keep 64; agreeing, both score 64 at its slowest process (90) and write 128.
+TuneHooks process_hooks(int process) {
+  return cpu_hooks([process](const Candidate& c, int64_t, int64_t, int64_t) {
+    if (c.knobs.block_n != 0) return 500.0;
+    if (c.knobs.block_m == 64) return process == 0 ? 10.0 : 90.0;
+    if (c.knobs.block_m == 128) return 70.0;
+    return 100.0;
+  });
+}
+
+TEST(TuneProcesses, EveryProcessWritesTheKnobsOfTheSlowestProcess) {
+  TempDir d0, d1;
+  const std::vector<ProcessRun> runs =
+      run_processes({tiny_options(d0, "2"), tiny_options(d1, "2")}, {process_hooks(0), process_hooks(1)});
+  for (const ProcessRun& r : runs) ASSERT_EQ(r.rc, kExitOk) << r.error;
+  for (const TempDir* d : {&d0, &d1}) {
+    const auto entries = entries_of(d->file("knobs.json"));
+    ASSERT_EQ(entries.count(2), 1u);
+    EXPECT_EQ(entries.at(2).knobs.block_m, 128);
+    EXPECT_DOUBLE_EQ(entries.at(2).measured_us, 70.0);
+    const json doc = json::parse(read_file(d->file("tune.json")));
+    for (const json& c : doc["buckets"][0]["backends"][0]["stages"][0]["candidates"])
+      if (c["knobs"]["block_m"] == 64 && c["knobs"]["block_n"] == 0) {
+        EXPECT_DOUBLE_EQ(c["us"].get<double>(), 90.0);
+      }
+  }
+  // Alone, process 0 keeps its own view.
+  TempDir alone;
+  ASSERT_EQ(run_tune(tiny_options(alone, "2"), process_hooks(0)), kExitOk);
+  EXPECT_EQ(entries_of(alone.file("knobs.json")).at(2).knobs.block_m, 64);
+}
+
+TEST(TuneProcesses, ABucketOneProcessHasCachedIsTunedByAll) {
+  TempDir d0, d1;
+  ASSERT_EQ(run_tune(tiny_options(d0, "2"), process_hooks(0)), kExitOk);  // process 0's cache: block_m=64
+  ASSERT_EQ(entries_of(d0.file("knobs.json")).at(2).knobs.block_m, 64);
+  const std::vector<ProcessRun> runs =
+      run_processes({tiny_options(d0, "2"), tiny_options(d1, "2")}, {process_hooks(0), process_hooks(1)});
+  for (const ProcessRun& r : runs) ASSERT_EQ(r.rc, kExitOk) << r.error;
+  EXPECT_EQ(entries_of(d0.file("knobs.json")).at(2).knobs.block_m, 128);  // tuned again, with process 1
+  EXPECT_EQ(entries_of(d1.file("knobs.json")).at(2).knobs.block_m, 128);
+  // Cached in both: neither times anything.
+  std::atomic<int> timings{0};
+  std::vector<TuneHooks> counting;
+  for (int i = 0; i < 2; ++i)
+    counting.push_back(cpu_hooks([&timings](const Candidate&, int64_t, int64_t, int64_t) {
+      ++timings;
+      return 10.0;
+    }));
+  for (const ProcessRun& r : run_processes({tiny_options(d0, "2"), tiny_options(d1, "2")}, counting))
+    EXPECT_EQ(r.rc, kExitOk) << r.error;
+  EXPECT_EQ(timings.load(), 0);
+}
+
+TEST(TuneProcesses, ProcessesStartedWithDifferentFlagsStopBeforeTiming) {
+  TempDir d0, d1;
+  TuneOptions other = tiny_options(d1, "2");
+  other.knobs = "block_m";  // fewer candidates: the processes' collective steps would not pair up
+  std::atomic<int> timings{0};
+  std::vector<TuneHooks> hooks;
+  for (int i = 0; i < 2; ++i)
+    hooks.push_back(cpu_hooks([&timings](const Candidate&, int64_t, int64_t, int64_t) {
+      ++timings;
+      return 10.0;
+    }));
+  const std::vector<ProcessRun> runs = run_processes({tiny_options(d0, "2"), other}, hooks);
+  for (const ProcessRun& r : runs) {
+    EXPECT_EQ(r.rc, kExitUsage);
+    EXPECT_NE(r.error.find("the launched processes disagree on the flags"), std::string::npos) << r.error;
+  }
+  EXPECT_EQ(timings.load(), 0);
+  EXPECT_FALSE(fs::exists(d0.file("knobs.json")));
+}
+
+TEST(TuneProcesses, AgreementHelpers) {
+  ThreadMax max(2);
+  ProcessAgreement a, b;
+  a.max = b.max = [&max](double* v) { return max(v); };
+  Status sa, sb;
+  bool fa = false, fb = true;
+  std::thread t([&] { sa = a.any(&fa); });
+  sb = b.any(&fb);
+  t.join();
+  ASSERT_TRUE(sa.is_ok() && sb.is_ok());
+  EXPECT_TRUE(fa);
+  EXPECT_TRUE(fb);
+  std::thread u([&] { sa = a.same(fingerprint("x"), "the thing"); });
+  sb = b.same(fingerprint("y"), "the thing");
+  u.join();
+  EXPECT_FALSE(sa.is_ok());
+  EXPECT_FALSE(sb.is_ok());
+  EXPECT_NE(sa.message().find("disagree on the thing"), std::string::npos) << sa.message();
+  std::thread w([&] { sa = a.same(fingerprint("x"), "the thing"); });
+  sb = b.same(fingerprint("x"), "the thing");
+  w.join();
+  EXPECT_TRUE(sa.is_ok() && sb.is_ok());
+  // One process (no max): the identity.
+  ProcessAgreement one;
+  double v = 3;
+  EXPECT_TRUE(one.largest(&v).is_ok());
+  EXPECT_EQ(v, 3);
+  EXPECT_TRUE(one.same(fingerprint("x"), "anything").is_ok());
+  EXPECT_LT(fingerprint(std::string(1000, 'z')), uint64_t(1) << 52);
 }
 
 TEST(TuneCommand, CorruptCacheIsKeptAsBakAndReplaced) {

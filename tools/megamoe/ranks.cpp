@@ -225,38 +225,45 @@ RankBarrier::~RankBarrier() {
   if (stream_) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
 }
 
-Status RankBarrier::launched_comm(int64_t rank, ncclComm_t* comm) {
-  const NcclRankComm* nccl = nccl_rank_of(group_.comms[rank].get());
-  if (!nccl) return Status(StatusCode::kInternal, "rank barrier: rank " + std::to_string(rank) + " has no NCCL communicator");
-  if (!flag_) {
-    MEGAMOE_CUDA_CHECK(cudaSetDevice(pr_.device_of(rank)));
-    MEGAMOE_CUDA_CHECK(cudaMalloc(&flag_, sizeof(double)));
-    cudaStream_t s = nullptr;
-    MEGAMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    stream_ = s;
-  }
-  *comm = nccl->nccl();
-  return Status::ok();
-}
-
 Status RankBarrier::wait(int64_t rank) {
   if (!pr_.launched || pr_.ep_size == 1) {
     threads_.wait();
     return Status::ok();
   }
-  ncclComm_t comm = nullptr;
-  MEGAMOE_RETURN_IF_ERROR(launched_comm(rank, &comm));
-  return nccl_barrier(comm, flag_, stream_, rank, "rank barrier");
+  const NcclRankComm* nccl = nccl_rank_of(group_.comms[rank].get());
+  if (!nccl) return Status(StatusCode::kInternal, "rank barrier: rank " + std::to_string(rank) + " has no NCCL communicator");
+  if (!flag_) {
+    MEGAMOE_CUDA_CHECK(cudaSetDevice(pr_.device_of(rank)));
+    MEGAMOE_CUDA_CHECK(cudaMalloc(&flag_, sizeof(float)));
+    cudaStream_t s = nullptr;
+    MEGAMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    stream_ = s;
+  }
+  return nccl_barrier(nccl->nccl(), flag_, stream_, rank, "rank barrier");
 }
 
-Status RankBarrier::max_over_processes(int64_t rank, double* value) {
+ProcessMax::~ProcessMax() {
+  if (value_) cudaFree(value_);
+  if (stream_) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
+}
+
+Status ProcessMax::operator()(double* value) {
   if (!pr_.launched || pr_.ep_size == 1) return Status::ok();
-  ncclComm_t comm = nullptr;
-  MEGAMOE_RETURN_IF_ERROR(launched_comm(rank, &comm));
+  const int64_t rank = pr_.first();
+  const NcclRankComm* nccl = nccl_rank_of(pr_.comm.get());
+  if (!nccl) return Status(StatusCode::kInternal, "process maximum: rank " + std::to_string(rank) + " has no NCCL communicator");
+  MEGAMOE_CUDA_CHECK(cudaSetDevice(pr_.device_of(rank)));
+  if (!value_) {
+    MEGAMOE_CUDA_CHECK(cudaMalloc(&value_, sizeof(double)));
+    cudaStream_t s = nullptr;
+    MEGAMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    stream_ = s;
+  }
   const cudaStream_t s = static_cast<cudaStream_t>(stream_);
-  MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(flag_, value, sizeof(double), cudaMemcpyHostToDevice, s));
-  MEGAMOE_RETURN_IF_ERROR(nccl_all_reduce_bounded(comm, flag_, 1, ncclDouble, ncclMax, stream_, rank, "the maximum"));
-  MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(value, flag_, sizeof(double), cudaMemcpyDeviceToHost, s));
+  MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(value_, value, sizeof(double), cudaMemcpyHostToDevice, s));
+  MEGAMOE_RETURN_IF_ERROR(
+      nccl_all_reduce_bounded(nccl->nccl(), value_, 1, ncclDouble, ncclMax, stream_, rank, "the process maximum"));
+  MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(value, value_, sizeof(double), cudaMemcpyDeviceToHost, s));
   MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(s));
   return Status::ok();
 }

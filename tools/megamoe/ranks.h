@@ -143,18 +143,31 @@ class RankBarrier {
   RankBarrier& operator=(const RankBarrier&) = delete;
   ~RankBarrier();
   Status wait(int64_t rank);
-  // Launched: *value becomes the largest of every process's (an NCCL all-reduce, bounded and fatal
-  // on a missing peer like wait()); every process calls it in the same order. One process: unchanged.
-  Status max_over_processes(int64_t rank, double* value);
 
  private:
-  Status launched_comm(int64_t rank, ncclComm_t* comm);
-
   const ProcessRanks& pr_;
   const RankGroup& group_;
   ThreadBarrier threads_;
-  void* flag_ = nullptr;    // launched: one float (barrier) or double (maximum) on the rank's device
+  void* flag_ = nullptr;    // launched: one float on the rank's device
   void* stream_ = nullptr;  // launched: the stream the all-reduce runs on
+};
+
+// The largest of every launched process's value, over the process's own communicator
+// (ProcessRanks::comm, so no layers need to exist): an NCCL all-reduce of one double, bounded and
+// fatal on a missing peer like nccl_barrier. Every process calls it the same number of times, in the
+// same order, between the same collective steps. Not launched: the identity.
+class ProcessMax {
+ public:
+  explicit ProcessMax(const ProcessRanks& pr) : pr_(pr) {}
+  ProcessMax(const ProcessMax&) = delete;
+  ProcessMax& operator=(const ProcessMax&) = delete;
+  ~ProcessMax();
+  Status operator()(double* value);
+
+ private:
+  const ProcessRanks& pr_;
+  void* value_ = nullptr;   // one double on the rank's device
+  void* stream_ = nullptr;  // the stream the all-reduce runs on
 };
 
 // One rank's forward inputs and output on the layer's device (host memory for the cpu backend).

@@ -9,6 +9,13 @@
 // checked against the float64 reference on --verify-tokens tokens of every rank before it is
 // accepted; the bucket's entry written to the cache at once (atomically). The crossover of mega
 // against routed is recorded on every entry of the geometry.
+//
+// Launched (one process per GPU), every process makes every choice alike, through ProcessAgreement
+// (tune_session.h): the plan (flags, geometry, device) must be the same everywhere, a bucket is
+// tuned when any process lacks its entry, a backend runs only where every process can run it, a
+// candidate is refused when any process refuses it, its score is the largest over the processes and
+// the winner passes its check only where it passes everywhere. So each process writes, and applies,
+// the same knobs.
 #pragma once
 
 #include <cstdint>
@@ -46,6 +53,10 @@ struct TuneHooks {
   // Candidates of backend B run on layers of backend stand_in[B] (the cpu backend standing in for
   // routed and mega on a machine without a GPU); the knobs searched stay B's.
   std::map<Backend, Backend> stand_in;
+  // Stands in for the all-reduce over the launched processes (ProcessMax): the largest of every
+  // process's *value. Set, several run_tune calls of one test (one per simulated process) agree
+  // through it as launched processes do.
+  std::function<Status(double* value)> max_over_processes;
 };
 
 // Runs `megamoe tune` (registered by add_tune_command, commands.h); throws ToolError like the other

@@ -271,11 +271,12 @@ std::string today() {
 
 // Tunes one backend at one bucket: the search, then the winner's check (a winner that fails gives
 // way to the heuristic, which must pass).
-BackendReport tune_backend(const TunePlan& p, const TuneHooks& hooks, TuneShared* shared, Backend b, int64_t t) {
+// why_not: the agreed reason it cannot run (agreed_unavailable), empty where it can.
+BackendReport tune_backend(const TunePlan& p, TuneShared* shared, Backend b, int64_t t, const std::string& why_not) {
   BackendReport rep;
   rep.backend = b;
   const tune::TuneContext ctx = context(p, b, t);
-  rep.unavailable = unavailable(hooks, b, ctx.geometry, ctx.config);
+  rep.unavailable = why_not;
   if (!rep.unavailable.empty()) return rep;
   BucketLayers layers(shared, ctx.geometry, ctx.config, b);
   const Status st = tune::run_search(ctx, stages_of(p, b), p.min_gain,
@@ -521,6 +522,44 @@ void check_host_memory(const TuneOptions& o, const TunePlan& p, const TuneHooks&
                         experts_hint(p.geometry, limit, estimate));
 }
 
+// What every launched process must agree on before the first collective step of the tuning: the
+// plan from the flags and the device (not the cache path, which may differ).
+std::string plan_text(const TunePlan& p) {
+  std::string s = "buckets";
+  for (int64_t t : p.buckets) s += " " + std::to_string(t);
+  s += "; backends";
+  for (Backend b : p.backends) s += std::string(" ") + to_string(b);
+  s += "; knobs";
+  for (const std::string& k : p.knob_names) s += " " + k;
+  char numbers[160];
+  std::snprintf(numbers, sizeof(numbers), "; search %d min_gain %.17g warmup %lld iters %lld reps %lld verify %lld seed %llu routing %d",
+                static_cast<int>(p.search), p.min_gain, static_cast<long long>(p.warmup),
+                static_cast<long long>(p.iters), static_cast<long long>(p.reps),
+                static_cast<long long>(p.verify_tokens), static_cast<unsigned long long>(p.seed),
+                static_cast<int>(p.routing));
+  s += numbers;
+  return s + "; device " + p.device + " sms " + std::to_string(p.num_sms) + "; " + p.geometry.to_string() + "; " +
+         p.config.to_string();
+}
+
+// Per backend, why it cannot be tuned at bucket t (empty: it can), the same on every process: one
+// that cannot run it anywhere runs it nowhere.
+std::map<Backend, std::string> agreed_unavailable(const TunePlan& p, const TuneHooks& hooks,
+                                                  const ProcessAgreement& processes, int64_t t) {
+  std::map<Backend, std::string> out;
+  for (Backend b : p.backends) {
+    const tune::TuneContext ctx = context(p, b, t);
+    std::string why = unavailable(hooks, b, ctx.geometry, ctx.config);
+    bool anywhere = !why.empty();
+    if (const Status st = processes.any(&anywhere); !st)
+      throw ToolError(kExitUnavailable, "tokens " + std::to_string(t) + ", " + to_string(b) + ": " + st.message());
+    if (anywhere && why.empty())
+      why = std::string("backend=") + to_string(b) + " is unavailable in another launched process";
+    out[b] = why;
+  }
+  return out;
+}
+
 int run_tune_plan(const TuneOptions& o, const TunePlan& p, const TuneHooks& hooks) {
   print_plan_header(o, p);
   check_host_memory(o, p, hooks);
@@ -530,7 +569,13 @@ int run_tune_plan(const TuneOptions& o, const TunePlan& p, const TuneHooks& hook
   if (const Status st = process_ranks(p.geometry.ep_size, on_gpu, &pr); !st)
     throw ToolError(st.code() == StatusCode::kInvalidArgument ? kExitUsage : kExitUnavailable, st.message());
   const bool writer = !pr.launched || pr.first() == 0;
+  ProcessMax process_max(pr);
   TuneShared shared;
+  if (hooks.max_over_processes) shared.processes.max = hooks.max_over_processes;
+  else if (pr.launched) shared.processes.max = [&process_max](double* v) { return process_max(v); };
+  if (const Status st = shared.processes.same(fingerprint(plan_text(p)), "the flags, the geometry or the device");
+      !st)
+    throw ToolError(kExitUsage, st.message());
   shared.hooks = &hooks;
   shared.ranks = &pr;
   shared.seed = p.seed;
@@ -556,12 +601,17 @@ int run_tune_plan(const TuneOptions& o, const TunePlan& p, const TuneHooks& hook
     bucket.tokens = t;
     KnobKey key = make_knob_key(p.device, p.geometry, p.config);
     key.max_tokens = t;
+    const std::map<Backend, std::string> why_not = agreed_unavailable(p, hooks, shared.processes, t);
     std::vector<Backend> available;
     for (Backend b : p.backends)
-      if (unavailable(hooks, b, context(p, b, t).geometry, p.config).empty()) available.push_back(b);
-    // Resume: an entry of exactly this bucket holding every available backend's time is kept.
+      if (why_not.at(b).empty()) available.push_back(b);
+    // Resume: an entry of exactly this bucket holding every available backend's time is kept (launched:
+    // where every process's cache holds one).
     const std::optional<KnobEntry> cached = exact_entry(cache, key);
-    if (!o.force && cached && !available.empty() && complete_entry(*cached, available)) {
+    bool tune_it = o.force || !cached || available.empty() || !complete_entry(*cached, available);
+    if (const Status st = shared.processes.any(&tune_it); !st)
+      throw ToolError(kExitUnavailable, "tokens " + std::to_string(t) + ": " + st.message());
+    if (!tune_it) {
       bucket.status = "cached";
       bucket.entry = *cached;
       std::fprintf(stderr, "[tune] tokens %lld: in the cache already (--force tunes it again)\n",
@@ -570,7 +620,7 @@ int run_tune_plan(const TuneOptions& o, const TunePlan& p, const TuneHooks& hook
       continue;
     }
     bucket.status = "tuned";
-    for (Backend b : p.backends) bucket.backends.push_back(tune_backend(p, hooks, &shared, b, t));
+    for (Backend b : p.backends) bucket.backends.push_back(tune_backend(p, &shared, b, t, why_not.at(b)));
     bucket.entry = entry_of(bucket);
     if (bucket.entry.backend_us.empty()) {  // no backend ran: nothing to record
       bucket.status = "not run";

@@ -8,6 +8,34 @@
 
 namespace megamoe::tool {
 
+Status ProcessAgreement::any(bool* flag) const {
+  double v = *flag ? 1.0 : 0.0;
+  MEGAMOE_RETURN_IF_ERROR(largest(&v));
+  *flag = v > 0;
+  return Status::ok();
+}
+
+Status ProcessAgreement::same(uint64_t fp, const std::string& what) const {
+  double hi = static_cast<double>(fp), lo = -static_cast<double>(fp);
+  MEGAMOE_RETURN_IF_ERROR(largest(&hi));
+  MEGAMOE_RETURN_IF_ERROR(largest(&lo));  // minus the smallest
+  const double mine = static_cast<double>(fp);
+  if (hi == mine && -lo == mine) return Status::ok();
+  const uint64_t other = static_cast<uint64_t>(hi != mine ? hi : -lo);
+  return Status(StatusCode::kInvalidArgument, "the launched processes disagree on " + what + " (fingerprint " +
+                                                  std::to_string(fp) + " here, " + std::to_string(other) +
+                                                  " in another process): every process must run the same command");
+}
+
+uint64_t fingerprint(const std::string& text) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : text) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return h & ((uint64_t(1) << 52) - 1);
+}
+
 MoeConfig BucketLayers::config_of(const tune::Candidate& candidate) const {
   MoeConfig c = config_;
   c.backend = backend_;
@@ -58,23 +86,23 @@ Status BucketLayers::time_candidate(Group& group, const tune::Candidate& candida
   return Status::ok();
 }
 
-Status BucketLayers::max_over_processes(Group& group, double* value) {
-  if (!shared_->ranks->launched) return Status::ok();
-  RankBarrier barrier(*shared_->ranks, group.layers);
-  return barrier.max_over_processes(shared_->ranks->first(), value);
-}
-
 Status BucketLayers::measure(const std::vector<tune::Candidate>& candidates, std::vector<double>* scores) {
   // [candidate][rank] -> every timed forward of every rep
   std::vector<std::vector<std::vector<double>>> samples(candidates.size());
   std::vector<bool> refused(candidates.size(), false);
   std::vector<Group*> groups(candidates.size(), nullptr);
+  std::string labels;
+  for (const tune::Candidate& c : candidates) labels += std::string(to_string(c.backend)) + " " + c.label() + ";";
+  MEGAMOE_RETURN_IF_ERROR(shared_->processes.same(fingerprint(labels), "a stage's candidates"));
   for (size_t i = 0; i < candidates.size(); ++i) MEGAMOE_RETURN_IF_ERROR(group_for(candidates[i], &groups[i]));
   for (int64_t rep = 0; rep < shared_->reps; ++rep)
     for (size_t i = 0; i < candidates.size(); ++i) {
       if (refused[i]) continue;
-      // Knobs a layer refuses (Knobs::validate) are refused on every rank alike.
-      if (!set_knobs(*groups[i], candidates[i])) {
+      // Knobs a layer refuses (Knobs::validate) are refused on every rank of this process alike;
+      // launched, a refusal anywhere is one everywhere (the others would wait for it in lockstep).
+      bool refuse = !set_knobs(*groups[i], candidates[i]);
+      MEGAMOE_RETURN_IF_ERROR(shared_->processes.any(&refuse));
+      if (refuse) {
         refused[i] = true;
         continue;
       }
@@ -86,7 +114,7 @@ Status BucketLayers::measure(const std::vector<tune::Candidate>& candidates, std
     std::vector<double> medians;
     for (const std::vector<double>& v : samples[i]) medians.push_back(v.empty() ? -1.0 : summarize(v).median);
     double score = refused[i] ? -1.0 : tune::slowest_rank_score(medians);
-    MEGAMOE_RETURN_IF_ERROR(max_over_processes(*groups[i], &score));
+    MEGAMOE_RETURN_IF_ERROR(shared_->processes.largest(&score));
     (*scores)[i] = score;
   }
   return Status::ok();
@@ -167,9 +195,9 @@ Status BucketLayers::verify(const tune::Candidate& candidate, VerifyResult* out)
   out->pass = all.non_finite == 0 && out->rel_l2 <= out->bound;
   if (all.non_finite) out->detail = std::to_string(all.non_finite) + " non-finite outputs";
   else if (!out->pass) out->detail = "rel_l2 above the bound";
-  double failed = out->pass ? 0.0 : 1.0;  // every process must pass
-  MEGAMOE_RETURN_IF_ERROR(max_over_processes(*group, &failed));
-  if (failed > 0 && out->pass) {
+  bool failed = !out->pass;  // every process must pass
+  MEGAMOE_RETURN_IF_ERROR(shared_->processes.any(&failed));
+  if (failed && out->pass) {
     out->pass = false;
     out->detail = "another process's rank failed the check";
   }

@@ -17,6 +17,23 @@
 
 namespace megamoe::tool {
 
+// The choices every process of a launched tune makes alike (tune.h). Each goes through `max`, the
+// largest of every process's value (ProcessMax, or a test's stand-in), which every process calls the
+// same number of times in the same order; empty (one process): every call is the identity.
+struct ProcessAgreement {
+  std::function<Status(double* value)> max;
+
+  Status largest(double* value) const { return max ? max(value) : Status::ok(); }
+  // *flag becomes true everywhere when it is true on any process.
+  Status any(bool* flag) const;
+  // Every process's `fingerprint` must be the same; an error naming `what` otherwise (processes that
+  // went on would pair unrelated collective steps).
+  Status same(uint64_t fingerprint, const std::string& what) const;
+};
+
+// A 52-bit FNV-1a hash of `text` (a double holds it exactly: ProcessAgreement::same).
+uint64_t fingerprint(const std::string& text);
+
 // What every bucket shares: the ranks of this process, the inputs, the kept weights, the timing.
 struct TuneShared {
   const TuneHooks* hooks = nullptr;
@@ -29,6 +46,7 @@ struct TuneShared {
   KeptWeights kept;
   // Called once per candidate timing (for the progress line).
   std::function<void(const std::string& what)> on_timing;
+  ProcessAgreement processes;
 };
 
 // The outcome of checking one candidate's output.
@@ -48,7 +66,8 @@ class BucketLayers {
   BucketLayers& operator=(const BucketLayers&) = delete;
 
   // Times the candidates, interleaved `reps` times; scores[i] = the slowest rank's median of
-  // candidate i's timed forwards (launched: over every process), -1 where its knobs were refused.
+  // candidate i's timed forwards (launched: over every process), -1 where its knobs were refused
+  // (launched: by any process). Launched, every process must pass the same candidates.
   Status measure(const std::vector<tune::Candidate>& candidates, std::vector<double>* scores);
   // Runs one forward of `candidate` on input set 0 and compares --verify-tokens tokens of every rank
   // with the float64 reference (launched: every process must pass).
@@ -65,8 +84,6 @@ class BucketLayers {
   Status read_forward(Group& group, std::vector<std::vector<uint16_t>>* y);
   ExpertWeightsFn expert_weights(const Group& group, const MoeConfig& c) const;
   MoeConfig config_of(const tune::Candidate& candidate) const;
-  // The largest value over the launched processes (identity in one process).
-  Status max_over_processes(Group& group, double* value);
 
   TuneShared* shared_;
   MoeGeometry geometry_;

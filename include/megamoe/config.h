@@ -92,12 +92,12 @@ struct MoeConfig {
   // touches) times fewer combine bytes (4x for top-8 on 2 ranks), and fewer wire roundings. The source
   // sums the owners' rows in rank order: bitwise reproducible, but the bits depend on ep_size (the
   // per-slot combine's do not). kAuto: on with a quantised combine wire (mxfp8, nvfp4), off with bf16;
-  // kOn is refused with in_kernel_fc2_reduce. Measured (2 x H200, docs/PERF.md "Session 9"): whenever
-  // the combine sends after FC2 anyway it pays (a quantised wire: qwen3-30b-a3b routed EP2 with mxfp8,
-  // 282 -> 265 us at 1024 tokens, 661 -> 607 at 4096; deepseek-v3 1771 -> 1710, 4008 -> 3820; a
-  // caller of the transport's send_and_combine: 34 -> 16 us at 128 tokens, 1402 -> 457 us at 8192 for
-  // deepseek-v3's bf16 rows). With a bf16 wire
-  // the routed FC2 writes the per-slot rows itself, behind its GEMM: deepseek-v3's routed layer is 1-2%
+  // kOn is refused with in_kernel_fc2_reduce. Measured (2 x H200, docs/perf-history/routed.md and
+  // transport.md, session 9; off vs on): whenever the combine sends after FC2 anyway it pays (a
+  // quantised wire: qwen3-30b-a3b routed EP2 with mxfp8, 282 vs 265 us at 1024 tokens, 661 vs 607 at
+  // 4096; deepseek-v3 1771 vs 1710, 4008 vs 3820; a caller of the transport's send_and_combine: 34 vs
+  // 16 us at 128 tokens, 1402 vs 457 us at 8192 for deepseek-v3's bf16 rows). With a bf16 wire the
+  // routed FC2 writes the per-slot rows itself, behind its GEMM: deepseek-v3's routed layer is 1-2%
   // faster that way at 1024-4096 tokens, qwen3-30b-a3b's 5% slower at 4096 (kOn for it).
   OwnerReduce owner_reduce = OwnerReduce::kAuto;
   // Multiplies the layer's output (SGLang's routed_scaling_factor): every topk weight is scaled by it

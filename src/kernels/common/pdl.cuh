@@ -12,9 +12,9 @@
 // griddepcontrol.wait only once the previous grid is gone, and its dependents can only launch after
 // every one of its own CTAs has started (launch_dependents counts all of them).
 // Outside a PDL launch (or before sm_90) both instructions do nothing.
-// Used only for small launches (pdl_wanted): measured on 2 H200s (docs/PERF.md, session 5), whole
-// forwards at 1 / 8 tokens got ~2 us faster, at 128 no change, and at 1024 / 8192 tokens 7 / 87 us
-// slower: CTAs that launch early onto a busy GPU end up unevenly spread over the SMs.
+// Used only for small launches (pdl_wanted): on 2 H200s whole forwards at 1 / 8 tokens are ~2 us
+// faster with it, at 128 the same, and at 1024 / 8192 tokens 7 / 87 us slower: CTAs that launch early
+// onto a busy GPU end up unevenly spread over the SMs (docs/perf-history/transport.md, session 5).
 #pragma once
 
 #include <cuda_runtime.h>

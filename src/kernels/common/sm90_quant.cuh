@@ -42,8 +42,9 @@ __device__ __forceinline__ float2 e4m3x2_to_float2(uint16_t codes) {
 // e4m3 codes of (v0 / s, v1 / s), v0 in the low byte, bit-identical to
 // fmt::float_to_e4m3(fmt::div_rn(v, s)): one IEEE division per element, then the hardware conversion
 // (equal to the codec on every non-NaN input; div_rn's NaN is the canonical one, which it maps to the
-// codec's 0x7F). In the dispatch kernel (64 registers per thread) this beat quantize_e4m3_pair's
-// multiply-and-bracket below: 8192 tokens 215.5 -> 204.2 us, 1 token 15.8 -> 14.4 (docs/PERF.md).
+// codec's 0x7F). In the dispatch kernel (64 registers per thread) it is faster than
+// quantize_e4m3_pair's multiply-and-bracket below: 204.2 against 215.5 us at 8192 tokens, 14.4
+// against 15.8 at 1 (docs/perf-history/transport.md, session 6).
 __device__ __forceinline__ uint32_t quantize_e4m3_pair_div(float v0, float v1, float s) {
   return cvt_e4m3x2(fmt::div_rn(v0, s), fmt::div_rn(v1, s));
 }
@@ -55,8 +56,9 @@ __device__ __forceinline__ uint32_t quantize_e4m3_pair_div(float v0, float v1, f
 // code of the correctly rounded quotient (cvt.rn.satfinite equals fmt::float_to_e4m3 on non-NaN
 // input). Otherwise (q near an e4m3 rounding boundary, ~1e-5 of the elements; |q| >= 2^127; NaN)
 // quantize_e4m3_pair_div. Power-of-two scales make inv and q exact.
-// The fallback is inline: out of line (the software encoder, to keep code small) its call cost the
-// GEMM's SwiGLU epilogue 16-19% on qwen3-30b-a3b's FC1 even though it almost never runs (docs/PERF.md).
+// The fallback is inline: out of line (the software encoder, to keep code small) its call costs the
+// GEMM's SwiGLU epilogue 16-19% on qwen3-30b-a3b's FC1 even though it almost never runs
+// (docs/perf-history/gemm.md, session 6).
 __device__ __forceinline__ uint32_t quantize_e4m3_pair(float v0, float v1, float s, float inv) {
   const uint32_t b0 = __float_as_uint(__fmul_rn(v0, inv)), b1 = __float_as_uint(__fmul_rn(v1, inv));
   const uint32_t a0 = b0 & 0x7FFFFFFFu, a1 = b1 & 0x7FFFFFFFu;

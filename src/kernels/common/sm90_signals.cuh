@@ -12,7 +12,8 @@
 // comparison with one is modular (cell_position), so no buffer is ever reset between launches, a
 // launch's signals cannot be confused with the previous launch's, and nothing changes at a wrap.
 // invariant: the launch epoch lives in the workspace (not in a kernel argument), so a CUDA graph replays
-// with a fresh epoch each time; the first kernel of a forward (dispatch) bumps it.
+// with a fresh epoch each time; one kernel per forward bumps it (kLocalEpoch: the dispatch kernel's
+// last CTA on the routed path, CTA 0 of the mega kernel).
 //
 // Bounded waits: wait_for_epoch() polls with ld.acquire.sys, checks the abort cells and %globaltimer,
 // and on timeout records (rank, SM, stage, peer, expected, seen) in the error cell (first failure wins),
@@ -124,7 +125,7 @@ __device__ __forceinline__ uint64_t atomic_add_acq_rel_gpu(uint64_t* p, uint64_t
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
 // ncclGetPeerPointer out of line: a chain of loads from the window's tables, only taken before the
-// peer bases are resolved (warmup); inlined at every peer_ptr it bloated each kernel's code.
+// peer bases are resolved (warmup); inlined at every peer_ptr it would bloat each kernel's code.
 static __device__ __noinline__ char* nccl_peer_pointer(ncclWindow_t window, int64_t offset, int peer) {
   return static_cast<char*>(ncclGetPeerPointer(window, static_cast<size_t>(offset), peer));
 }
@@ -274,8 +275,8 @@ __device__ __forceinline__ bool wait_all_sources(const SignalCtx& ctx, int slot,
 // Publishes `epoch` in cell [rank][slot] of every rank's copy, with release semantics: one
 // fence.acq_rel.sys, then relaxed stores (PTX's release pattern, a fence followed by a strong write).
 // A st.release.sys per rank would fence before each store, and each fence after the first waits
-// for the previous store to reach its (remote) rank: a serial NVLink round trip per rank (measured
-// on 2 H200s: the rank whose first store was remote signalled ~0.5 us later).
+// for the previous store to reach its (remote) rank: a serial NVLink round trip per rank (on 2
+// H200s the rank whose first store is remote signals ~0.5 us later).
 __device__ __forceinline__ void signal_all_ranks(const SignalCtx& ctx, int slot, uint64_t epoch) {
   fence_acq_rel_sys();
   for (int p = 0; p < ctx.num_ranks; ++p) st_relaxed_sys(ctx.peer_cell(p, ctx.rank, slot), epoch);

@@ -2,16 +2,16 @@
 // the heuristic's tile counts) and device (the kernel builds the tables in shared memory).
 //
 // The grouped M dimension comes in two layouts:
-//   contiguous: A is [M_total, K], expert e owns rows [offsets[e], offsets[e+1]) (as dispatch writes
-//               the receive pool, each segment padded to the dispatch BLOCK_M; any segment length
-//               works, rows past a segment's end are never stored).
+//   contiguous: A is [M_total, K], expert e owns rows [offsets[e], offsets[e+1]) (the expert pool the
+//               transport builds; any segment start and length works, rows past a segment's end are
+//               loaded but never stored).
 //   masked:     A is [E, max_m, K], expert e owns rows [e*max_m, e*max_m + counts[e]) (decode).
 // Each expert's rows are cut into ceil(rows / BLOCK_M) m-blocks; the m-blocks of all experts are
 // numbered in expert order (m_block_prefix), and expert e owns tiles [prefix[e], prefix[e+1]) *
 // num_n_blocks, ordered n-block major, m-block minor: the m-blocks sharing one weight tile (B rows
 // of one n-block) are adjacent, so CTAs running at the same time read each weight tile from DRAM
 // once and share it in L2. Measured (ncu, deepseek-v3 FC1, 128 experts x 512 rows, one H200):
-// 4.13 -> 3.95 ms against the N-minor order. That sharing needs the tiles to run at the same time:
+// 3.95 ms, against 4.13 in the N-minor order. That sharing needs the tiles to run at the same time:
 // the kernel hands tiles out in this order from a global counter (round-robin CTAs drift apart over
 // a long launch: 13.2 GB of DRAM reads for 4.2 GB of operands, 4.3 GB with the counter).
 #pragma once

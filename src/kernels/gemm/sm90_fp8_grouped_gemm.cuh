@@ -140,13 +140,14 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
       // Read as warp-uniform (a shuffle from lane 0). ptxas keeps the mainloop's ring position in
       // uniform registers only while this loop has no divergent exit or branch: an exit on a value
       // it must treat as per-lane, followed by code (the TMA stores' wait below), or a lane-0 branch
-      // in the epilogue, cost +30 instructions per K block (measured 1.5-8% slower, session 7).
+      // in the epilogue, costs +30 instructions per K block (1.5-8% slower; docs/perf-history/gemm.md,
+      // session 7).
       const int4 info0 = sm.tile_info[2 * pipe.stage];
       const int32_t t = __shfl_sync(0xffffffffu, info0.x, 0);
       if (t < 0) break;
       // The tile as the producer resolved it (clusters: kLoneTile, the missing second tile of the last
-      // pair, comes as a tile of no rows; a branch around a release loop for it instead cost the K loop
-      // its uniform registers, +45 instructions per K block).
+      // pair, comes as a tile of no rows; a branch around a release loop for it instead costs the K
+      // loop its uniform registers, +45 instructions per K block).
       const int4 info1 = sm.tile_info[2 * pipe.stage + 1];
       GroupedTile tile;
       tile.expert = info0.y;

@@ -121,9 +121,9 @@ struct GroupedGemmArgs {
   int32_t* tile_counter = nullptr;
   GemmTileOrder tile_order = GemmTileOrder::kAuto;  // round-robin whatever it says when tile_counter is null
   // true: weight tiles of experts with at most BLOCK_M rows (each read by one tile only: decode) load
-  // with L2 evict-first, so streaming them does not evict what L2 holds. Off by default: measured
-  // (docs/PERF.md, session 11) 3-7% faster on qwen3-30b-a3b decode after a dirty L2, 3-8% slower on
-  // deepseek-v3's.
+  // with L2 evict-first, so streaming them does not evict what L2 holds. Off by default: 3-7% faster on
+  // qwen3-30b-a3b decode after a dirty L2, 3-8% slower on deepseek-v3's (docs/perf-history/gemm.md,
+  // session 11).
   bool weights_evict_first = false;
   // Timeline for bench tools (null: off): device uint64 [grid * kTraceWordsHeader + trace_max_tiles *
   // kTraceWordsPerTile], %globaltimer ns, zeroed by the caller; layout at GroupedGemmParams::trace

@@ -58,8 +58,8 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 // bf16 rows: value = acc (* row_weight), rounded once. Each warp stages its 16 rows 64 columns at a
 // time in shared memory with stmatrix (the accumulator fragment's 8x8 blocks are stmatrix's layout,
 // so no shuffles), then reads them back as whole 16-byte row pieces and stores those: 8 lanes per
-// 128-byte row segment, full sectors, any row mapping (the sink's pointer per row). ncu measured the
-// shuffle-transpose version at ~940 instructions per warp per tile, while the tensor cores idle.
+// 128-byte row segment, full sectors, any row mapping (the sink's pointer per row). A shuffle
+// transpose instead costs ~940 instructions per warp per tile (ncu), while the tensor cores idle.
 // Staging rows are 128 bytes with the 16-byte pieces XOR-swizzled by (row & 7): conflict-free
 // stmatrix rows and read-back.
 // invariant: D rows are 16-byte aligned (validate_grouped_gemm checks d and ldd).
@@ -78,7 +78,7 @@ __device__ __forceinline__ void epilogue_store_bf16(const GroupedGemmSmem<Cfg>& 
   const uint8_t* stage_ptr = sm.out + (wg * 4 + warp) * 2048;
   const uint32_t stage = ptx::smem_addr(stage_ptr);
   // warp-uniform; read through a shuffle so that ptxas knows it (a branch on a value it must treat as
-  // per-lane moved the mainloop's ring position out of uniform registers)
+  // per-lane moves the mainloop's ring position out of uniform registers)
   const bool tma = __shfl_sync(0xffffffffu, tma_d != nullptr && wrow0 + 16 <= t.rows ? 1 : 0, 0) != 0;
   // This lane's two accumulator rows (lane / 4 and + 8) and their weights.
   float w0 = 1.f, w1 = 1.f;
@@ -110,8 +110,8 @@ __device__ __forceinline__ void epilogue_store_bf16(const GroupedGemmSmem<Cfg>& 
     }
   };
   // Two loops, one per path, chosen once per tile: with the per-row path in the same loop body (a
-  // branch per slab), FC2 ran ~1% slower (measured with the per-row path compiled out, PERF.md
-  // session 15).
+  // branch per slab) FC2 runs ~1% slower (against the per-row path compiled out;
+  // docs/perf-history/gemm.md, session 15).
   if (tma) {
 #pragma unroll
     for (int c = 0; c < Cfg::kNumChunks; ++c)

@@ -13,7 +13,7 @@ namespace megamoe::gemm {
 // release goes to both CTAs' empty barriers, lane 0 to this CTA's and lane 1 to the partner's: a slot is
 // refilled once the math warps of both have read it, and the two rings stay in step. The remote arrive
 // has the default (CTA-scope) release: the wgmma reads it orders have completed (wgmma.wait_group);
-// a cluster-scope release per K block cost the K loop ~30% (measured with `--probe no-loads`).
+// a cluster-scope release per K block costs the K loop ~30% (measured with `--probe no-loads`).
 template <class Cfg>
 __device__ __forceinline__ void release_slot(const GroupedGemmSmem<Cfg>& sm, int stage, int lane) {
   if constexpr (Cfg::kCluster > 1) {

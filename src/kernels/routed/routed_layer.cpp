@@ -497,7 +497,7 @@ bool routed_fc2_writes_combine(const MoeConfig& c) {
   return c.combine_dtype == CombineDtype::kBf16 && !c.uses_owner_reduce();
 }
 
-// deepseek-v3 EP2 at 1024 tokens: mean 64 rows, 64-row tiles ran FC1 in 1297 us, 128-row tiles in 1160.
+// deepseek-v3 EP2 at 1024 tokens: mean 64 rows, 64-row tiles run FC1 in 1297 us, 128-row tiles in 1160.
 int64_t routed_rows_per_expert(const MoeGeometry& g, int64_t rows) {
   const double mean = static_cast<double>(std::max<int64_t>(rows, 0)) / std::max<int64_t>(g.experts_per_rank(), 1);
   return std::max<int64_t>(1, static_cast<int64_t>(std::ceil(mean + 2.0 * std::sqrt(mean))));

@@ -13,7 +13,8 @@
 // Per forward, in stream order, with no host synchronisation (capturable in a CUDA graph):
 //   dispatch()          one fused layout + copy kernel: counts, rows and metadata into every owner's
 //                       receive regions; returns (on the device) once this rank's regions are complete
-//   build_expert_pool() owner: expert_offsets, pool_src, pool_x(_scales) (expert-major, BM-padded)
+//   build_expert_pool() owner: expert_offsets, pool_src, pool_x(_scales) (expert-major, segments
+//                       padded to segment_align rows: 1 in layers, no padding)
 //   ... experts (FC1/FC2) ...; FC2 either writes the source's combine rows itself or calls
 //   combine_send()      owner: partial = weight * out[pool row] -> wire format -> source's combine row
 //                       (owner reduce: a received token's partials summed in slot order -> one row)
@@ -59,8 +60,9 @@ struct EpTransportOptions {
 };
 
 // Groups of send_and_combine() for T tokens on this rank. Measured on 2 H200s (deepseek-v3, bf16
-// wire, amortised): 8 groups at 8192 tokens 1597 -> 1443 us; 4 at 4096 817 -> 777 us; at 2048 +2%;
-// at 1024 and below the per-group fence and ticket cost more than the overlap saves (223 -> 249 us).
+// wire, amortised, one group against the chosen count): 8 groups at 8192 tokens 1443 us against
+// 1597; 4 at 4096 777 against 817; at 2048 +2%; at 1024 and below the per-group fence and ticket
+// cost more than the overlap saves (249 us grouped against 223).
 inline int default_combine_groups(int64_t num_tokens) { return num_tokens >= 6144 ? 8 : num_tokens >= 2048 ? 4 : 1; }
 
 class EpTransport {

@@ -92,10 +92,10 @@ int row_parts(int64_t rows, int64_t items_wanted, int64_t rounds, int64_t max_pa
 
 // The send's shape, shared by the two-kernel and the fused path: parts to give ~2 (row, part) items
 // per warp of 2 CTAs per SM, and as many CTAs as give each of T * k rows' items (about what a rank
-// owns) a warp, at most 2 per SM. Sized by this launch's T, not the pool's capacity: a decode step
-// with a large T_max ran 2 CTAs per SM that each fenced and took a ticket for a few rows, and a
-// small pool (T_max = T = 1) gave a quantised wire's 56 items 32 warps (globaltimer stamps: the
-// mxfp8 send 7.2 us at 1 token on 2 CTAs).
+// owns) a warp, at most 2 per SM. Sized by this launch's T, not the pool's capacity: sized by T_max,
+// a decode step in a large pool would run 2 CTAs per SM that each fence and take a ticket for a few
+// rows, and a small pool (T_max = T = 1) would give a quantised wire's 56 items 32 warps (globaltimer
+// stamps: the mxfp8 send 7.2 us at 1 token on 2 CTAs).
 struct SendShape {
   int ctas, parts;
 };

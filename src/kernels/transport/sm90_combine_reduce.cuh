@@ -50,7 +50,7 @@ __device__ __forceinline__ void reduce_bf16_part(const char* rows, int64_t wire,
 
 // bf16 wire, the owner reduce: token t's rows t*R+r of the ranks r in `owners`, in rank order. Four
 // rounds per step and two rows per batch, so a lane has 8 16-byte loads in flight with two owners
-// (one round at a time gave it 2: the per-slot reduce has k).
+// (one round at a time gives it 2: the per-slot reduce has k).
 __device__ __forceinline__ void reduce_bf16_owner_part(const char* rows, int64_t wire, int64_t t, int R, uint32_t owners,
                                                        uint16_t* __restrict__ y_row, int64_t chunks, int64_t rb,
                                                        int64_t re, int lane) {
@@ -115,7 +115,7 @@ __device__ __forceinline__ void reduce_token(const TransportArgs& a, const int32
     else reduce_bf16_part(rows, wire, t, k, valid, y + t * H, H / 8, rb, re, lane);
   } else {
     // 16-element chunks c of rounds [rb, re); up to 8 slots' codes and scales loaded before they are
-    // summed in slot order (one slot at a time was a chain of dependent loads: 174 us for one token).
+    // summed in slot order (one slot at a time is a chain of dependent loads: 174 us for one token).
     constexpr int kSlotBatch = 8;
     const int64_t chunks = H / 16, c_end = re * 32 < chunks ? re * 32 : chunks;
     for (int64_t c = rb * 32 + lane; c < c_end; c += 32) {

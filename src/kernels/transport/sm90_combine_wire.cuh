@@ -144,7 +144,7 @@ struct OwnerSum {
   template <int kN>
   __device__ __forceinline__ float block(int64_t first, float (&v)[kN]) const {
     // slots whose values are loaded before the adds (an mxfp8 block of 32 already has 4-8 loads in
-    // flight per slot, and two slots' 64 values made the kernel 194 registers: one CTA per SM)
+    // flight per slot, and two slots' 64 values make the kernel 194 registers: one CTA per SM)
     constexpr int kBatch = kN >= 32 ? 1 : kN >= 16 ? 4 : 8;
 #pragma unroll
     for (int i = 0; i < kN; ++i) v[i] = 0.f;
@@ -348,8 +348,8 @@ __device__ __forceinline__ void send_mxfp8_part(const Src& src, char* dst, int64
       if (wire % 16 == 0 && base + 32 <= nb) {
         // Rows 16-byte aligned (H % 512 == 0) and a whole round of 32 blocks (1 KiB of codes): lane l
         // stores bytes [16 l, 16 l + 16) of each half of the round, so every store instruction writes
-        // 512 contiguous bytes. A lane storing its own block's 32 bytes made each instruction write
-        // half of 32 sectors, which the peer's NVLink took as twice the packets (mxfp8 sends ran at
+        // 512 contiguous bytes. A lane storing its own block's 32 bytes would make each instruction
+        // write half of 32 sectors, which the peer's NVLink takes as twice the packets (mxfp8 sends at
         // ~200 GB/s where bf16 rows, written contiguously, reach the link's ~335).
         const int src0 = lane >> 1, src1 = 16 + (lane >> 1);
         const bool hi = (lane & 1) != 0;

@@ -222,8 +222,8 @@ __device__ __forceinline__ void dispatch_layout(const TransportArgs& a, const in
 }
 
 // Calls f(r, recv_row) for every destination r the token goes to (rows[r] >= 0). Not unrolled: the
-// body is the store path, and 8 copies of it at every call site made the kernel's code too large for
-// the instruction cache (a launch of a few tokens spent most of its time fetching instructions).
+// body is the store path, and 8 copies of it at every call site make the kernel's code too large for
+// the instruction cache (a launch of a few tokens then spends most of its time fetching instructions).
 template <typename F>
 __device__ __forceinline__ void for_each_dest(const int32_t* rows, int R, int64_t row0, F&& f) {
 #pragma unroll 1
@@ -257,8 +257,8 @@ __device__ __forceinline__ void dispatch_part(const TransportArgs& a, char* cons
     const char* src = static_cast<const char*>(x) + t * H * 2;
     const bool pow2 = a.pow2_scales;
     // Scales (H % 512 == 0): lane i keeps the float4 of round win + i; a window of up to 32 rounds
-    // goes out as one coalesced store per destination (a 16-byte store per round per destination was
-    // 14 small NVLink writes per token at H = 7168).
+    // goes out as one coalesced store per destination (a 16-byte store per round per destination
+    // would be 14 small NVLink writes per token at H = 7168).
     float4 my_sc = make_float4(0.f, 0.f, 0.f, 0.f);
     int64_t win = rb;
     const auto flush_scales = [&](int64_t end) {
@@ -335,8 +335,8 @@ __device__ __forceinline__ void dispatch_part(const TransportArgs& a, char* cons
     const bool gather_scales = kMode == kFp8Copy && scales_v4 && (reinterpret_cast<uintptr_t>(x_scale) & 15u) == 0;
     if (gather_scales) {
       // The part's scales first, lane i the float4 of round rb + i: one coalesced store per
-      // destination for up to 32 rounds (4 lanes' 4-byte stores per round were 14 small NVLink
-      // writes per token at H = 7168, as the quantising path's were before it gathered them).
+      // destination for up to 32 rounds (4 lanes' 4-byte stores per round would be 14 small NVLink
+      // writes per token at H = 7168).
       for (int64_t w0 = rb; w0 < re; w0 += 32) {
         const int64_t rr = w0 + lane;
         if (rr >= re) continue;
@@ -469,7 +469,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 2)
   // invariant: every CTA adds exactly one share and takes exactly one ticket, whatever happened above.
   // One fence per CTA, after the barrier: the CTA's stores (rows, and the last CTA's token counts)
   // and its dispatch_accum atomics happen-before thread 0's system-scope fence, which orders them
-  // before its share and its ticket (a fence per thread serialised ~1 us each and cost tens of us).
+  // before its share and its ticket (a fence per thread serialises, ~1 us each: tens of us).
   // The shares are RMWs of one cell, so the value a waiter acquires lies in the release sequence
   // of every CTA's fence + share: it sees every CTA's rows.
   __syncthreads();

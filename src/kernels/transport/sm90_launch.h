@@ -97,7 +97,7 @@ struct SignalParams {
   // Each rank's copy as this rank's kernels reach it, resolved once in warmup (GpuRankComm::peer_bases:
   // an LSA peer's window is one fixed mapping, so base + offset addresses any byte of it; a shared
   // GPU's siblings are plain device pointers); null: kernels ask ncclGetPeerPointer of `window`,
-  // whose chain of dependent loads from the window's tables cost the dispatch ~5 us per launch.
+  // whose chain of dependent loads from the window's tables costs the dispatch ~5 us per launch.
   char* peer_base[kMaxTransportRanks];
   int64_t signals_offset;
   WaitError* error_cell;  // this rank's error cell (local)

@@ -1,4 +1,4 @@
-// The H200 performance model of `megamoe bench` (DESIGN.md section 6): per-rank FLOPs, the bytes of
+// The H200 performance model of the bench commands (docs/ARCHITECTURE.md, Performance model): per-rank FLOPs, the bytes of
 // the experts actually hit, NVLink bytes, and the floor = max(weight bytes / HBM, FLOPs / GEMM peak,
 // NVLink bytes / NVLink bandwidth).
 #pragma once
@@ -11,7 +11,7 @@
 
 namespace megamoe::tool {
 
-// DESIGN.md section 6, measured on the H200 test machines.
+// Ceilings of one H200, measured on the test machines (docs/ARCHITECTURE.md, Performance model).
 constexpr double kH200HbmBytesPerS = 4.2e12;
 constexpr double kH200Fp8FlopsPerS = 1440e12;
 constexpr double kH200Bf16FlopsPerS = 790e12;

@@ -98,7 +98,7 @@ void print_bench_header(const BenchHeader& h) {
   std::printf("per rank: TFLOP/s = 2*3*H*I * routed (token, expert) pairs of all ranks / R / median; HBM GB/s = "
               "weight bytes of the experts hit on all ranks / R / median; NVL GB/s = bytes sent between ranks / R "
               "/ median\n");
-  std::printf("floor (H200, DESIGN.md 6) = max over ranks of max(hit weight bytes / %.1f TB/s, FLOPs / %.0f "
+  std::printf("floor (H200, docs/ARCHITECTURE.md) = max over ranks of max(hit weight bytes / %.1f TB/s, FLOPs / %.0f "
               "TFLOP/s (%s), NVLink bytes / %.0f GB/s); bound = the term that sets it\n",
               kH200HbmBytesPerS / 1e12, gemm_peak(c) / 1e12, c.weight_format == WeightFormat::kBf16 ? "bf16" : "fp8",
               kH200NvlinkBytesPerS / 1e9);

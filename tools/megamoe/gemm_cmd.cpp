@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "bench_harness.h"
+#include "bench_model.h"
 #include "commands.h"
 #include "kernels/gemm/gemm_fill.h"
 #include "kernels/gemm/gemm_weights.h"
@@ -36,9 +37,6 @@ using gemm::GemmEpilogue;
 using gemm::GroupedGemmArgs;
 using gemm::GroupedLayout;
 
-// Ceilings measured on the H200 test machines (DESIGN.md section 6).
-constexpr double kHbmBytesPerS = 4.2e12;
-constexpr double kFp8FlopsPerS = 1440e12;
 
 struct ModelShape {
   const char* name;
@@ -451,7 +449,7 @@ nlohmann::json run_gemm_case(const GemmCase& c, const BenchOptions& o, GroupedGe
   r["cublas_kernel_us"] = peer_ok ? peer.kernels.median : 0;
   r["cublas_tflops"] = peer_ok ? flops / (peer.events.median * 1e-6) / 1e12 : 0;
   r["ratio_to_cublas"] = peer_ok ? peer.events.median / ours.events.median : 0;
-  set_floor(&r, ours.events.median, std::max(wbytes / kHbmBytesPerS, flops / kFp8FlopsPerS) * 1e6);
+  set_floor(&r, ours.events.median, std::max(wbytes / kH200HbmBytesPerS, flops / kH200Fp8FlopsPerS) * 1e6);
   r["command"] = gemm_command(c, o);
   *args_out = g;
   return r;
@@ -465,7 +463,7 @@ int open_gemm_device(const BenchOptions& o) {
   cuda_check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
   if (prop.major != 9) fail(kExitUnavailable, std::string("bench-gemm needs an sm_90 GPU, found ") + prop.name);
   std::printf("# bench-gemm on %s (%d SMs); floor = max(weight bytes / %.1f TB/s, FLOPs / %.0f TFLOP/s); L2 flush: %s\n",
-              prop.name, prop.multiProcessorCount, kHbmBytesPerS / 1e12, kFp8FlopsPerS / 1e12,
+              prop.name, prop.multiProcessorCount, kH200HbmBytesPerS / 1e12, kH200Fp8FlopsPerS / 1e12,
               to_string(o.flush == "read" ? FlushMode::kRead : FlushMode::kMemset));
   if (KernelTimer::get() == nullptr)
     std::printf("# kernel time (kern_us, wGB/s(k)): not measured: %s\n", KernelTimer::why_unavailable().c_str());

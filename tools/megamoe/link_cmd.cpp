@@ -298,7 +298,7 @@ nlohmann::json run_link_path(const LinkOptions& o, const std::string& path, Link
     set_summary(&rec, s, p);
     if (!is_handshake(path)) {
       rec[p + "gbps"] = static_cast<double>(o.mib << 20) / (s.median * 1e3);
-      // Both directions at once: the copy engine's 395 GB/s per direction (DESIGN.md 6) is the floor.
+      // Both directions at once: the copy engine's ceiling per direction (kH200NvlinkBytesPerS) is the floor.
       set_floor(&rec, s.median, static_cast<double>(o.mib << 20) / kH200NvlinkBytesPerS * 1e6);
     }
     ok = ok && res[r].bad == 0;

@@ -580,7 +580,7 @@ nlohmann::json point_record(int64_t T, const PointResult& r) {
   j["nccl_dispatch_gbps"] = gbps(r.dispatch_bytes, r.nccl_dispatch.median);
   j["nccl_combine_us"] = r.nccl_combine.median;
   j["nccl_combine_gbps"] = gbps(r.combine_bytes, r.nccl_combine.median);
-  // NVLink floor of one dispatch and one combine, back to back (DESIGN.md 6: 395 GB/s per direction)
+  // NVLink floor of one dispatch and one combine, back to back (kH200NvlinkBytesPerS per direction)
   set_floor(&j, r.total.median, (r.dispatch_bytes + r.combine_bytes) / kH200NvlinkBytesPerS * 1e6);
   if (r.g_forward_us > 0) {
     j["graph_dispatch_us"] = summary_json(r.g_dispatch);

@@ -122,7 +122,7 @@ NcclRankComm::~NcclRankComm() {
   device_state_.reset();  // the ncclDevComm goes before its communicator
   // A broken group may have operations pending on a dead peer (a barrier's all-reduce) that would
   // keep ncclCommDestroy from returning: abort it instead, which never waits.
-  // Windows released outside a collective step were left registered: destroying the communicator
+  // Windows released outside a collective step are still registered: destroying the communicator
   // releases them with it (locally), then their memory goes. An adopted communicator (not ours to
   // destroy) keeps them registered: their memory stays with it.
   if (comm_ && owns_comm_) (broken() ? ncclCommAbort : ncclCommDestroy)(comm_);

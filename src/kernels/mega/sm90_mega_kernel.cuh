@@ -645,8 +645,8 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
   gemm::GroupedSchedule sched2 = sched1;
   sched2.num_n_blocks = p2.n / Cfg::kBlockN;
   // Warp-uniform by a shuffle (values from shared memory are per-lane to ptxas; a loop exit on one
-  // moved the K loop's ring position out of the uniform registers). A CTA whose dispatch wait failed
-  // runs no tiles: its producer posts the end marker at once (gating the counts instead cost the K
+  // moves the K loop's ring position out of the uniform registers). A CTA whose dispatch wait failed
+  // runs no tiles: its producer posts the end marker at once (gating the counts instead costs the K
   // loops their uniform registers too: +35 instructions); the abort it raised ends the other CTAs'
   // waits for its tiles promptly.
   const int32_t fc1_tiles = warp_broadcast(sched1.num_tiles());

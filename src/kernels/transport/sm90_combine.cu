@@ -37,7 +37,7 @@ cudaError_t launch_cooperative(void (*kernel)(KernelArgs...), int grid, int bloc
     err = cudaLaunchKernelEx(&cfg, kernel, static_cast<KernelArgs>(args)...);
   }
   // A runtime that takes no cooperative launch here (capture of one, say): the plain launch, the
-  // grid still capped at the occupancy limit (what ran before the cooperative launch existed).
+  // grid still capped at the occupancy limit.
   if (err != cudaSuccess && err != cudaErrorCooperativeLaunchTooLarge) {
     cudaGetLastError();
     attrs[0] = attrs[1];

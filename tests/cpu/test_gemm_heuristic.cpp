@@ -21,9 +21,9 @@ using megamoe::Status;
 
 // Every (expert, row block, n block) of every segment is produced exactly once, rows stay inside
 // their segment, and the CTA round-robin covers each tile once whatever the grid.
-void check_schedule(int32_t layout, const std::vector<int32_t>& offsets, const std::vector<int32_t>& counts,
+void check_schedule(GroupedLayout layout, const std::vector<int32_t>& offsets, const std::vector<int32_t>& counts,
                     int32_t max_m, int32_t block_m, int32_t n_blocks) {
-  const int32_t E = layout == kLayoutMasked ? int32_t(counts.size()) : int32_t(offsets.size()) - 1;
+  const int32_t E = layout == GroupedLayout::kMasked ? int32_t(counts.size()) : int32_t(offsets.size()) - 1;
   std::vector<int32_t> begin(E), rows(E), prefix(E + 1);
   build_grouped_tables(layout, E, offsets.data(), counts.data(), max_m, block_m, begin.data(), rows.data(), prefix.data());
   GroupedSchedule s{begin.data(), rows.data(), prefix.data(), E, n_blocks, block_m};
@@ -55,15 +55,15 @@ void check_schedule(int32_t layout, const std::vector<int32_t>& offsets, const s
 }
 
 TEST(GemmScheduler, ContiguousPaddedAndUneven) {
-  check_schedule(kLayoutContiguous, {0, 128, 128, 384, 512, 1024}, {}, 0, 128, 16);
-  check_schedule(kLayoutContiguous, {0, 1, 8, 8, 71, 200, 329}, {}, 0, 64, 3);
-  check_schedule(kLayoutContiguous, {0, 0, 0}, {}, 0, 128, 4);  // M = 0
+  check_schedule(GroupedLayout::kContiguous, {0, 128, 128, 384, 512, 1024}, {}, 0, 128, 16);
+  check_schedule(GroupedLayout::kContiguous, {0, 1, 8, 8, 71, 200, 329}, {}, 0, 64, 3);
+  check_schedule(GroupedLayout::kContiguous, {0, 0, 0}, {}, 0, 128, 4);  // M = 0
 }
 
 TEST(GemmScheduler, MaskedCountsClampedToMaxM) {
-  check_schedule(kLayoutMasked, {}, {8, 0, 1, 7, 64, 65, 200}, 96, 64, 28);
-  check_schedule(kLayoutMasked, {}, {0, 0, 0, 0}, 32, 64, 16);
-  check_schedule(kLayoutMasked, {}, {-3, 5}, 32, 128, 2);  // a negative count is empty
+  check_schedule(GroupedLayout::kMasked, {}, {8, 0, 1, 7, 64, 65, 200}, 96, 64, 28);
+  check_schedule(GroupedLayout::kMasked, {}, {0, 0, 0, 0}, 32, 64, 16);
+  check_schedule(GroupedLayout::kMasked, {}, {-3, 5}, 32, 128, 2);  // a negative count is empty
 }
 
 TEST(GemmScheduler, RandomSegments) {
@@ -75,8 +75,8 @@ TEST(GemmScheduler, RandomSegments) {
       cnt[e] = int32_t(rng() % 300) * int32_t(rng() % 3 != 0);
       off[e + 1] = off[e] + cnt[e];
     }
-    check_schedule(kLayoutContiguous, off, {}, 0, (trial & 1) ? 64 : 128, 1 + int32_t(rng() % 30));
-    check_schedule(kLayoutMasked, {}, cnt, 256, (trial & 1) ? 128 : 64, 1 + int32_t(rng() % 30));
+    check_schedule(GroupedLayout::kContiguous, off, {}, 0, (trial & 1) ? 64 : 128, 1 + int32_t(rng() % 30));
+    check_schedule(GroupedLayout::kMasked, {}, cnt, 256, (trial & 1) ? 128 : 64, 1 + int32_t(rng() % 30));
   }
 }
 
@@ -84,7 +84,7 @@ TEST(GemmScheduler, RowBlocksSharingAWeightTileAreAdjacent) {
   // tile order within an expert: m-blocks fastest, so concurrent CTAs share one weight tile in L2.
   std::vector<int32_t> off = {0, 384, 512};  // expert 0: 3 m-blocks, expert 1: 1
   std::vector<int32_t> begin(2), rows(2), prefix(3);
-  build_grouped_tables(kLayoutContiguous, 2, off.data(), nullptr, 0, 128, begin.data(), rows.data(), prefix.data());
+  build_grouped_tables(GroupedLayout::kContiguous, 2, off.data(), nullptr, 0, 128, begin.data(), rows.data(), prefix.data());
   GroupedSchedule s{begin.data(), rows.data(), prefix.data(), 2, 4, 128};
   for (int t = 0; t < 12; ++t) {
     EXPECT_EQ(s.tile(t).expert, 0);

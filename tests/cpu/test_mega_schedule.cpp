@@ -88,7 +88,7 @@ TEST(MegaSchedule, TileOrderMatchesTheGroupedScheduler) {
     const int E = 1 + static_cast<int>(rng() % 12), bm = kMegaBlockMs[rng() % 3];
     std::vector<int32_t> offsets(E + 1, 0), begin(E), num(E), prefix(E + 1);
     for (int e = 0; e < E; ++e) offsets[e + 1] = offsets[e] + static_cast<int32_t>(rng() % 300);
-    gemm::build_grouped_tables(gemm::kLayoutContiguous, E, offsets.data(), nullptr, 0, bm, begin.data(), num.data(),
+    gemm::build_grouped_tables(gemm::GroupedLayout::kContiguous, E, offsets.data(), nullptr, 0, bm, begin.data(), num.data(),
                                prefix.data());
     MegaTileOrder order;
     order.m_block_prefix = prefix;
@@ -182,7 +182,7 @@ TEST(MegaSchedule, TileOrderNeverDeadlocks) {
     const int E = 1 + static_cast<int>(rng() % 8), bm = kMegaBlockMs[rng() % 3];
     std::vector<int32_t> offsets(E + 1, 0), begin(E), num(E), prefix(E + 1);
     for (int e = 0; e < E; ++e) offsets[e + 1] = offsets[e] + static_cast<int32_t>(rng() % 5 == 0 ? 0 : rng() % 400);
-    gemm::build_grouped_tables(gemm::kLayoutContiguous, E, offsets.data(), nullptr, 0, bm, begin.data(), num.data(),
+    gemm::build_grouped_tables(gemm::GroupedLayout::kContiguous, E, offsets.data(), nullptr, 0, bm, begin.data(), num.data(),
                                prefix.data());
     MegaTileOrder order;
     order.m_block_prefix = prefix;

@@ -26,7 +26,8 @@
 
 namespace megamoe::gemm {
 
-enum GroupedLayoutCode : int32_t { kLayoutContiguous = 0, kLayoutMasked = 1 };
+// The grouped M layout (the host API's GroupedGemmArgs::layout and the kernel's GroupedGemmParams::layout).
+enum class GroupedLayout : int32_t { kContiguous = 0, kMasked = 1 };
 
 struct GroupedTile {
   int32_t expert;   // which expert (B matrix)
@@ -38,10 +39,10 @@ struct GroupedTile {
 
 // First row and row count of expert e. counts are clamped to [0, max_m]; a negative contiguous
 // segment length counts as empty.
-MEGAMOE_GEMM_HD void grouped_expert_rows(int32_t layout, int32_t e, const int32_t* expert_offsets,
+MEGAMOE_GEMM_HD void grouped_expert_rows(GroupedLayout layout, int32_t e, const int32_t* expert_offsets,
                                          const int32_t* masked_counts, int32_t max_m, int32_t* begin,
                                          int32_t* rows) {
-  if (layout == kLayoutMasked) {
+  if (layout == GroupedLayout::kMasked) {
     int32_t c = masked_counts[e];
     c = c < 0 ? 0 : (c > max_m ? max_m : c);
     *begin = e * max_m;
@@ -91,7 +92,7 @@ struct GroupedSchedule {
 };
 
 // Host (and single-thread) construction of the tables: row_begin[E], num_rows[E], prefix[E+1].
-MEGAMOE_GEMM_HD void build_grouped_tables(int32_t layout, int32_t num_experts, const int32_t* expert_offsets,
+MEGAMOE_GEMM_HD void build_grouped_tables(GroupedLayout layout, int32_t num_experts, const int32_t* expert_offsets,
                                           const int32_t* masked_counts, int32_t max_m, int32_t block_m,
                                           int32_t* row_begin, int32_t* num_rows, int32_t* m_block_prefix) {
   m_block_prefix[0] = 0;

@@ -240,9 +240,7 @@ Status plan_grouped_gemm(const GroupedGemmArgs& args, GroupedGemmPlan* plan) {
   plan->tiles = cfg;
   plan->fp8 = fp8;
   plan->weight_fp4 = mxfp4;
-  plan->epilogue = args.epilogue == GemmEpilogue::kStoreBf16  ? kEpiStoreBf16
-                   : args.epilogue == GemmEpilogue::kSwigluFp8 ? kEpiSwigluFp8
-                                                               : kEpiSwigluBf16;
+  plan->epilogue = args.epilogue;
   plan->empty = args.m_rows == 0;  // no rows: nothing to compute (masked max_m = 0 too)
   plan->grid = 0;
   if (plan->empty) return Status::ok();
@@ -277,7 +275,7 @@ Status plan_grouped_gemm(const GroupedGemmArgs& args, GroupedGemmPlan* plan) {
 
   GroupedGemmParams& p = plan->params;
   p = GroupedGemmParams{};
-  p.layout = masked ? kLayoutMasked : kLayoutContiguous;
+  p.layout = args.layout;
   p.num_experts = args.num_experts;
   p.n = args.n;
   p.k = args.k;
@@ -322,7 +320,7 @@ Status launch_grouped_gemm_plan(const GroupedGemmPlan& plan, cudaStream_t stream
   const GroupedGemmParams& p = plan.params;
   const bool fp8 = plan.fp8;
   const bool w4 = plan.weight_fp4;
-  const int p_epi = plan.epilogue;
+  const GemmEpilogue p_epi = plan.epilogue;
   // An error an earlier asynchronous operation left pending would be returned by the launch's check
   // below and read as the GEMM's: report it as what it is.
   const cudaError_t pending = cudaGetLastError();

@@ -174,11 +174,11 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
       if (uint64_t* rec = tile_rec(t)) rec[4] = kernels::globaltimer_ns();
       if (!(kTrace && (p.probe == 2 || p.probe == 4))) {
         const DefaultRowSink sink{p};
-        if constexpr (Cfg::kSwapAB && Cfg::kEpilogue == kEpiStoreBf16)
+        if constexpr (Cfg::kSwapAB && Cfg::kEpilogue == GemmEpilogue::kStoreBf16)
           epilogue_store_swapped<Cfg>(sm, acc, tile, sink, p.row_weight);
         else if constexpr (Cfg::kSwapAB)
           epilogue_swiglu_swapped<Cfg>(sm, acc, tile, p);
-        else if constexpr (Cfg::kEpilogue == kEpiStoreBf16)
+        else if constexpr (Cfg::kEpilogue == GemmEpilogue::kStoreBf16)
           epilogue_store_bf16<Cfg>(sm, acc, tile, wg, sink, p.row_weight, p.tma_store ? &tmap_d : nullptr);
         else
           epilogue_swiglu<Cfg>(acc, tile, wg, p);
@@ -187,7 +187,7 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
     }
     // The TMA stores have read their staging before the CTA's shared memory goes away (every lane:
     // a no-op where nothing was issued).
-    if constexpr (Cfg::kEpilogue == kEpiStoreBf16) ptx::bulk_wait_all();
+    if constexpr (Cfg::kEpilogue == GemmEpilogue::kStoreBf16) ptx::bulk_wait_all();
     if (trace != nullptr && threadIdx.x == 0) trace[3] = kernels::globaltimer_ns();
   }
   if constexpr (Cfg::kCluster > 1) {  // neither CTA exits while the partner may still arrive on its barriers
@@ -285,35 +285,35 @@ cudaError_t launch_grouped_gemm_config(const CUtensorMap& tmap_a, const CUtensor
 }
 
 // X(BLOCK_M, BLOCK_N, fp8, epilogue, cluster)
-#define MEGAMOE_GROUPED_GEMM_CONFIGS_FP8(X)   \
-  X(16, 128, true, kEpiStoreBf16, 1)          \
-  X(16, 256, true, kEpiStoreBf16, 1)          \
-  X(16, 256, true, kEpiSwigluFp8, 1)          \
-  X(32, 128, true, kEpiStoreBf16, 1)          \
-  X(32, 256, true, kEpiStoreBf16, 1)          \
-  X(32, 256, true, kEpiSwigluFp8, 1)          \
-  X(64, 128, true, kEpiStoreBf16, 1)          \
-  X(64, 256, true, kEpiStoreBf16, 1)          \
-  X(128, 128, true, kEpiStoreBf16, 1)         \
-  X(128, 256, true, kEpiStoreBf16, 1)         \
-  X(128, 256, true, kEpiStoreBf16, 2)         \
-  X(64, 256, true, kEpiSwigluFp8, 1)          \
-  X(128, 256, true, kEpiSwigluFp8, 1)         \
-  X(128, 256, true, kEpiSwigluFp8, 2)
-#define MEGAMOE_GROUPED_GEMM_CONFIGS_BF16(X)  \
-  X(64, 128, false, kEpiStoreBf16, 1)         \
-  X(64, 256, false, kEpiStoreBf16, 1)         \
-  X(128, 128, false, kEpiStoreBf16, 1)        \
-  X(128, 256, false, kEpiStoreBf16, 1)        \
-  X(64, 256, false, kEpiSwigluBf16, 1)        \
-  X(128, 256, false, kEpiSwigluBf16, 1)
+#define MEGAMOE_GROUPED_GEMM_CONFIGS_FP8(X)             \
+  X(16, 128, true, GemmEpilogue::kStoreBf16, 1)         \
+  X(16, 256, true, GemmEpilogue::kStoreBf16, 1)         \
+  X(16, 256, true, GemmEpilogue::kSwigluFp8, 1)         \
+  X(32, 128, true, GemmEpilogue::kStoreBf16, 1)         \
+  X(32, 256, true, GemmEpilogue::kStoreBf16, 1)         \
+  X(32, 256, true, GemmEpilogue::kSwigluFp8, 1)         \
+  X(64, 128, true, GemmEpilogue::kStoreBf16, 1)         \
+  X(64, 256, true, GemmEpilogue::kStoreBf16, 1)         \
+  X(128, 128, true, GemmEpilogue::kStoreBf16, 1)        \
+  X(128, 256, true, GemmEpilogue::kStoreBf16, 1)        \
+  X(128, 256, true, GemmEpilogue::kStoreBf16, 2)        \
+  X(64, 256, true, GemmEpilogue::kSwigluFp8, 1)         \
+  X(128, 256, true, GemmEpilogue::kSwigluFp8, 1)        \
+  X(128, 256, true, GemmEpilogue::kSwigluFp8, 2)
+#define MEGAMOE_GROUPED_GEMM_CONFIGS_BF16(X)            \
+  X(64, 128, false, GemmEpilogue::kStoreBf16, 1)        \
+  X(64, 256, false, GemmEpilogue::kStoreBf16, 1)        \
+  X(128, 128, false, GemmEpilogue::kStoreBf16, 1)       \
+  X(128, 256, false, GemmEpilogue::kStoreBf16, 1)       \
+  X(64, 256, false, GemmEpilogue::kSwigluBf16, 1)       \
+  X(128, 256, false, GemmEpilogue::kSwigluBf16, 1)
 
 // mxfp4 weights: X(BLOCK_M, BLOCK_N, fp8 A, epilogue, cluster, weight fp4)
-#define MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4(X) \
-  X(16, 256, true, kEpiStoreBf16, 1, true)    \
-  X(16, 256, true, kEpiSwigluFp8, 1, true)    \
-  X(32, 256, true, kEpiStoreBf16, 1, true)    \
-  X(32, 256, true, kEpiSwigluFp8, 1, true)
+#define MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4(X)           \
+  X(16, 256, true, GemmEpilogue::kStoreBf16, 1, true)   \
+  X(16, 256, true, GemmEpilogue::kSwigluFp8, 1, true)   \
+  X(32, 256, true, GemmEpilogue::kStoreBf16, 1, true)   \
+  X(32, 256, true, GemmEpilogue::kSwigluFp8, 1, true)
 #define MEGAMOE_GROUPED_GEMM_EXTERN_FP4(BM, BN, FP8, EPI, CL, W4)                                               \
   extern template cudaError_t launch_grouped_gemm_config<GroupedGemmConfig<BM, BN, FP8, EPI, CL, W4>>(         \
       const CUtensorMap&, const CUtensorMap&, const CUtensorMap&, const CUtensorMap&, const GroupedGemmParams&, int,  \

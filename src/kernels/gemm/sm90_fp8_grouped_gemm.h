@@ -43,13 +43,19 @@
 #include <cstdint>
 #include <string>
 
+#include "kernels/gemm/grouped_scheduler.h"
 #include "megamoe/status.h"
 
 namespace megamoe::gemm {
 
 enum class GemmDtype { kFp8Block, kBf16, kMxfp4 };
-enum class GroupedLayout { kContiguous, kMasked };
-enum class GemmEpilogue { kStoreBf16, kSwigluFp8, kSwigluBf16 };
+// GroupedLayout: grouped_scheduler.h (host and device).
+// The epilogue, as the host API names it and as the kernel's template parameter (GroupedGemmConfig).
+enum class GemmEpilogue : int32_t {
+  kStoreBf16 = 0,   // D bf16 rows (optionally weighted, optionally routed through row_map)
+  kSwigluFp8 = 1,   // h = silu(gate) * up, requantised to e4m3 with 1x128 fp32 scales
+  kSwigluBf16 = 2,  // h = silu(gate) * up as bf16
+};
 
 const char* to_string(GemmDtype d);
 const char* to_string(GroupedLayout l);

@@ -14,15 +14,10 @@
 
 namespace megamoe::gemm {
 
-enum EpilogueKind : int32_t {
-  kEpiStoreBf16 = 0,   // D bf16 rows (optionally weighted, optionally routed through row_map)
-  kEpiSwigluFp8 = 1,   // h = silu(gate) * up, requantised to e4m3 with 1x128 fp32 scales
-  kEpiSwigluBf16 = 2,  // h = silu(gate) * up as bf16
-};
-
-// Everything the device code needs besides the three tensor maps. Filled by the host launcher.
+// The kernel's parameter block: GroupedGemmArgs (the host API: defaults, choices left to the
+// heuristic) resolved by plan_grouped_gemm into what the device code reads besides the tensor maps.
 struct GroupedGemmParams {
-  int32_t layout;       // kLayoutContiguous | kLayoutMasked
+  GroupedLayout layout;
   int32_t num_experts;
   int32_t n;            // columns of B per expert (2I for the SwiGLU epilogues)
   int32_t k;            // reduction length in elements, multiple of 128 (fp8) / 64 (bf16)
@@ -33,20 +28,20 @@ struct GroupedGemmParams {
   // epilogue
   void* d;              // bf16 [*, ld_d] or e4m3 [*, ld_d]
   int64_t ld_d;         // elements
-  const int32_t* row_map;    // kEpiStoreBf16: A row -> D row (< 0: not stored); null: identity
-  const float* row_weight;   // kEpiStoreBf16: per A row factor applied in fp32; null: 1
-  __nv_bfloat16* peer_d[8];  // kEpiStoreBf16 with num_peer_d > 0: row_map = peer * peer_d_rows + row
+  const int32_t* row_map;    // kStoreBf16: A row -> D row (< 0: not stored); null: identity
+  const float* row_weight;   // kStoreBf16: per A row factor applied in fp32; null: 1
+  __nv_bfloat16* peer_d[8];  // kStoreBf16 with num_peer_d > 0: row_map = peer * peer_d_rows + row
   int32_t num_peer_d;
   int32_t peer_d_rows;
-  float* sfd;                // kEpiSwigluFp8: output scales, M-major like SFA
+  float* sfd;                // kSwigluFp8: output scales, M-major like SFA
   int64_t ld_sfd;            // row stride of SFD (>= rows)
   int64_t sfd_expert_stride; // masked: (N/256) * ld_sfd; contiguous: 0
-  int32_t pow2_scales;       // kEpiSwigluFp8: power-of-two output scales
+  int32_t pow2_scales;       // kSwigluFp8: power-of-two output scales
   // Dynamic tile scheduling: int32 [2] = {next tile, CTAs done}, zero before the launch and zero
   // again after it (the last CTA to finish resets it). null: static round-robin (CTA i runs tiles
   // i, i + grid, ...).
   int32_t* tile_counter;
-  // kEpiStoreBf16 with identity rows (no row_map, no peer buffers): the kernel's tmap_d describes D
+  // kStoreBf16 with identity rows (no row_map, no peer buffers): the kernel's tmap_d describes D
   // and full 16-row slabs go out as TMA tensor stores (epilogue_store_bf16).
   int32_t tma_store;
   // 1: the weight tiles of experts with at most BLOCK_M rows load with L2 evict-first (each is read by
@@ -72,12 +67,12 @@ __device__ __forceinline__ const uint8_t* mxfp4_pieces(const GroupedGemmParams& 
   return reinterpret_cast<const uint8_t*>(p.sfb) + mxfp4_pieces_offset(p.num_experts, p.n, p.k);
 }
 
-template <int kBlockM_, int kBlockN_, bool kFp8_, int kEpilogue_, int kCluster_ = 1, bool kWeightFp4_ = false>
+template <int kBlockM_, int kBlockN_, bool kFp8_, GemmEpilogue kEpilogue_, int kCluster_ = 1, bool kWeightFp4_ = false>
 struct GroupedGemmConfig {
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr bool kFp8 = kFp8_;
-  static constexpr int kEpilogue = kEpilogue_;
+  static constexpr GemmEpilogue kEpilogue = kEpilogue_;
   // mxfp4 weights (swapped 16- and 32-row tiles, 256 wide): the weight slot holds the tile's
   // BLOCK_N / 64 pieces of gemm_weights.h's layout (e2m1 codes in register-fragment order + shift
   // indices), loaded by one bulk copy; the math warpgroup expands them into wgmma's A registers
@@ -117,7 +112,7 @@ struct GroupedGemmConfig {
   // bf16-store epilogue staging: per math warp 16 rows x 64 columns of bf16 (2 KiB), see
   // epilogue_store_bf16; swapped: the tile's BLOCK_M token rows of BLOCK_N bf16.
   // Swapped SwiGLU: BLOCK_M token rows of 128 e4m3 codes + the 4 warps' per-token amax.
-  static constexpr int kStageOut = kEpilogue == 0 /* kEpiStoreBf16 */
+  static constexpr int kStageOut = kEpilogue == GemmEpilogue::kStoreBf16
                                        ? (kSwapAB ? kBlockM * kBlockN * 2 : kNumMathWG * 4 * 2048)
                                    : kSwapAB ? kBlockM * 128 + 4 * kBlockM * 4
                                              : 0;
@@ -133,10 +128,10 @@ struct GroupedGemmConfig {
   static constexpr uint32_t kProducerRegs = kNumMathWG == 1 ? 96 : 56;
   static constexpr uint32_t kMathRegs = kNumMathWG == 1 ? 256 : 224;  // scheduler tables: 3 * (E + 1) int32 <= 8 KiB
   static_assert(kBlockM == 16 || kBlockM == 32 || kBlockM == 64 || kBlockM == 128, "BLOCK_M is 16, 32, 64 or 128");
-  static_assert(!kSwapAB || (kFp8 && (kEpilogue == 0 /* kEpiStoreBf16 */ || kEpilogue == 1 /* kEpiSwigluFp8 */)),
+  static_assert(!kSwapAB || (kFp8 && (kEpilogue == GemmEpilogue::kStoreBf16 || kEpilogue == GemmEpilogue::kSwigluFp8)),
                 "16- and 32-row tiles: fp8, bf16 rows or SwiGLU + fp8 out");
   static_assert(kBlockN == 128 || kBlockN == 256, "BLOCK_N is 128 or 256");
-  static_assert(kEpilogue == kEpiStoreBf16 || kBlockN == 256, "SwiGLU tiles hold 128 gate + 128 up columns");
+  static_assert(kEpilogue == GemmEpilogue::kStoreBf16 || kBlockN == 256, "SwiGLU tiles hold 128 gate + 128 up columns");
   static_assert(kStages >= 3, "pipeline too shallow");
   static_assert(kCluster == 1 || (kCluster == 2 && kFp8 && kBlockM == 128 && !kSwapAB),
                 "clusters of 2: fp8 tiles of 128 rows");
@@ -287,7 +282,7 @@ __device__ __forceinline__ void init_barriers(const GroupedGemmSmem<Cfg>& sm) {
 
 // First A-scale column the TMA box starts at: the tile's first scale row rounded down to 4 (16 bytes).
 __device__ __forceinline__ int32_t sfa_first_row(const GroupedGemmParams& p, const GroupedTile& t) {
-  return p.layout == kLayoutMasked ? t.m0 : t.row0;
+  return p.layout == GroupedLayout::kMasked ? t.m0 : t.row0;
 }
 __device__ __forceinline__ int32_t sfa_box_start(const GroupedGemmParams& p, const GroupedTile& t) {
   const int32_t r = sfa_first_row(p, t);

@@ -47,14 +47,6 @@ __device__ __forceinline__ void quad_transpose(const uint32_t (&x)[4], uint32_t 
   }
 }
 
-// Two fp32 to packed bf16x2 (round to nearest even, as fmt::float_to_bf16 for every non-NaN input;
-// a NaN becomes the canonical 0x7FFF where the host codec keeps the payload).
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  uint32_t r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-
 // bf16 rows: value = acc (* row_weight), rounded once. Each warp stages its 16 rows 64 columns at a
 // time in shared memory with stmatrix (the accumulator fragment's 8x8 blocks are stmatrix's layout,
 // so no shuffles), then reads them back as whole 16-byte row pieces and stores those: 8 lanes per
@@ -103,7 +95,7 @@ __device__ __forceinline__ void epilogue_store_bf16(const GroupedGemmSmem<Cfg>& 
         for (int h = 0; h < 2; ++h) {
           const float v0 = acc[c][4 * (g + m) + 2 * h], v1 = acc[c][4 * (g + m) + 2 * h + 1];
           const float w = h == 0 ? w0 : w1;
-          r[2 * m + h] = row_weight ? pack_bf16x2(v0 * w, v1 * w) : pack_bf16x2(v0, v1);
+          r[2 * m + h] = row_weight ? kernels::cvt_bf16x2(v0 * w, v1 * w) : kernels::cvt_bf16x2(v0, v1);
         }
       const int piece = 2 * g2 + st_piece;
       ptx::stmatrix_x4(stage + st_row * 128 + ((piece ^ (st_row & 7)) << 4), r[0], r[1], r[2], r[3]);
@@ -195,7 +187,7 @@ __device__ __forceinline__ void epilogue_store_swapped(const GroupedGemmSmem<Cfg
 #pragma unroll
         for (int m = 0; m < 4; ++m) {
           const int j = 2 * g + m / 2, hh = m % 2;
-          r[m] = pack_bf16x2(acc[c][h][4 * j + 2 * hh] * w[2 * j], acc[c][h][4 * j + 2 * hh + 1] * w[2 * j + 1]);
+          r[m] = kernels::cvt_bf16x2(acc[c][h][4 * j + 2 * hh] * w[2 * j], acc[c][h][4 * j + 2 * hh + 1] * w[2 * j + 1]);
         }
         ptx::stmatrix_x4_trans(addr, r[0], r[1], r[2], r[3]);
       }
@@ -248,7 +240,7 @@ __device__ __forceinline__ void epilogue_swiglu(const float (&acc)[Cfg::kNumChun
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
     const bool valid = r < t.rows;  // uniform over the quad
     const int64_t a_row = t.row0 + r;
-    if constexpr (Cfg::kEpilogue == kEpiSwigluFp8) {
+    if constexpr (Cfg::kEpilogue == GemmEpilogue::kSwigluFp8) {
       const float s = fmt::fp8_block_scale(amax, p.pow2_scales != 0);
       const float inv = __frcp_rn(s);
       uint8_t* out = static_cast<uint8_t*>(p.d) + a_row * p.ld_d + t.n_block * 128;
@@ -266,7 +258,7 @@ __device__ __forceinline__ void epilogue_swiglu(const float (&acc)[Cfg::kNumChun
           *reinterpret_cast<uint2*>(out + 8 * (4 * j + q)) = make_uint2(y[0] | (y[1] << 16), y[2] | (y[3] << 16));
       }
       if (valid && q == 0) {
-        const int64_t m = p.layout == kLayoutMasked ? t.m0 + r : a_row;
+        const int64_t m = p.layout == GroupedLayout::kMasked ? t.m0 + r : a_row;
         p.sfd[t.expert * p.sfd_expert_stride + int64_t(t.n_block) * p.ld_sfd + m] = s;
       }
     } else {
@@ -275,7 +267,7 @@ __device__ __forceinline__ void epilogue_swiglu(const float (&acc)[Cfg::kNumChun
       for (int j = 0; j < 4; ++j) {
         uint32_t x[4], y[4];
 #pragma unroll
-        for (int k = 0; k < 4; ++k) x[k] = pack_bf16x2(v[2 * (4 * j + k)], v[2 * (4 * j + k) + 1]);
+        for (int k = 0; k < 4; ++k) x[k] = kernels::cvt_bf16x2(v[2 * (4 * j + k)], v[2 * (4 * j + k) + 1]);
         quad_transpose(x, y);
         if (valid) *reinterpret_cast<uint4*>(out + 8 * (4 * j + q)) = make_uint4(y[0], y[1], y[2], y[3]);
       }
@@ -347,7 +339,7 @@ __device__ __forceinline__ void epilogue_swiglu_swapped(const GroupedGemmSmem<Cf
     for (int s = 0; s < kTok; ++s) {
       const int tok = swapped_token(s, q);
       if (tok < t.rows) {
-        const int64_t m = p.layout == kLayoutMasked ? t.m0 + tok : t.row0 + tok;
+        const int64_t m = p.layout == GroupedLayout::kMasked ? t.m0 + tok : t.row0 + tok;
         p.sfd[t.expert * p.sfd_expert_stride + int64_t(t.n_block) * p.ld_sfd + m] = scale[s];
       }
     }

@@ -17,7 +17,7 @@ struct GroupedGemmPlan {
   CUtensorMap tmap_a, tmap_b, tmap_sfa, tmap_d;  // d: only for the TMA-store epilogue (identity rows)
   GroupedGemmParams params;
   GemmTileConfig tiles;  // as chosen (heuristic + overrides)
-  int32_t epilogue = 0;  // EpilogueKind
+  GemmEpilogue epilogue = GemmEpilogue::kStoreBf16;
   bool fp8 = true;
   bool weight_fp4 = false;  // mxfp4 weights (GemmDtype::kMxfp4)
   bool empty = true;     // m_rows == 0: nothing to launch

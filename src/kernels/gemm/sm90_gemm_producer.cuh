@@ -46,7 +46,7 @@ __device__ __forceinline__ void produce_tile(const GroupedGemmSmem<Cfg>& sm, Pip
     }
     if constexpr (Cfg::kFp8) {
       const int32_t sfa_x = sfa_box_start(p, t);
-      const int32_t sfa_y = p.layout == kLayoutMasked ? t.expert * num_kb + kb : kb;
+      const int32_t sfa_y = p.layout == GroupedLayout::kMasked ? t.expert * num_kb + kb : kb;
       ptx::tma_load_2d(sm.sfa + pipe.stage * Cfg::kSfaStride, tmap_sfa, full, sfa_x, sfa_y);
 #pragma unroll
       for (int c = 0; c < Cfg::kNumChunks; ++c) ptx::cp_async_4(sm.sfb + pipe.stage * 4 + c, sfb_tile + c * num_kb + kb);
@@ -145,7 +145,7 @@ __device__ __forceinline__ void produce_tile_pair(const GroupedGemmSmem<Cfg>& sm
       for (int h = 0; h < Cfg::kCluster; ++h)
         ptx::tma_load_2d(b + h * kHalf * Cfg::kBlockKBytes, tmap_b, full, kb * Cfg::kBlockKBytes, b_row + h * kHalf);
     }
-    const int32_t sfa_y = p.layout == kLayoutMasked ? t.expert * num_kb + kb : kb;
+    const int32_t sfa_y = p.layout == GroupedLayout::kMasked ? t.expert * num_kb + kb : kb;
     ptx::tma_load_2d(sm.sfa + pipe.stage * Cfg::kSfaStride, tmap_sfa, full, sfa_x, sfa_y);
 #pragma unroll
     for (int c = 0; c < Cfg::kNumChunks; ++c) ptx::cp_async_4(sm.sfb + pipe.stage * 4 + c, sfb_tile + c * num_kb + kb);

@@ -71,9 +71,9 @@ cudaError_t launch_mega_config(const MegaGemms& g, const MegaArgs& a, int grid, 
   X(128, false)
 
 template <int BM, bool kFp8>
-using MegaFc2Cfg = gemm::GroupedGemmConfig<BM, kMegaBlockN, kFp8, gemm::kEpiStoreBf16, 1>;
+using MegaFc2Cfg = gemm::GroupedGemmConfig<BM, kMegaBlockN, kFp8, gemm::GemmEpilogue::kStoreBf16, 1>;
 template <int BM, bool kFp8>
-using MegaFc1Cfg = gemm::GroupedGemmConfig<BM, kMegaBlockN, kFp8, kFp8 ? gemm::kEpiSwigluFp8 : gemm::kEpiSwigluBf16, 1>;
+using MegaFc1Cfg = gemm::GroupedGemmConfig<BM, kMegaBlockN, kFp8, kFp8 ? gemm::GemmEpilogue::kSwigluFp8 : gemm::GemmEpilogue::kSwigluBf16, 1>;
 
 #define MEGAMOE_MEGA_EXTERN(BM, FP8)                                                                               \
   extern template cudaError_t launch_mega_config<MegaFc2Cfg<BM, FP8>, MegaFc1Cfg<BM, FP8>>(                        \

@@ -115,8 +115,6 @@ __device__ __forceinline__ uint64_t atomic_add_acq_rel_gpu(uint64_t* p, uint64_t
   return old;
 }
 
-// What a kernel needs to reach its peers' copies and to wait boundedly.
-// (fields in SignalParams, filled by the host)
 // Release/acquire fence at system scope: this thread's earlier memory accesses, and by cumulativity
 // every access that happens-before them (the CTA's stores before a bar.sync, an earlier kernel's in
 // stream order), are ordered before its later ones for every observer, peers included. That is all
@@ -130,29 +128,24 @@ static __device__ __noinline__ char* nccl_peer_pointer(ncclWindow_t window, int6
   return static_cast<char*>(ncclGetPeerPointer(window, static_cast<size_t>(offset), peer));
 }
 
-struct SignalCtx : SignalParams {
-
-  __device__ __forceinline__ uint64_t* own_signals() const {
-    return reinterpret_cast<uint64_t*>(own_base + signals_offset);
-  }
-  // Cell [row][slot] in this rank's copy.
-  __device__ __forceinline__ uint64_t* own_cell(int row, int slot) const {
-    return own_signals() + row * WorkspaceLayout::kSignalSlots + slot;
-  }
-  // Any pointer into `peer`'s copy of the workspace, by byte offset.
-  __device__ __forceinline__ char* peer_ptr(int peer, int64_t offset) const {
-    if (peer == rank) return own_base + offset;
-    if (peer_base[peer] != nullptr) return peer_base[peer] + offset;
-    return nccl_peer_pointer(window, offset, peer);
-  }
-  // Cell [row][slot] in `peer`'s copy.
-  __device__ __forceinline__ uint64_t* peer_cell(int peer, int row, int slot) const {
-    return reinterpret_cast<uint64_t*>(peer_ptr(peer, signals_offset)) + row * WorkspaceLayout::kSignalSlots + slot;
-  }
-  __device__ __forceinline__ uint64_t local_epoch() const {
-    return *reinterpret_cast<volatile uint64_t*>(own_cell(rank, kLocalEpoch));
-  }
-};
+// SignalCtx's device accessors (its fields: sm90_launch.h).
+__device__ __forceinline__ uint64_t* SignalCtx::own_signals() const {
+  return reinterpret_cast<uint64_t*>(own_base + signals_offset);
+}
+__device__ __forceinline__ uint64_t* SignalCtx::own_cell(int row, int slot) const {
+  return own_signals() + row * WorkspaceLayout::kSignalSlots + slot;
+}
+__device__ __forceinline__ char* SignalCtx::peer_ptr(int peer, int64_t offset) const {
+  if (peer == rank) return own_base + offset;
+  if (peer_base[peer] != nullptr) return peer_base[peer] + offset;
+  return nccl_peer_pointer(window, offset, peer);
+}
+__device__ __forceinline__ uint64_t* SignalCtx::peer_cell(int peer, int row, int slot) const {
+  return reinterpret_cast<uint64_t*>(peer_ptr(peer, signals_offset)) + row * WorkspaceLayout::kSignalSlots + slot;
+}
+__device__ __forceinline__ uint64_t SignalCtx::local_epoch() const {
+  return *reinterpret_cast<volatile uint64_t*>(own_cell(rank, kLocalEpoch));
+}
 
 // The first rank whose abort cell is raised in this rank's copy, or -1.
 __device__ __forceinline__ int first_aborter(const SignalCtx& ctx) {

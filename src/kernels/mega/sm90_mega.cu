@@ -57,7 +57,7 @@ cudaError_t occupancy(int bm, bool fp8, int* ctas) {
 }  // namespace
 
 Status make_mega_plan(const MegaPlanArgs& args, MegaPlanPtr* out) {
-  const kernels::TransportParams& t = args.transport;
+  const kernels::TransportArgs& t = args.transport;
   const WorkspaceLayout& l = t.layout;
   const WorkspaceParams& wp = l.params;
   const int64_t P = l.pool_rows, H = wp.hidden, I = args.intermediate, El = wp.experts_per_rank;
@@ -179,10 +179,9 @@ Status launch_mega(const MegaPlan& plan, const MegaForwardArgs& f, cudaStream_t 
   if (!plan.built[block_m_index(bm)])
     return Status(StatusCode::kInternal, "mega forward: no plan for BLOCK_M " + std::to_string(bm));
   if (block_m_out) *block_m_out = bm;
-  kernels::TransportParams tp = pa.transport;
-  tp.num_tokens = T;
   MegaArgs a{};
-  a.tr = kernels::TransportArgs::from(tp);
+  a.tr = pa.transport;
+  a.tr.num_tokens = T;
   a.x = f.x;
   a.x_scale = f.x_scale;
   a.topk_ids = f.topk_ids;

@@ -15,7 +15,7 @@ namespace megamoe::mega {
 
 // What every launch of a layer shares (fixed at warmup).
 struct MegaPlanArgs {
-  kernels::TransportParams transport;  // num_tokens: set per forward
+  kernels::TransportArgs transport;  // num_tokens: set per forward
   bool fp8 = true;                     // fp8-block weights, wire and intermediate; else bf16
   int32_t intermediate = 0;            // I
   // This rank's experts (device): w13 prepared for the SwiGLU epilogue [E_l, 2I, H], w2 [E_l, H, I],

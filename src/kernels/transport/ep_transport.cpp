@@ -14,7 +14,7 @@ namespace megamoe {
 namespace {
 
 using kernels::InputStatus;
-using kernels::TransportParams;
+using kernels::TransportArgs;
 
 int64_t align256(int64_t v) { return (v + 255) / 256 * 256; }
 
@@ -50,7 +50,7 @@ struct ScratchLayout {
   }
 };
 
-TransportParams make_args(const EpTransport& t, void* scratch, const EpTransportOptions& o, int64_t num_tokens,
+TransportArgs make_args(const EpTransport& t, void* scratch, const EpTransportOptions& o, int64_t num_tokens,
                           bool allow_pdl, int64_t gate_rows = -1);
 
 // Refuses collective work while this stream (or, in global capture mode, any stream) is capturing.
@@ -226,7 +226,7 @@ Status EpTransport::warmup(cudaStream_t stream) {
     scratch_ = scratch.release();
     scratch_bytes_ = sl.total;
     for (int r = 0; r < size_; ++r) peer_base_[r] = peers[r];
-    const TransportParams args = make_args(*this, scratch_, options_, 0, allow_pdl_);
+    const TransportArgs args = make_args(*this, scratch_, options_, 0, allow_pdl_);
     combine_targets_ = CombineTargets{};
     backend_counters_ = args.backend_counters;
     gated_offsets_ = args.gated_offsets;
@@ -294,9 +294,9 @@ Status EpTransport::check_tokens(const TensorView& ids, const char* what, int64_
 }
 
 namespace {
-TransportParams make_args(const EpTransport& t, void* scratch, const EpTransportOptions& o, int64_t num_tokens,
+TransportArgs make_args(const EpTransport& t, void* scratch, const EpTransportOptions& o, int64_t num_tokens,
                           bool allow_pdl, int64_t gate_rows) {
-  TransportParams a{};
+  TransportArgs a{};
   const WorkspaceLayout& l = t.layout();
   const ScratchLayout sl = ScratchLayout::make(o.params);
   char* s = static_cast<char*>(scratch);
@@ -327,11 +327,12 @@ TransportParams make_args(const EpTransport& t, void* scratch, const EpTransport
   a.backend_counters = reinterpret_cast<int32_t*>(s + sl.backend_counters);
   a.gated_offsets = reinterpret_cast<int32_t*>(s + sl.gated_offsets);
   a.gate_rows = gate_rows;
+  a.el_div = kernels::ExactDiv16::make(static_cast<uint32_t>(l.params.experts_per_rank));
   return a;
 }
 }  // namespace
 
-void EpTransport::kernel_params(int64_t num_tokens, TransportParams* out) const {
+void EpTransport::kernel_params(int64_t num_tokens, TransportArgs* out) const {
   *out = make_args(*this, scratch_, options_, num_tokens, allow_pdl_);
 }
 
@@ -364,7 +365,7 @@ Status EpTransport::dispatch(const TensorView& x, const TensorView& x_scale, con
   const int mode = fp8_wire ? (x_fp8 ? kernels::kFp8Copy : kernels::kBf16ToFp8)
                             : (x_fp8 ? kernels::kFp8ToBf16 : kernels::kBf16Copy);
   MEGAMOE_CUDA_CHECK(cudaSetDevice(device_));
-  const TransportParams args = make_args(*this, scratch_, options_, T, allow_pdl_);
+  const TransportArgs args = make_args(*this, scratch_, options_, T, allow_pdl_);
   last_num_tokens_ = T;
   return kernels::launch_dispatch(args, mode, x.data, x_fp8 ? x_scale.ptr<float>() : nullptr, topk_ids.ptr<int32_t>(),
                                   topk_weights.ptr<float>(), num_sms_, static_cast<cudaStream_t>(stream));
@@ -373,7 +374,7 @@ Status EpTransport::dispatch(const TensorView& x, const TensorView& x_scale, con
 Status EpTransport::build_expert_pool(cudaStream_t stream, int64_t gate_rows) {
   MEGAMOE_RETURN_IF_ERROR(check_ready(stream, "build_expert_pool()"));
   MEGAMOE_CUDA_CHECK(cudaSetDevice(device_));
-  const TransportParams args = make_args(*this, scratch_, options_, last_num_tokens_, allow_pdl_, gate_rows);
+  const TransportArgs args = make_args(*this, scratch_, options_, last_num_tokens_, allow_pdl_, gate_rows);
   return kernels::launch_expert_pool(args, num_sms_, stream);
 }
 
@@ -404,7 +405,7 @@ Status EpTransport::combine_send(const TensorView& out, cudaStream_t stream) {
   MEGAMOE_RETURN_IF_ERROR(check_ready(stream, "combine_send()"));
   MEGAMOE_RETURN_IF_ERROR(check_expert_out(out, "combine_send"));
   MEGAMOE_CUDA_CHECK(cudaSetDevice(device_));
-  const TransportParams args = make_args(*this, scratch_, options_, last_num_tokens_, allow_pdl_);
+  const TransportArgs args = make_args(*this, scratch_, options_, last_num_tokens_, allow_pdl_);
   return kernels::launch_combine_send(args, out.data, out.dtype == DType::kFloat32, num_sms_, stream);
 }
 
@@ -413,7 +414,7 @@ Status EpTransport::combine(const TensorView& topk_ids, const TensorView& y, cud
   int64_t T = 0;
   MEGAMOE_RETURN_IF_ERROR(check_output(topk_ids, y, "combine", &T));
   MEGAMOE_CUDA_CHECK(cudaSetDevice(device_));
-  const TransportParams args = make_args(*this, scratch_, options_, T, allow_pdl_);
+  const TransportArgs args = make_args(*this, scratch_, options_, T, allow_pdl_);
   return kernels::launch_combine_reduce(args, topk_ids.ptr<int32_t>(), y.ptr<uint16_t>(), num_sms_, stream);
 }
 
@@ -424,7 +425,7 @@ Status EpTransport::send_and_combine(const TensorView& expert_out, const TensorV
   int64_t T = 0;
   MEGAMOE_RETURN_IF_ERROR(check_output(topk_ids, y, "send_and_combine", &T));
   MEGAMOE_CUDA_CHECK(cudaSetDevice(device_));
-  const TransportParams args = make_args(*this, scratch_, options_, T, allow_pdl_);
+  const TransportArgs args = make_args(*this, scratch_, options_, T, allow_pdl_);
   const int groups = options_.combine_groups > 0 ? options_.combine_groups : default_combine_groups(T);
   return kernels::launch_combine(args, expert_out.data, expert_out.dtype == DType::kFloat32, topk_ids.ptr<int32_t>(),
                                  y.ptr<uint16_t>(), groups, num_sms_, stream);

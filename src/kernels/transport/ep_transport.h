@@ -42,7 +42,7 @@ namespace megamoe {
 
 class GpuRankComm;
 namespace kernels {
-struct TransportParams;
+struct TransportArgs;
 }
 
 struct EpTransportOptions {
@@ -132,7 +132,7 @@ class EpTransport {
   // The transport kernels' arguments for a launch of `num_tokens` tokens on this rank: what a fused
   // kernel that runs the transport's device code itself needs (signals, peer bases, workspace layout,
   // scratch). Valid after warmup().
-  void kernel_params(int64_t num_tokens, kernels::TransportParams* out) const;
+  void kernel_params(int64_t num_tokens, kernels::TransportArgs* out) const;
   // [kernels::kBackendCounterWords] int32 of this transport's scratch that the pool build zeroes
   // every forward before any later kernel of it: the backend's per-forward counters (the GEMMs' tile
   // counters). Valid after warmup().

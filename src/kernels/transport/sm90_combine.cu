@@ -167,18 +167,16 @@ Status fused_as(const TransportArgs& args, const void* out, const int32_t* topk_
 }
 }  // namespace
 
-Status launch_combine_send(const TransportParams& params, const void* expert_out, bool out_is_fp32, int num_sms,
+Status launch_combine_send(const TransportArgs& args, const void* expert_out, bool out_is_fp32, int num_sms,
                            cudaStream_t stream) {
-  const TransportArgs args = TransportArgs::from(params);
   const SendShape sh = send_shape(args, std::max(num_sms, 1));
   MEGAMOE_CUDA_CHECK(out_is_fp32 ? send_as<float>(args, expert_out, sh.ctas, sh.parts, stream)
                                  : send_as<uint16_t>(args, expert_out, sh.ctas, sh.parts, stream));
   return Status::ok();
 }
 
-Status launch_combine_reduce(const TransportParams& params, const int32_t* topk_ids, uint16_t* y, int num_sms,
+Status launch_combine_reduce(const TransportArgs& args, const int32_t* topk_ids, uint16_t* y, int num_sms,
                              cudaStream_t stream) {
-  const TransportArgs args = TransportArgs::from(params);
   const int64_t sms = std::max(num_sms, 1), T = args.num_tokens, warps_per_cta = kCombineThreads / 32;
   const int parts = reduce_parts(args);
   const int ctas = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((T * parts + warps_per_cta - 1) / warps_per_cta, 2 * sms)));
@@ -187,9 +185,8 @@ Status launch_combine_reduce(const TransportParams& params, const int32_t* topk_
   return Status::ok();
 }
 
-Status launch_combine(const TransportParams& params, const void* expert_out, bool out_is_fp32, const int32_t* topk_ids,
+Status launch_combine(const TransportArgs& args, const void* expert_out, bool out_is_fp32, const int32_t* topk_ids,
                       uint16_t* y, int groups, int num_sms, cudaStream_t stream) {
-  const TransportArgs args = TransportArgs::from(params);
   const int64_t sms = std::max(num_sms, 1), T = args.num_tokens, warps_per_cta = kCombineThreads / 32;
   CombineShape shape{};
   shape.groups = std::max(1, std::min(groups, kMaxCombineGroups));

@@ -21,9 +21,8 @@ Status launch_dispatch_mode(const TransportArgs& args, DispatchShape shape, int 
 }
 }  // namespace
 
-Status launch_dispatch(const TransportParams& params, int mode, const void* x, const float* x_scale,
+Status launch_dispatch(const TransportArgs& args, int mode, const void* x, const float* x_scale,
                        const int32_t* topk_ids, const float* topk_weights, int num_sms, cudaStream_t stream) {
-  const TransportArgs args = TransportArgs::from(params);
   const int64_t T = args.num_tokens, H = args.layout.params.hidden;
   // Shape: about 2 CTAs per SM; a CTA ranks up to 512 tokens; small T splits each row into parts so
   // that every warp of a CTA has work (decode: T <= 128 gives one token per CTA, 14 warps per token
@@ -44,8 +43,7 @@ Status launch_dispatch(const TransportParams& params, int mode, const void* x, c
   }
 }
 
-Status launch_expert_pool(const TransportParams& params, int num_sms, cudaStream_t stream) {
-  const TransportArgs args = TransportArgs::from(params);
+Status launch_expert_pool(const TransportArgs& args, int num_sms, cudaStream_t stream) {
   const int64_t R = args.sig.num_ranks;
   const int64_t rank_warps = R * args.num_chunks();
   const int rank_ctas = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((rank_warps + 7) / 8, 8 * num_sms)));

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "kernels/common/exact_div.h"
 #include "megamoe/status.h"
 #include "megamoe/workspace.h"
 
@@ -91,6 +92,7 @@ struct CombineCounters {
   uint64_t published;                        // groups whose progress is published (in group order)
 };
 
+// What a kernel needs to reach its peers' copies and to wait boundedly: the fields the host fills.
 struct SignalParams {
   ncclWindow_t window;    // the symmetric workspace window
   char* own_base;         // this rank's copy of the workspace (local pointer)
@@ -105,9 +107,27 @@ struct SignalParams {
   int num_ranks;
   int64_t timeout_ns;
 };
+// The same with the device accessors, declared for nvcc and defined in sm90_signals.cuh (they need
+// NCCL's device API). A derived struct rather than one: merged, the kernels' copies of it compile to
+// other instructions (the combine kernels' SASS changes).
+struct SignalCtx : SignalParams {
+#if defined(__CUDACC__)
+  __device__ __forceinline__ uint64_t* own_signals() const;
+  // Cell [row][slot] in this rank's copy.
+  __device__ __forceinline__ uint64_t* own_cell(int row, int slot) const;
+  // Any pointer into `peer`'s copy of the workspace, by byte offset.
+  __device__ __forceinline__ char* peer_ptr(int peer, int64_t offset) const;
+  // Cell [row][slot] in `peer`'s copy.
+  __device__ __forceinline__ uint64_t* peer_cell(int peer, int row, int slot) const;
+  __device__ __forceinline__ uint64_t local_epoch() const;
+#endif
+};
 
-struct TransportParams {
-  SignalParams sig;
+// The arguments of every EP-transport kernel (and the transport part of the mega kernel's), passed
+// by value: filled by the host (EpTransport::kernel_params), read on the device with the helpers
+// of sm90_transport_args.cuh.
+struct TransportArgs {
+  SignalCtx sig;
   WorkspaceLayout layout;
   int64_t num_experts;  // E = R * E_l
   int64_t num_tokens;   // T of this launch (this rank)
@@ -132,25 +152,36 @@ struct TransportParams {
   // launched one on each copy exactly one has rows (the tile bucket chosen on the device).
   int32_t* gated_offsets;
   int64_t gate_rows;
+  ExactDiv16 el_div;  // n / experts_per_rank: the owner rank of expert n, the rank of a (rank, expert) index
+
+  MEGAMOE_HD int64_t hidden() const { return layout.params.hidden; }
+  MEGAMOE_HD int64_t top_k() const { return layout.params.top_k; }
+  MEGAMOE_HD int64_t t_max() const { return layout.params.max_tokens_per_rank; }
+  MEGAMOE_HD int64_t experts_per_rank() const { return layout.params.experts_per_rank; }
+  MEGAMOE_HD int64_t num_chunks() const { return (t_max() + kPoolChunkRows - 1) / kPoolChunkRows; }
+  template <typename T>
+  MEGAMOE_HD T* own(const WorkspaceRegion& r) const {
+    return reinterpret_cast<T*>(sig.own_base + r.offset);
+  }
 };
 
 constexpr int kBackendCounterWords = 8;
 
 // Dispatch: one fused layout + copy kernel for `mode`, shaped for `num_sms` SMs.
-Status launch_dispatch(const TransportParams& params, int mode, const void* x, const float* x_scale,
+Status launch_dispatch(const TransportArgs& args, int mode, const void* x, const float* x_scale,
                        const int32_t* topk_ids, const float* topk_weights, int num_sms, cudaStream_t stream);
-Status launch_expert_pool(const TransportParams& params, int num_sms, cudaStream_t stream);
+Status launch_expert_pool(const TransportArgs& args, int num_sms, cudaStream_t stream);
 // The pool build's choice between the two gated copies of expert_offsets (gate_rows >= 0), for tests.
 MEGAMOE_HD int gated_copy_for(int64_t real_rows, int64_t gate_rows) { return real_rows >= gate_rows ? 1 : 0; }
 // expert_out: fp32 when out_is_fp32, else bf16. Grids are shaped for `num_sms` SMs.
-Status launch_combine_send(const TransportParams& params, const void* expert_out, bool out_is_fp32, int num_sms,
+Status launch_combine_send(const TransportArgs& args, const void* expert_out, bool out_is_fp32, int num_sms,
                            cudaStream_t stream);
-Status launch_combine_reduce(const TransportParams& params, const int32_t* topk_ids, uint16_t* y, int num_sms,
+Status launch_combine_reduce(const TransportArgs& args, const int32_t* topk_ids, uint16_t* y, int num_sms,
                              cudaStream_t stream);
 // Both in one kernel (combine_kernel): send, publish progress, wait, reduce. groups > 1: the rows go
 // out in `groups` recv-row groups, each published as it completes, and an eighth of the CTAs reduce
 // the tokens whose rows have all arrived while the others still send (see combine_kernel).
-Status launch_combine(const TransportParams& params, const void* expert_out, bool out_is_fp32, const int32_t* topk_ids,
+Status launch_combine(const TransportArgs& args, const void* expert_out, bool out_is_fp32, const int32_t* topk_ids,
                       uint16_t* y, int groups, int num_sms, cudaStream_t stream);
 
 }  // namespace kernels

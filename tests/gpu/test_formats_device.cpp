@@ -18,7 +18,7 @@
 #include <utility>
 #include <vector>
 
-#include "formats/formats_device.h"
+#include "gpu/formats_device.h"
 #include "megamoe/formats.h"
 
 namespace megamoe {

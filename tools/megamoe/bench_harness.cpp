@@ -11,7 +11,7 @@
 #include <mutex>
 
 #include "core/cuda_check.h"
-#include "kernels/gemm/gemm_fill.h"
+#include "gemm_fill.h"
 #include "presets.h"
 
 namespace megamoe::tool {

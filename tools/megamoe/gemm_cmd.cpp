@@ -24,7 +24,7 @@
 #include "bench_harness.h"
 #include "bench_model.h"
 #include "commands.h"
-#include "kernels/gemm/gemm_fill.h"
+#include "gemm_fill.h"
 #include "kernels/gemm/gemm_weights.h"
 #include "kernels/gemm/sm90_fp8_grouped_gemm.h"
 #include "presets.h"

@@ -19,7 +19,7 @@
 #include "bench_harness.h"
 #include "bench_model.h"
 #include "commands.h"
-#include "kernels/transport/sm90_link_probe.h"
+#include "sm90_link_probe.h"
 #include "presets.h"
 #include "ranks.h"
 

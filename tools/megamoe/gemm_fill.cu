@@ -1,5 +1,5 @@
 // gemm_fill.cu — see gemm_fill.h.
-#include "kernels/gemm/gemm_fill.h"
+#include "gemm_fill.h"
 
 #include <cuda_runtime.h>
 

@@ -1,5 +1,5 @@
 // Kernels of `megamoe bench-link` (sm90_link_probe.h): four ways of moving bytes to or from a peer.
-#include "kernels/transport/sm90_link_probe.h"
+#include "sm90_link_probe.h"
 
 #include <nccl_device.h>
 

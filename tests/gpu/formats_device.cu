@@ -7,7 +7,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
-#include "formats/formats_device.h"
+#include "gpu/formats_device.h"
 #include "kernels/common/sm90_quant.cuh"
 #include "megamoe/formats.h"
 

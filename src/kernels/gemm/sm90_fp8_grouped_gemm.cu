@@ -186,6 +186,9 @@ Status validate_grouped_gemm(const GroupedGemmArgs& a) {
   if (t.cluster == 2 && t.block_n == 128) return bad("tiles.cluster", "2", "clusters of 2 need 256-wide tiles");
   if (a.trace_max_tiles < 0) return bad("trace_max_tiles", std::to_string(a.trace_max_tiles), "must be >= 0");
   if (a.trace_max_tiles > 0 && a.trace == nullptr) return bad("trace", "null", "required with trace_max_tiles > 0");
+  if (a.trace_max_tiles > 0 && !kGemmTraceBuilt)
+    return bad("trace_max_tiles", std::to_string(a.trace_max_tiles),
+               "the timeline needs the traced kernels (a build with MEGAMOE_GEMM_TRACE=ON, the default with the tool)");
   if (a.trace_max_tiles > 0 && !fp8) return bad("trace_max_tiles", std::to_string(a.trace_max_tiles), "the timeline is kept for dtype fp8-block only");
   if (int32_t(a.probe) < 0 || int32_t(a.probe) > int32_t(GemmProbe::kMathOnly))
     return bad("probe", std::to_string(int(a.probe)), "must be one of GemmProbe's values (0-4)");

@@ -51,7 +51,14 @@
 #include "kernels/gemm/sm90_gemm_math.cuh"
 #include "kernels/gemm/sm90_gemm_producer.cuh"
 
+#if !defined(MEGAMOE_GEMM_TRACE)
+#define MEGAMOE_GEMM_TRACE 0
+#endif
+
 namespace megamoe::gemm {
+
+// The traced instantiations (kTrace below) exist: CMake's MEGAMOE_GEMM_TRACE, on where the tool is built.
+constexpr bool kGemmTraceBuilt = MEGAMOE_GEMM_TRACE != 0;
 
 // ---- the persistent kernel ---------------------------------------------------------------------------
 
@@ -246,7 +253,7 @@ cudaError_t launch_grouped_gemm_config(const CUtensorMap& tmap_a, const CUtensor
     if (!(raised_on >> device & 1u)) {
       err = cudaFuncSetAttribute(sm90_grouped_gemm_kernel<Cfg, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  Cfg::smem_bytes(Cfg::kMaxExperts));
-      if constexpr (Cfg::kFp8) {  // the traced kernel exists for fp8 only
+      if constexpr (Cfg::kFp8 && kGemmTraceBuilt) {  // the traced kernel exists for fp8 only
         if (err == cudaSuccess)
           err = cudaFuncSetAttribute(sm90_grouped_gemm_kernel<Cfg, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      Cfg::smem_bytes(Cfg::kMaxExperts));
@@ -270,11 +277,13 @@ cudaError_t launch_grouped_gemm_config(const CUtensorMap& tmap_a, const CUtensor
     if (launched != nullptr) *launched = grid;
     cudaLaunchAttribute attr;
     const cudaLaunchConfig_t lc = cluster_launch_config<Cfg>(grid, size_t(smem), stream, &attr);
-    if (p.trace != nullptr) return cudaLaunchKernelEx(&lc, sm90_grouped_gemm_kernel<Cfg, true>, tmap_a, tmap_b, tmap_sfa, tmap_d, p);
+    if constexpr (kGemmTraceBuilt) {
+      if (p.trace != nullptr) return cudaLaunchKernelEx(&lc, sm90_grouped_gemm_kernel<Cfg, true>, tmap_a, tmap_b, tmap_sfa, tmap_d, p);
+    }
     return cudaLaunchKernelEx(&lc, sm90_grouped_gemm_kernel<Cfg, false>, tmap_a, tmap_b, tmap_sfa, tmap_d, p);
   }
   if (launched != nullptr) *launched = grid;
-  if constexpr (Cfg::kFp8) {
+  if constexpr (Cfg::kFp8 && kGemmTraceBuilt) {
     if (p.trace != nullptr) {
       sm90_grouped_gemm_kernel<Cfg, true><<<grid, Cfg::kNumThreads, smem, stream>>>(tmap_a, tmap_b, tmap_sfa, tmap_d, p);
       return cudaGetLastError();

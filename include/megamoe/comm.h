@@ -58,7 +58,11 @@ Status create_host_group(int size, std::vector<std::shared_ptr<Communicator>>* r
 // a rank is sized to at most SMs / size CTAs by default (the backends apply it; a larger
 // Knobs::num_sms is clamped to it), so that all ranks' kernels are resident at once and no rank's
 // spinning wait holds the SMs its peer needs. Collective allocations are bounded by
-// MEGAMOE_BARRIER_TIMEOUT_MS; releasing a rank's part never waits for its peers.
+// MEGAMOE_BARRIER_TIMEOUT_MS; releasing a rank's part never waits for its peers. The process must
+// load its kernels eagerly (CUDA_MODULE_LOADING=EAGER before its first CUDA call; refused otherwise:
+// a lazy load can wait for a peer's running kernel), and no rank may call a device-synchronising API
+// (cudaFree, cudaDeviceSynchronize, a synchronous cudaMemcpy) while a peer's forward may be waiting
+// for its launch.
 Status create_shared_gpu_group(int device, int size, std::vector<std::shared_ptr<Communicator>>* ranks);
 
 // ---- NCCL groups (GPU backends; NCCL >= 2.28 with its device API) ----

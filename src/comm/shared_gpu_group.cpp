@@ -1,5 +1,6 @@
 #include "comm/shared_gpu_group.h"
 
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -179,6 +180,31 @@ Status create_shared_gpu_group_with(int device, int size, int num_sms, SharedGpu
   return Status::ok();
 }
 
+namespace {
+
+// With lazy module loading (CUDA's default), a rank's first launch of a kernel loads it, and a load
+// may wait for the device's running kernels: one of them a peer's kernel that waits for this rank's
+// launch. The group then stalls until the wait bound. Eager loading has every kernel loaded when the
+// context is created.
+Status check_eager_module_loading() {
+  using GetLoadingMode = CUresult (*)(CUmoduleLoadingMode*);
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  if (cudaGetDriverEntryPointByVersion("cuModuleGetLoadingMode", &fn, 12000, cudaEnableDefault, &found) != cudaSuccess ||
+      found != cudaDriverEntryPointSuccess || fn == nullptr) {
+    cudaGetLastError();
+    return Status::ok();  // a driver without the query loads eagerly
+  }
+  CUmoduleLoadingMode mode{};
+  if (reinterpret_cast<GetLoadingMode>(fn)(&mode) != CUDA_SUCCESS || mode != CU_MODULE_LAZY_LOADING) return Status::ok();
+  return Status(StatusCode::kFailedPrecondition,
+                "shared-GPU group: CUDA lazy module loading is on (CUDA_MODULE_LOADING unset or LAZY); a rank's "
+                "first launch of a kernel can then wait for a peer's running kernel that waits for it. Set "
+                "CUDA_MODULE_LOADING=EAGER in the environment before the process's first CUDA call");
+}
+
+}  // namespace
+
 Status create_shared_gpu_group(int device, int size, std::vector<std::shared_ptr<Communicator>>* ranks) {
   int n = 0;
   const cudaError_t err = cudaGetDeviceCount(&n);
@@ -196,6 +222,7 @@ Status create_shared_gpu_group(int device, int size, std::vector<std::shared_ptr
     return Status(StatusCode::kUnavailable, "shared-GPU group: cuda:" + std::to_string(device) + " (" + prop.name +
                                                 ") is sm_" + std::to_string(prop.major * 10 + prop.minor) +
                                                 "; the EP transport kernels need sm_90a (Hopper)");
+  MEGAMOE_RETURN_IF_ERROR(check_eager_module_loading());
   return create_shared_gpu_group_with(device, size, prop.multiProcessorCount, SharedGpuMemory::cuda(), ranks);
 }
 }  // namespace megamoe

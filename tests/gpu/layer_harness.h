@@ -8,7 +8,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <condition_variable>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -41,6 +43,30 @@ inline double rel_l2_bf16(const std::vector<uint16_t>& a, const std::vector<uint
   s.add(a, b);
   return s.rel();
 }
+
+// A reusable barrier of n host threads (C++17 has no std::barrier).
+class PhaseBarrier {
+ public:
+  explicit PhaseBarrier(int n) : n_(n) {}
+  void arrive_and_wait() {
+    std::unique_lock<std::mutex> lock(m_);
+    const int64_t gen = generation_;
+    if (++arrived_ == n_) {
+      arrived_ = 0;
+      ++generation_;
+      cv_.notify_all();
+    } else {
+      cv_.wait(lock, [&] { return generation_ != gen; });
+    }
+  }
+
+ private:
+  const int n_;
+  int arrived_ = 0;
+  int64_t generation_ = 0;
+  std::mutex m_;
+  std::condition_variable cv_;
+};
 
 // How the ranks of an EP > 1 group are connected.
 enum class GroupKind { kNcclGpus, kSharedGpu };
@@ -107,6 +133,11 @@ class Harness {
   }
 
   // One forward of both groups on `in`; y (bf16 bits) per rank. The GPU output is poisoned first.
+  // Three phases, every rank finishing one before any starts the next: (1) the cpu backend's
+  // forward, device buffers, copies and (graph) the capture; (2) the GPU forwards, their error checks
+  // and output copies; (3) frees. A rank's forward waits for its peers' launches (bounded by
+  // MEGAMOE_WAIT_TIMEOUT_MS), so nothing slow (the cpu reference) and nothing that synchronises the
+  // device (cudaMalloc, cudaFree, graph instantiation) may run on one rank while a peer's kernel waits.
   ::testing::AssertionResult run(const std::vector<RankInputs>& in, std::vector<std::vector<uint16_t>>* y_gpu,
                                  std::vector<std::vector<uint16_t>>* y_cpu, bool graph = false, int layer = 0) {
     const MoeGeometry& g = problem_.geometry;
@@ -114,57 +145,79 @@ class Harness {
     y_gpu->assign(R_, {});
     y_cpu->assign(R_, {});
     std::vector<std::string> errors(R_);
+    PhaseBarrier barrier(R_);
     std::vector<std::thread> threads;
     for (int r = 0; r < R_; ++r) {
       threads.emplace_back([&, r] {
         const RankInputs& x = in[r];
         const int64_t T = x.num_tokens;
-        auto fail = [&](const std::string& m) { errors[r] = m; };
-        // cpu
-        std::vector<uint16_t> yc(T * H, 0xFFFF);
-        TensorView cx(const_cast<uint16_t*>(x.x_bf16.data()), DType::kBFloat16, {T, H});
-        TensorView cids(const_cast<int32_t*>(x.topk_ids.data()), DType::kInt32, {T, k});
-        TensorView cw(const_cast<float*>(x.topk_weights.data()), DType::kFloat32, {T, k});
+        auto fail = [&](const std::string& m) {
+          if (errors[r].empty()) errors[r] = m;
+        };
         const int li = layer * R_ + r;
-        Status st = cpu_[li]->forward(cx, cids, cw, TensorView(yc.data(), DType::kBFloat16, {T, H}));
-        if (!st.is_ok()) return fail("cpu: " + st.to_string());
-        (*y_cpu)[r] = std::move(yc);
-        // gpu
-        cudaSetDevice(device_of(r));
         void *dx = nullptr, *dids = nullptr, *dw = nullptr, *dy = nullptr;
+        cudaGraph_t gr = nullptr;
+        cudaGraphExec_t exec = nullptr;
         const size_t xb = std::max<size_t>(1, T * H * 2), ib = std::max<size_t>(1, T * k * 4);
-        if (cudaMalloc(&dx, xb) || cudaMalloc(&dids, ib) || cudaMalloc(&dw, ib) || cudaMalloc(&dy, xb))
-          return fail("cudaMalloc failed");
-        // On the rank's stream: ordered before its forward, and never waiting for a peer's work.
-        cudaMemcpyAsync(dx, x.x_bf16.data(), T * H * 2, cudaMemcpyHostToDevice, streams_[r]);
-        cudaMemcpyAsync(dids, x.topk_ids.data(), T * k * 4, cudaMemcpyHostToDevice, streams_[r]);
-        cudaMemcpyAsync(dw, x.topk_weights.data(), T * k * 4, cudaMemcpyHostToDevice, streams_[r]);
-        cudaMemsetAsync(dy, 0xFF, xb, streams_[r]);
-        cudaStreamSynchronize(streams_[r]);  // the host vectors may go before the copies ran
-        const Device d = Device::cuda(device_of(r));
-        TensorView gx(dx, DType::kBFloat16, {T, H}, d), gids(dids, DType::kInt32, {T, k}, d),
-            gw(dw, DType::kFloat32, {T, k}, d), gy(dy, DType::kBFloat16, {T, H}, d);
-        if (graph) {
-          cudaGraph_t gr;
-          cudaGraphExec_t exec;
-          cudaStreamBeginCapture(streams_[r], cudaStreamCaptureModeThreadLocal);
-          st = gpu_[li]->forward(gx, gids, gw, gy, streams_[r]);
-          cudaStreamEndCapture(streams_[r], &gr);
-          if (!st.is_ok()) return fail("gpu capture: " + st.to_string());
-          if (cudaGraphInstantiate(&exec, gr, 0) != cudaSuccess) return fail("graph instantiate failed");
-          for (int rep = 0; rep < 3; ++rep) cudaGraphLaunch(exec, streams_[r]);
-          cudaGraphExecDestroy(exec);
-          cudaGraphDestroy(gr);
-        } else {
-          st = gpu_[li]->forward(gx, gids, gw, gy, streams_[r]);
-          if (!st.is_ok()) return fail("gpu: " + st.to_string());
+        // (1)
+        [&] {
+          std::vector<uint16_t> yc(T * H, 0xFFFF);
+          TensorView cx(const_cast<uint16_t*>(x.x_bf16.data()), DType::kBFloat16, {T, H});
+          TensorView cids(const_cast<int32_t*>(x.topk_ids.data()), DType::kInt32, {T, k});
+          TensorView cw(const_cast<float*>(x.topk_weights.data()), DType::kFloat32, {T, k});
+          Status st = cpu_[li]->forward(cx, cids, cw, TensorView(yc.data(), DType::kBFloat16, {T, H}));
+          if (!st.is_ok()) return fail("cpu: " + st.to_string());
+          (*y_cpu)[r] = std::move(yc);
+          cudaSetDevice(device_of(r));
+          if (cudaMalloc(&dx, xb) || cudaMalloc(&dids, ib) || cudaMalloc(&dw, ib) || cudaMalloc(&dy, xb))
+            return fail("cudaMalloc failed");
+          // On the rank's stream: ordered before its forward, and never waiting for a peer's work.
+          cudaMemcpyAsync(dx, x.x_bf16.data(), T * H * 2, cudaMemcpyHostToDevice, streams_[r]);
+          cudaMemcpyAsync(dids, x.topk_ids.data(), T * k * 4, cudaMemcpyHostToDevice, streams_[r]);
+          cudaMemcpyAsync(dw, x.topk_weights.data(), T * k * 4, cudaMemcpyHostToDevice, streams_[r]);
+          cudaMemsetAsync(dy, 0xFF, xb, streams_[r]);
+          cudaStreamSynchronize(streams_[r]);  // the host vectors may go before the copies ran
+          if (graph) {
+            const Device d = Device::cuda(device_of(r));
+            TensorView gx(dx, DType::kBFloat16, {T, H}, d), gids(dids, DType::kInt32, {T, k}, d),
+                gw(dw, DType::kFloat32, {T, k}, d), gy(dy, DType::kBFloat16, {T, H}, d);
+            cudaStreamBeginCapture(streams_[r], cudaStreamCaptureModeThreadLocal);
+            st = gpu_[li]->forward(gx, gids, gw, gy, streams_[r]);
+            cudaStreamEndCapture(streams_[r], &gr);
+            if (!st.is_ok()) return fail("gpu capture: " + st.to_string());
+            if (cudaGraphInstantiate(&exec, gr, 0) != cudaSuccess) return fail("graph instantiate failed");
+          }
+        }();
+        barrier.arrive_and_wait();
+        // (2) every rank launches, even after a failure of its own above: a rank that skips its
+        // launch leaves its peers waiting (bounded) and they report it.
+        cudaSetDevice(device_of(r));
+        if (errors[r].empty()) {
+          const Device d = Device::cuda(device_of(r));
+          TensorView gx(dx, DType::kBFloat16, {T, H}, d), gids(dids, DType::kInt32, {T, k}, d),
+              gw(dw, DType::kFloat32, {T, k}, d), gy(dy, DType::kBFloat16, {T, H}, d);
+          Status st;
+          if (graph) {
+            for (int rep = 0; rep < 3; ++rep) cudaGraphLaunch(exec, streams_[r]);
+          } else {
+            st = gpu_[li]->forward(gx, gids, gw, gy, streams_[r]);
+            if (!st.is_ok()) fail("gpu: " + st.to_string());
+          }
+          if (st.is_ok()) {
+            st = gpu_[li]->check_error(streams_[r]);
+            if (!st.is_ok()) fail("gpu check_error: " + st.to_string());
+          }
+          if (st.is_ok()) {
+            std::vector<uint16_t> yg(T * H);
+            cudaMemcpyAsync(yg.data(), dy, T * H * 2, cudaMemcpyDeviceToHost, streams_[r]);
+            cudaStreamSynchronize(streams_[r]);
+            (*y_gpu)[r] = std::move(yg);
+          }
         }
-        st = gpu_[li]->check_error(streams_[r]);
-        if (!st.is_ok()) return fail("gpu check_error: " + st.to_string());
-        std::vector<uint16_t> yg(T * H);
-        cudaMemcpyAsync(yg.data(), dy, T * H * 2, cudaMemcpyDeviceToHost, streams_[r]);
-        cudaStreamSynchronize(streams_[r]);
-        (*y_gpu)[r] = std::move(yg);
+        barrier.arrive_and_wait();
+        // (3)
+        if (exec) cudaGraphExecDestroy(exec);
+        if (gr) cudaGraphDestroy(gr);
         cudaFree(dx);
         cudaFree(dids);
         cudaFree(dw);

@@ -62,15 +62,17 @@ Status mega_capability_on(const MoeGeometry& g, const MoeConfig& c, int device, 
   return mega_format_gate(g, c);
 }
 
-// What `auto` asks of mega: its gate, and that the kernel has run on a GPU in this build. The one-kernel
-// forward is built and tested on the CPU side but has not run on a device yet, so `auto` keeps to
-// routed until a device run validates it (backend=mega runs it on request).
-constexpr bool kMegaValidatedOnDevice = false;
-static Status mega_auto_capability(const MoeGeometry& g, const MoeConfig& c, int device, const std::string& why_not) {
+// What `auto` asks of mega: its gate, and a group of a kind the kernel has run on. Measured on one
+// H200 (docs/PERF.md, "Mega backend"): EP1 and logical ranks sharing a GPU, bitwise equal to routed
+// and faster at every measured size; a group of more than one NCCL rank (one GPU per rank) has not
+// run it yet, so `auto` keeps to routed there (backend=mega runs it on request).
+static Status mega_auto_capability(const MoeGeometry& g, const MoeConfig& c, int device, const std::string& why_not,
+                                   const Communicator* comm) {
   MEGAMOE_RETURN_IF_ERROR(mega_capability_on(g, c, device, why_not));
-  if (!kMegaValidatedOnDevice)
+  if (comm && comm->kind() == CommKind::kNccl && comm->size() > 1)
     return Status(StatusCode::kUnavailable,
-                  "the mega backend has not run on a GPU yet (auto keeps to routed; backend=mega runs it on request)");
+                  "the mega backend has not run on a group of one GPU per rank yet (auto keeps to routed there; "
+                  "backend=mega runs it on request)");
   return Status::ok();
 }
 
@@ -136,7 +138,7 @@ BackendSelection select_backend_for(const MoeGeometry& g, const MoeConfig& c, co
       crossover_note = " (threshold " + str(t.value) + " from the knob cache)";
     }
   }
-  BackendSelection s = select_backend(g, effective, mega_auto_capability(g, effective, device, why_not),
+  BackendSelection s = select_backend(g, effective, mega_auto_capability(g, effective, device, why_not, comm),
                                       routed_capability_on(g, effective, device, why_not));
   s.reason += crossover_note;
   return s;

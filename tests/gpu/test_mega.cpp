@@ -272,6 +272,47 @@ TEST(Sm90MegaEdges, OutputScaleAndExpertCounts) {
   cudaFree(counts);
 }
 
+// int64 ids and bf16 weights (torch.topk's and some engines' dtypes) through the conversion kernel:
+// bitwise equal to int32 ids with fp32 weights holding the same bf16 values, with an output scale.
+TEST(Sm90MegaEdges, Int64IdsAndBf16WeightsEqualInt32Fp32Bitwise) {
+  MEGAMOE_REQUIRE_SM90_GPUS(1);
+  cudaSetDevice(0);
+  const int64_t T = 48, H = 512, k = 4;
+  MoeProblem problem = reference::make_random_problem(geometry(H, 256, 16, k, T), 41, {T}, Routing::kWithDropped);
+  RankInputs in = problem.ranks[0];
+  std::vector<uint16_t> w_bf16(T * k);
+  for (int64_t i = 0; i < T * k; ++i) {  // the fp32 weights rounded to bf16, so both forms hold one value
+    w_bf16[i] = fmt::float_to_bf16(in.topk_weights[i]);
+    in.topk_weights[i] = fmt::bf16_to_float(w_bf16[i]);
+  }
+  std::vector<long long> ids64(in.topk_ids.begin(), in.topk_ids.end());
+  MoeConfig c;
+  c.output_scale = 1.5f;
+  std::unique_ptr<MoeLayer> mega;
+  ASSERT_TRUE(make_layer(problem, c, Backend::kMega, &mega));
+  DeviceInputs d(in, H, k);
+  ASSERT_TRUE(d.forward(*mega, nullptr).is_ok());
+  ASSERT_TRUE(mega->check_error(nullptr).is_ok());
+  const std::vector<uint16_t> want = d.output();
+  void *dids = nullptr, *dw = nullptr;
+  ASSERT_EQ(cudaMalloc(&dids, T * k * 8), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&dw, T * k * 2), cudaSuccess);
+  cudaMemcpy(dids, ids64.data(), T * k * 8, cudaMemcpyHostToDevice);
+  cudaMemcpy(dw, w_bf16.data(), T * k * 2, cudaMemcpyHostToDevice);
+  const Device dev = Device::cuda(0);
+  for (int form = 0; form < 3; ++form) {  // int64 + fp32, int32 + bf16, int64 + bf16
+    d.poison(nullptr);
+    const TensorView ids = form != 1 ? TensorView(dids, DType::kInt64, {T, k}, dev) : TensorView(d.ids, DType::kInt32, {T, k}, dev);
+    const TensorView w = form != 0 ? TensorView(dw, DType::kBFloat16, {T, k}, dev) : TensorView(d.w, DType::kFloat32, {T, k}, dev);
+    ASSERT_TRUE(mega->forward(TensorView(d.x, DType::kBFloat16, {T, H}, dev), ids, w,
+                              TensorView(d.y, DType::kBFloat16, {T, H}, dev), nullptr).is_ok());
+    ASSERT_TRUE(mega->check_error(nullptr).is_ok());
+    EXPECT_EQ(d.output(), want) << "form " << form;
+  }
+  cudaFree(dids);
+  cudaFree(dw);
+}
+
 // A bad expert id is skipped (as -1) and reported by check_error with the first bad (token, slot).
 TEST(Sm90MegaEdges, BadExpertIdsAreReportedAndSkipped) {
   MEGAMOE_REQUIRE_SM90_GPUS(1);
@@ -335,9 +376,7 @@ TEST(Sm90MegaEdges, AutoSelectsMegaUpToTheThresholdAndTheGateNamesTheRule) {
     MoeProblem problem = reference::make_random_problem(geometry(512, 256, 16, 4, T_max), 3, {T_max});
     std::unique_ptr<MoeLayer> layer;
     ASSERT_TRUE(make_layer(problem, c, Backend::kAuto, &layer));
-    // Until a device run validates the kernel, `auto` keeps to routed and says why.
-    const bool validated = layer->selection().reason.find("has not run on a GPU") == std::string::npos;
-    EXPECT_EQ(layer->backend(), validated && T_max <= 64 ? Backend::kMega : Backend::kRouted) << layer->selection().reason;
+    EXPECT_EQ(layer->backend(), T_max <= 64 ? Backend::kMega : Backend::kRouted) << layer->selection().reason;
   }
   MoeConfig q;
   q.in_kernel_fc2_reduce = true;

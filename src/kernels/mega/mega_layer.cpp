@@ -21,6 +21,7 @@
 #include "kernels/common/layer_buffers.h"
 #include "kernels/mega/mega_schedule.h"
 #include "kernels/mega/sm90_mega.h"
+#include "kernels/routed/sm90_routing.h"
 #include "kernels/transport/ep_transport.h"
 #include "kernels/transport/sm90_launch.h"
 
@@ -74,6 +75,10 @@ class MegaMoeLayer final : public MoeLayer {
         mega::MegaScratchLayout::make(l.pool_rows, geometry_.experts_per_rank(), kCountersBytes);
     if (!scratch_)
       MEGAMOE_RETURN_IF_ERROR(shared_scratch(device_, group_id_, rank_, kScratchMega, sl.total, &scratch_, /*zero=*/true));
+    // int32 ids and fp32 weights of a forward given int64 ids or bf16 weights (the kernel reads those).
+    if (!routing_)
+      MEGAMOE_RETURN_IF_ERROR(
+          device_alloc(device_, std::max<int64_t>(1, geometry_.max_tokens_per_rank * geometry_.top_k * 8), &routing_));
     int sms = 0;
     MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
     mega::MegaPlanArgs pa;
@@ -112,13 +117,6 @@ class MegaMoeLayer final : public MoeLayer {
                  void* stream_ptr, const TensorView& x_scale) override {
     MEGAMOE_RETURN_IF_ERROR(
         validate_forward_args(geometry_, config_, device(), x, x_scale, topk_ids, topk_weights, y));
-    // The fused kernel reads int32 ids and fp32 weights as given (no conversion kernel yet).
-    if (topk_ids.dtype != DType::kInt32)
-      return invalid_argument("forward argument", "topk_ids.dtype", to_string(topk_ids.dtype),
-                              "the mega backend takes int32 ids (int64 ids: backend=routed or cpu)");
-    if (topk_weights.dtype != DType::kFloat32)
-      return invalid_argument("forward argument", "topk_weights.dtype", to_string(topk_weights.dtype),
-                              "the mega backend takes float32 weights (bfloat16 weights: backend=routed or cpu)");
     if (!broken_.is_ok())
       return Status(broken_.code(), "the layer's EP group failed in an earlier forward and cannot run again (" +
                                         broken_.message() + "); rebuild the communicator and the layers");
@@ -132,8 +130,22 @@ class MegaMoeLayer final : public MoeLayer {
     f.x = x.data;
     f.x_fp8 = x.dtype == DType::kFloat8E4M3;
     f.x_scale = f.x_fp8 ? x_scale.ptr<float>() : nullptr;
-    f.topk_ids = topk_ids.ptr<int32_t>();
-    f.topk_weights = topk_weights.ptr<float>();
+    f.topk_ids = topk_ids.dtype == DType::kInt32 ? topk_ids.ptr<int32_t>() : nullptr;
+    f.topk_weights = topk_weights.dtype == DType::kFloat32 ? topk_weights.ptr<float>() : nullptr;
+    if (!f.topk_ids || !f.topk_weights) {
+      // The kernel reads int32 ids and fp32 weights: int64 ids or bf16 weights go through the routed
+      // backend's conversion kernel first (scale 1: the kernel applies output_scale itself, so the
+      // weights it uses are fp32(output_scale * w) as routed's). Before the launch: a failure here
+      // leaves this rank's epoch where its peers expect it.
+      const int64_t n = topk_ids.shape[0] * geometry_.top_k;
+      int32_t* ids32 = static_cast<int32_t*>(routing_->ptr);
+      float* weights32 = reinterpret_cast<float*>(ids32 + geometry_.max_tokens_per_rank * geometry_.top_k);
+      MEGAMOE_CUDA_CHECK(kernels::launch_routing_prep(
+          topk_ids.data, topk_ids.dtype == DType::kInt64, topk_weights.data, topk_weights.dtype == DType::kBFloat16,
+          1.0f, n, ids32, weights32, sm_budget_, static_cast<cudaStream_t>(stream_ptr)));
+      f.topk_ids = ids32;
+      f.topk_weights = weights32;
+    }
     f.y = y.ptr<uint16_t>();
     f.trace = trace_;
     if (expert_counts_.present()) {
@@ -225,7 +237,7 @@ class MegaMoeLayer final : public MoeLayer {
   int last_block_m_ = 0;
   std::unique_ptr<EpTransport> transport_;
   ExpertWeightBuffers weights_dev_;
-  std::shared_ptr<DeviceBuffer> scratch_, expert_out_, trace_buf_;
+  std::shared_ptr<DeviceBuffer> scratch_, expert_out_, trace_buf_, routing_;
   uint64_t* trace_ = nullptr;
   TensorView expert_counts_;  // absent: not counting
   cudaEvent_t trace_done_ = nullptr;  // recorded after each traced forward

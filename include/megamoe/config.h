@@ -18,8 +18,10 @@ namespace megamoe {
 
 // Hidden and intermediate sizes must be multiples of this (one fp8 1x128 scale block).
 constexpr int64_t kDimAlignment = 128;
-// MoeConfig::mega_max_tokens_per_rank unless set (a measured crossover from the knob cache replaces it).
-constexpr int64_t kDefaultMegaMaxTokensPerRank = 1024;
+// MoeConfig::mega_max_tokens_per_rank unless set (a measured crossover from the knob cache replaces it):
+// the largest size at which mega was measured faster than routed on every preset timed (one H200, EP1:
+// qwen3-30b-a3b 0.83-0.97x routed at 1-512 tokens, deepseek-v3 at 1-128; docs/PERF.md, "Mega backend").
+constexpr int64_t kDefaultMegaMaxTokensPerRank = 512;
 
 struct MoeGeometry {
   int64_t hidden = 0;                // H

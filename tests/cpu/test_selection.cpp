@@ -65,8 +65,8 @@ TEST(Selection, FallbackReasonsAreLogged) {
   EXPECT_EQ(s.backend, Backend::kCpu);
   EXPECT_NE(s.reason.find("mega gate says no"), std::string::npos) << s.reason;
   EXPECT_NE(s.reason.find("routed gate says no"), std::string::npos) << s.reason;
-  s = select_backend(geometry_with_tokens(1025), c, kPass, kPass);
-  EXPECT_NE(s.reason.find("max_tokens_per_rank=1025 > mega_max_tokens_per_rank=1024"), std::string::npos) << s.reason;
+  s = select_backend(geometry_with_tokens(513), c, kPass, kPass);
+  EXPECT_NE(s.reason.find("max_tokens_per_rank=513 > mega_max_tokens_per_rank=512"), std::string::npos) << s.reason;
 }
 
 TEST(Selection, ExplicitBackendIsKept) {

@@ -87,8 +87,8 @@ def test_auto_selection_table(tokens, threshold, mega, routed, expected):
 def test_fallback_reasons_name_the_gates():
     _, reason = _C.select_backend_with_gates(geometry(), megamoe.MoeConfig(), MEGA_DOWN, ROUTED_DOWN)
     assert "mega gate says no" in reason and "routed gate says no" in reason and reason.endswith("auto: cpu")
-    _, reason = _C.select_backend_with_gates(geometry(max_tokens_per_rank=1025), megamoe.MoeConfig(), PASS, PASS)
-    assert "max_tokens_per_rank=1025 > mega_max_tokens_per_rank=1024" in reason
+    _, reason = _C.select_backend_with_gates(geometry(max_tokens_per_rank=513), megamoe.MoeConfig(), PASS, PASS)
+    assert "max_tokens_per_rank=513 > mega_max_tokens_per_rank=512" in reason
 
 
 def test_explicit_backend_is_kept():

@@ -52,15 +52,22 @@
 #                          tier, the routed backend from torch, host overhead, captured kernel nodes):
 #                          installs $BIN/python/megamoe-*.whl (a wheel built for the device's python3)
 #                          into $OUT/site without dependencies, then the GPU tests Sm90RoutedInputs*
+#   verify                 one device call's worth of checks in priority order, each stage bounded and
+#                          skipped when VERIFY_SECONDS (540) would run out: the mega tests (EP1, then
+#                          logical ranks), the rest of the GPU suite, the soak (SOAK_FORWARDS, 300),
+#                          `bench --backend mega,routed` at EP1 for qwen3-30b-a3b then deepseek-v3
+#                          (TOKENS, 1..8192: the crossover), the Python tier; all of $OUT packed into
+#                          $OUT/out.tgz (a device call returns a few files only)
 # Every binary runs under `timeout`; each subcommand prints a short summary and exits non-zero when
-# something failed.
+# something failed. Run binaries through this script (or source device_env.sh): started bare they
+# load the machine's older system NCCL, and every NCCL group fails in ncclDevCommCreate.
 # shellcheck disable=SC2317  # functions called through for_lines_and_bins
 set -uo pipefail
 sub=${1:-}
 [[ $# -gt 0 ]] && shift
 case $sub in
   tests | check | bench-table | layer-ab | launch | barrier-timeout | gemm | fp4 | gemm-ab | gemm-matrix | transport | \
-    transport-ab | link | harness-ab | mega | tune | sanitize | profile | python) ;;
+    transport-ab | link | harness-ab | mega | tune | sanitize | profile | python | verify) ;;
   *)
     sed -n '2,/^# shellcheck disable=SC2317/p' "$0" | sed '$d; s/^# \{0,1\}//'
     [[ -z $sub || $sub == help || $sub == -h || $sub == --help ]] && exit 0
@@ -587,6 +594,38 @@ profile() {
   esac
 }
 
+verify() {
+  local end=$((SECONDS + ${VERIFY_SECONDS:-540})) root=$OUT
+  # stage NAME SECONDS CMD...: CMD under timeout in $root/NAME (its own OUT), skipped without time left
+  stage() {
+    local name=$1 s=$2 left=$((end - SECONDS)) t0=$SECONDS src
+    shift 2
+    if ((left < 30)); then echo "== $name: skipped (VERIFY_SECONDS spent)"; return; fi
+    ((s > left - 20)) && s=$((left - 20))
+    mkdir -p "$root/$name"
+    OUT=$root/$name timeout -k 5 "$s" "$@" > "$root/$name/console.log" 2>&1
+    src=$?
+    [[ $src -eq 0 ]] || rc=1
+    echo "== $name: exit $src in $((SECONDS - t0)) s"
+    grep -E '^\[  (PASSED|FAILED) |^\[  FAILED  \]|^(mega|routed) |^\[soak\].*total|python: pytest' \
+      "$root/$name/console.log" | cut -c1-170 | head -30
+  }
+  export MEGAMOE_WAIT_TIMEOUT_MS=${MEGAMOE_WAIT_TIMEOUT_MS:-3000}
+  local T=$BIN/megamoe_gpu_tests mega='Sm90/Sm90Mega.*:Sm90MegaEdges.*' shared='*SharedGpu*'
+  stage mega_ep1 90 "$T" --gtest_filter="$mega"
+  stage shared_gpu 150 "$T" --gtest_filter="$shared:-*Soak*"
+  stage suite 200 "$T" --gtest_filter="*-$mega:$shared:*Soak*"
+  MEGAMOE_SOAK_FORWARDS=${SOAK_FORWARDS:-300} stage soak 120 "$T" --gtest_filter='*Soak*'
+  local preset
+  for preset in qwen3-30b-a3b deepseek-v3; do
+    stage "bench_$preset" 200 "$TOOL" bench --preset "$preset" --backend mega,routed --ep 1 \
+      --tokens "${TOKENS:-1,8,64,128,512,1024,2048,4096,8192}" --iters 20 --warmup 5 --max-host-gb 100 \
+      --json "$root/bench_$preset.json"
+  done
+  [[ -d $BIN/python ]] && stage python 120 bash "$0" python
+  OUT=$root pack_out
+}
+
 python_tests() {
   local wheel
   wheel=$(ls "$BIN"/python/megamoe-*.whl 2>/dev/null | head -1)
@@ -632,5 +671,6 @@ case $sub in
   sanitize) sanitize "$@" ;;
   profile) profile ;;
   python) python_tests ;;
+  verify) verify ;;
 esac
 exit $rc

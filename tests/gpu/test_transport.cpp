@@ -50,6 +50,10 @@ void setup_rank(const Case& c, std::shared_ptr<Communicator> comm, int rank, Ran
   }
   run->ids->upload(run->in.topk_ids);
   run->weights->upload(run->in.topk_weights);
+  // Every rank set up (allocations, synchronous uploads) before any dispatches: on a shared GPU a
+  // rank's dispatch kernel would otherwise wait (bounded) through its peer's setup.
+  const Status b = gpu_rank_of(comm.get())->barrier("setup", 30000);
+  ASSERT_TRUE(b.is_ok()) << b.to_string();
 }
 
 void teardown_rank(RankRun* run) {

@@ -121,6 +121,11 @@ class KnobCache {
   // warning (returned in *warning and logged with log_warn), never a crash or exception. *warning is
   // cleared when the file loads cleanly.
   static KnobCache load(const std::string& path, std::string* warning = nullptr);
+  // load() on a file's text already read; `source` names it in the warnings ("knob cache <source>").
+  static KnobCache parse(const std::string& text, const std::string& source, std::string* warning = nullptr);
+  // The file's text that save() writes (version 1, entries in key order); parse() reads it back to
+  // the same entries with no warning.
+  std::string to_json() const;
 
   // Bucket rule on max_tokens among entries whose other key fields match exactly: the exact
   // max_tokens, else the smallest bucket >= it, else the largest bucket < it.

@@ -271,45 +271,53 @@ KnobKey make_knob_key(const std::string& device_name, const MoeGeometry& g, cons
 }
 
 KnobCache KnobCache::load(const std::string& path, std::string* warning) {
+  std::string text, error;
+  try {
+    if (read_file(path, &text, &error)) return parse(text, path, warning);
+  } catch (const std::exception& e) {
+    error = std::string("cannot be read: ") + e.what();
+  }
+  const std::string w = "knob cache " + path + " " + error + "; using no tuned knobs";
+  log_warn("%s", w.c_str());
+  if (warning) *warning = w;
+  return KnobCache();
+}
+
+KnobCache KnobCache::parse(const std::string& text, const std::string& source, std::string* warning) {
   KnobCache cache;
   Warnings warnings;
-  const std::string where = "knob cache " + path;
+  const std::string where = "knob cache " + source;
   try {
-    std::string text, error;
-    if (!read_file(path, &text, &error)) {
-      warnings.add(where + " " + error + "; using no tuned knobs");
+    json doc = json::parse(text, nullptr, /*allow_exceptions=*/false);
+    if (doc.is_discarded()) {
+      warnings.add(where + " is not valid JSON; using no tuned knobs");
+    } else if (!doc.is_object()) {
+      warnings.add(where + ": top level is " + std::string(doc.type_name()) +
+                   ", must be an object; using no tuned knobs");
+    } else if (auto v = doc.find("version");
+               v == doc.end() || !v->is_number_integer() || v->get<int64_t>() != kVersion) {
+      warnings.add(where + ": version=" + (v == doc.end() ? std::string("<missing>") : short_dump(*v)) +
+                   ", this build reads version " + std::to_string(kVersion) + "; using no tuned knobs");
+    } else if (auto list = doc.find("entries"); list == doc.end() || !list->is_array()) {
+      warnings.add(where + ": entries=" + (list == doc.end() ? std::string("<missing>") : short_dump(*list)) +
+                   ", must be an array; using no tuned knobs");
     } else {
-      json doc = json::parse(text, nullptr, /*allow_exceptions=*/false);
-      if (doc.is_discarded()) {
-        warnings.add(where + " is not valid JSON; using no tuned knobs");
-      } else if (!doc.is_object()) {
-        warnings.add(where + ": top level is " + std::string(doc.type_name()) +
-                     ", must be an object; using no tuned knobs");
-      } else if (auto v = doc.find("version");
-                 v == doc.end() || !v->is_number_integer() || v->get<int64_t>() != kVersion) {
-        warnings.add(where + ": version=" + (v == doc.end() ? std::string("<missing>") : short_dump(*v)) +
-                     ", this build reads version " + std::to_string(kVersion) + "; using no tuned knobs");
-      } else if (auto list = doc.find("entries"); list == doc.end() || !list->is_array()) {
-        warnings.add(where + ": entries=" + (list == doc.end() ? std::string("<missing>") : short_dump(*list)) +
-                     ", must be an array; using no tuned knobs");
-      } else {
-        std::map<KnobKey, size_t> index_of;  // key -> entry index that set it
-        for (size_t i = 0; i < list->size(); ++i) {
-          KnobKey key;
-          KnobEntry entry;
-          std::string entry_error;
-          if (!parse_entry((*list)[i], &key, &entry, &entry_error)) {
-            warnings.add(where + ": skipping entry " + std::to_string(i) + ": " + entry_error);
-            continue;
-          }
-          auto [it, inserted] = index_of.emplace(key, i);
-          if (!inserted) {
-            warnings.add(where + ": entry " + std::to_string(i) + " repeats the key of entry " +
-                         std::to_string(it->second) + "; the later one wins");
-            it->second = i;
-          }
-          cache.entries_[key] = entry;
+      std::map<KnobKey, size_t> index_of;  // key -> entry index that set it
+      for (size_t i = 0; i < list->size(); ++i) {
+        KnobKey key;
+        KnobEntry entry;
+        std::string entry_error;
+        if (!parse_entry((*list)[i], &key, &entry, &entry_error)) {
+          warnings.add(where + ": skipping entry " + std::to_string(i) + ": " + entry_error);
+          continue;
         }
+        auto [it, inserted] = index_of.emplace(key, i);
+        if (!inserted) {
+          warnings.add(where + ": entry " + std::to_string(i) + " repeats the key of entry " +
+                       std::to_string(it->second) + "; the later one wins");
+          it->second = i;
+        }
+        cache.entries_[key] = entry;
       }
     }
   } catch (const std::exception& e) {
@@ -337,39 +345,43 @@ std::vector<std::pair<KnobKey, KnobEntry>> KnobCache::entries() const {
   return {entries_.begin(), entries_.end()};
 }
 
+std::string KnobCache::to_json() const {
+  json list = json::array();
+  for (const auto& [key, entry] : entries_) {
+    json e = json::object();
+    e["device"] = key.device_name;
+    e["weight_format"] = megamoe::to_string(key.weight_format);
+    e["dispatch_format"] = megamoe::to_string(key.dispatch_format);
+    e["combine_dtype"] = megamoe::to_string(key.combine_dtype);
+    e["ep_size"] = key.ep_size;
+    e["hidden"] = key.hidden;
+    e["intermediate"] = key.intermediate;
+    e["num_experts"] = key.num_experts;
+    e["top_k"] = key.top_k;
+    e["max_tokens"] = key.max_tokens;
+    json knobs = json::object();
+    for (const KnobField& f : knob_fields()) knobs[f.name] = entry.knobs.*f.member;
+    e["knobs"] = std::move(knobs);
+    e["owner_reduce"] = megamoe::to_string(entry.owner_reduce);
+    e["mega_max_tokens_per_rank"] = entry.mega_max_tokens_per_rank;
+    e["measured_us"] = entry.measured_us;
+    json backend_us = json::object();
+    for (const auto& [name, us] : entry.backend_us) backend_us[name] = us;
+    e["backend_us"] = std::move(backend_us);
+    e["note"] = entry.note;
+    list.push_back(std::move(e));
+  }
+  json doc = json::object();
+  doc["version"] = kVersion;
+  doc["entries"] = std::move(list);
+  // Replace invalid UTF-8 in notes and device names rather than throw.
+  return doc.dump(2, ' ', false, json::error_handler_t::replace) + "\n";
+}
+
 Status KnobCache::save(const std::string& path) const {
   std::string text;
   try {
-    json list = json::array();
-    for (const auto& [key, entry] : entries_) {
-      json e = json::object();
-      e["device"] = key.device_name;
-      e["weight_format"] = megamoe::to_string(key.weight_format);
-      e["dispatch_format"] = megamoe::to_string(key.dispatch_format);
-      e["combine_dtype"] = megamoe::to_string(key.combine_dtype);
-      e["ep_size"] = key.ep_size;
-      e["hidden"] = key.hidden;
-      e["intermediate"] = key.intermediate;
-      e["num_experts"] = key.num_experts;
-      e["top_k"] = key.top_k;
-      e["max_tokens"] = key.max_tokens;
-      json knobs = json::object();
-      for (const KnobField& f : knob_fields()) knobs[f.name] = entry.knobs.*f.member;
-      e["knobs"] = std::move(knobs);
-      e["owner_reduce"] = megamoe::to_string(entry.owner_reduce);
-      e["mega_max_tokens_per_rank"] = entry.mega_max_tokens_per_rank;
-      e["measured_us"] = entry.measured_us;
-      json backend_us = json::object();
-      for (const auto& [name, us] : entry.backend_us) backend_us[name] = us;
-      e["backend_us"] = std::move(backend_us);
-      e["note"] = entry.note;
-      list.push_back(std::move(e));
-    }
-    json doc = json::object();
-    doc["version"] = kVersion;
-    doc["entries"] = std::move(list);
-    // Replace invalid UTF-8 in notes and device names rather than throw.
-    text = doc.dump(2, ' ', false, json::error_handler_t::replace) + "\n";
+    text = to_json();
   } catch (const std::exception& e) {
     return io_error(path, std::string("cannot serialise: ") + e.what());
   }

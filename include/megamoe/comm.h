@@ -77,7 +77,18 @@ Status create_shared_gpu_group(int device, int size, std::vector<std::shared_ptr
 //                                      be read as this run's id.
 //   MEGAMOE_NCCL_ID                    alternatively, the unique id itself as 256 hex digits
 //                                      (nccl_unique_id_hex()); takes precedence over the file.
+// Integers are decimal digits only (no sign, space or suffix), at most kMaxRank; MEGAMOE_RANK must be
+// below MEGAMOE_WORLD_SIZE. A refusal names the variable, its value (cut to 64 characters, bytes
+// outside printable ASCII as \xNN) and the rule.
 struct NcclBootstrap {
+  static constexpr int kMaxRank = 1 << 20;
+  static constexpr size_t kIdHexDigits = 256;  // 2 x NCCL_UNIQUE_ID_BYTES
+
+  // The variables as given (empty = unset), in the order the list above names them.
+  struct EnvValues {
+    std::string rank, world_size, local_rank, id_file, id_hex;
+  };
+
   int rank = -1;
   int world_size = 0;
   int device = -1;  // CUDA ordinal; -1 = rank
@@ -85,7 +96,8 @@ struct NcclBootstrap {
   std::string id_hex;
   int64_t id_timeout_ms = 120000;
 
-  static Status from_env(NcclBootstrap* out);
+  static Status from_env(NcclBootstrap* out);  // from_values() of the process environment
+  static Status from_values(const EnvValues& values, NcclBootstrap* out);
   std::string to_string() const;
 };
 

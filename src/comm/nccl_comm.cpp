@@ -46,6 +46,8 @@ std::string to_hex(const ncclUniqueId& id) {
   return s;
 }
 
+static_assert(2 * sizeof(ncclUniqueId::internal) == NcclBootstrap::kIdHexDigits, "MEGAMOE_NCCL_ID's length");
+
 bool from_hex(const std::string& s, ncclUniqueId* id) {
   if (s.size() != 2 * sizeof(id->internal)) return false;
   auto val = [](char c) -> int {
@@ -59,21 +61,6 @@ bool from_hex(const std::string& s, ncclUniqueId* id) {
     if (hi < 0 || lo < 0) return false;
     id->internal[i] = static_cast<char>(hi * 16 + lo);
   }
-  return true;
-}
-
-// Parses a launcher variable's value; false with *err empty when unset, set when malformed.
-bool parse_int_env(const char* name, const std::string& value, int* out, std::string* err) {
-  err->clear();
-  if (value.empty()) return false;
-  char* end = nullptr;
-  const long x = std::strtol(value.c_str(), &end, 10);
-  if (!end || *end != '\0' || x < 0 || x > (1 << 20)) {
-    (void)name;
-    *err = value;  // the malformed value, named by the caller
-    return false;
-  }
-  *out = static_cast<int>(x);
   return true;
 }
 
@@ -253,39 +240,6 @@ Status check_cuda_device(int device) {
                                                 std::to_string(prop.major * 10 + prop.minor) +
                                                 "; the EP transport kernels need sm_90a (Hopper)");
   return Status::ok();
-}
-
-Status NcclBootstrap::from_env(NcclBootstrap* out) {
-  if (!out) return invalid_argument("argument", "out", "null", "must point to an NcclBootstrap");
-  NcclBootstrap b;
-  std::string err;
-  const EnvKnobs& env = env_knobs();
-  // Unset: say what it is and who sets it; malformed: say what it must be.
-  auto refuse = [&err](const char* name, const char* what) {
-    return invalid_argument("NCCL bootstrap", name, err.empty() ? "unset" : err,
-                            err.empty() ? std::string("set it to ") + what + " (megamoe launch does)"
-                                        : std::string("must be a non-negative integer: ") + what);
-  };
-  if (!parse_int_env("MEGAMOE_RANK", env.rank, &b.rank, &err)) return refuse("MEGAMOE_RANK", "this process's rank");
-  if (!parse_int_env("MEGAMOE_WORLD_SIZE", env.world_size, &b.world_size, &err))
-    return refuse("MEGAMOE_WORLD_SIZE", "the number of ranks");
-  int local = -1;
-  if (parse_int_env("MEGAMOE_LOCAL_RANK", env.local_rank, &local, &err)) b.device = local;
-  else if (!err.empty()) return refuse("MEGAMOE_LOCAL_RANK", "the CUDA ordinal of this rank");
-  b.id_file = env.nccl_id_file;
-  b.id_hex = env.nccl_id;
-  if (b.id_file.empty() && b.id_hex.empty())
-    return invalid_argument("NCCL bootstrap", "MEGAMOE_NCCL_ID_FILE", "unset",
-                            "set MEGAMOE_NCCL_ID_FILE (a fresh path all ranks see) or MEGAMOE_NCCL_ID");
-  *out = b;
-  return Status::ok();
-}
-
-std::string NcclBootstrap::to_string() const {
-  std::ostringstream os;
-  os << "NcclBootstrap(rank=" << rank << ", world_size=" << world_size << ", device=" << device
-     << ", id_file=" << (id_file.empty() ? "-" : id_file) << ", id_hex=" << (id_hex.empty() ? "-" : "<set>") << ")";
-  return os.str();
 }
 
 Status nccl_unique_id_hex(std::string* out) {

@@ -45,11 +45,12 @@ TEST_F(Bootstrap, ReadsWhatLaunchSets) {
 TEST_F(Bootstrap, LocalRankDefaultsToTheRank) {
   setenv("MEGAMOE_RANK", "0", 1);
   setenv("MEGAMOE_WORLD_SIZE", "4", 1);
-  setenv("MEGAMOE_NCCL_ID", "ab", 1);
+  const std::string id(NcclBootstrap::kIdHexDigits, 'a');
+  setenv("MEGAMOE_NCCL_ID", id.c_str(), 1);
   NcclBootstrap b;
   ASSERT_TRUE(read(&b).is_ok());
   EXPECT_EQ(b.device, -1);  // -1 = use the rank as the CUDA ordinal
-  EXPECT_EQ(b.id_hex, "ab");
+  EXPECT_EQ(b.id_hex, id);
 }
 
 TEST_F(Bootstrap, MissingRankIsNamed) {
@@ -79,6 +80,45 @@ TEST_F(Bootstrap, NoIdSourceIsRefused) {
   Status st = read(&b);
   ASSERT_FALSE(st.is_ok());
   EXPECT_NE(st.message().find("MEGAMOE_NCCL_ID_FILE"), std::string::npos) << st.message();
+}
+
+// from_values() takes the variables as strings: each bad value is refused naming its variable, the
+// value and the rule; no sign, space, suffix, NUL or out-of-range count slips through strtol's leniency.
+TEST(BootstrapValues, BadValuesAreRefusedByName) {
+  const std::string hex(NcclBootstrap::kIdHexDigits, 'c');
+  const struct {
+    NcclBootstrap::EnvValues v;
+    const char* named;
+  } cases[] = {
+      {{"+1", "2", "", "/tmp/x", ""}, "MEGAMOE_RANK=+1"},
+      {{" 1", "2", "", "/tmp/x", ""}, "MEGAMOE_RANK= 1"},
+      {{"1 ", "2", "", "/tmp/x", ""}, "MEGAMOE_RANK=1 "},
+      {{"-0", "2", "", "/tmp/x", ""}, "MEGAMOE_RANK=-0"},
+      {{"0x1", "2", "", "/tmp/x", ""}, "MEGAMOE_RANK=0x1"},
+      {{std::string("1\0", 2) + "9", "2", "", "/tmp/x", ""}, "MEGAMOE_RANK=1\\x009"},
+      {{"0", "1048577", "", "/tmp/x", ""}, "MEGAMOE_WORLD_SIZE=1048577"},
+      {{"0", "99999999999", "", "/tmp/x", ""}, "MEGAMOE_WORLD_SIZE=99999999999"},
+      {{"0", "0", "", "/tmp/x", ""}, "MEGAMOE_WORLD_SIZE=0, must be >= 1"},
+      {{"2", "2", "", "/tmp/x", ""}, "MEGAMOE_RANK=2, must be below MEGAMOE_WORLD_SIZE=2"},
+      {{"0", "2", "-1", "/tmp/x", ""}, "MEGAMOE_LOCAL_RANK=-1"},
+      {{"0", "2", "", "", "ab"}, "MEGAMOE_NCCL_ID=ab, must be 256 hex digits"},
+      {{"0", "2", "", "", hex.substr(1) + "g"}, "MEGAMOE_NCCL_ID="},
+      {{"0", "2", "", "", ""}, "MEGAMOE_NCCL_ID_FILE=unset"},
+  };
+  for (const auto& c : cases) {
+    NcclBootstrap b;
+    b.rank = 42;
+    const Status st = NcclBootstrap::from_values(c.v, &b);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << c.named;
+    EXPECT_NE(st.message().find(c.named), std::string::npos) << st.message();
+    EXPECT_EQ(b.rank, 42) << "a refused parse leaves *out as it was";
+  }
+  NcclBootstrap b;
+  ASSERT_TRUE(NcclBootstrap::from_values({"007", "8", "0", "", hex}, &b).is_ok());
+  EXPECT_EQ(b.rank, 7);
+  EXPECT_EQ(b.world_size, 8);
+  EXPECT_EQ(b.device, 0);
+  EXPECT_EQ(b.id_hex, hex);
 }
 
 // The launched processes' host barrier bound (tools/megamoe nccl_barrier): its own variable, longer

@@ -30,6 +30,12 @@ CommandRun add_plot_command(CLI::App* app);             // plot.cpp: plot
 // Every subcommand on `app`, with the function that runs it, by name.
 std::vector<std::pair<std::string, CommandRun>> add_all_commands(CLI::App* app);
 
+// The tool's flag parse alone, as run_tool() parses: registers every subcommand and parses argv,
+// running no command. kExitOk for a valid command line (or --help, --version: nothing printed), else
+// kExitUsage with "megamoe <command>: error: <what>" in *message. Only CLI11's parse errors are
+// caught: any other exception from a flag's check escapes (a fuzz target counts it as a crash).
+int parse_tool_args(int argc, char** argv, std::string* message);
+
 // The whole tool: registers every subcommand, parses argv, runs the chosen one and turns every
 // failure into a message and an exit code (docs/TOOL.md). No exception leaves it.
 int run_tool(int argc, char** argv);

@@ -29,15 +29,28 @@ std::vector<std::pair<std::string, CommandRun>> add_all_commands(CLI::App* app) 
 
 namespace {
 
+// The tool's app: every subcommand registered, exactly one required.
+std::vector<std::pair<std::string, CommandRun>> init_app(CLI::App* app) {
+  app->set_version_flag("--version", "megamoe " MEGAMOE_VERSION);
+  app->require_subcommand(1);
+  app->fallthrough(false);
+  return add_all_commands(app);
+}
+
+constexpr const char* kDescription =
+    "megamoe " MEGAMOE_VERSION
+    " — the expert-parallel MoE layer: inspect a geometry, check a backend against the float64 reference, benchmark it";
+
+// "megamoe <subcommand...>" as far as the parse got.
+std::string command_path(const CLI::App& app) {
+  std::string cmd = "megamoe";
+  for (const CLI::App* sub : app.get_subcommands()) cmd += " " + sub->get_name();
+  return cmd;
+}
+
 int parse_and_run(int argc, char** argv) {
-  CLI::App app{"megamoe " MEGAMOE_VERSION
-               " — the expert-parallel MoE layer: inspect a geometry, check a backend against the float64 "
-               "reference, benchmark it",
-               "megamoe"};
-  app.set_version_flag("--version", "megamoe " MEGAMOE_VERSION);
-  app.require_subcommand(1);
-  app.fallthrough(false);
-  const auto commands = add_all_commands(&app);
+  CLI::App app{kDescription, "megamoe"};
+  const auto commands = init_app(&app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -47,8 +60,7 @@ int parse_and_run(int argc, char** argv) {
   } catch (const CLI::CallForVersion& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
-    std::string cmd = "megamoe";
-    for (const CLI::App* sub : app.get_subcommands()) cmd += " " + sub->get_name();
+    const std::string cmd = command_path(app);
     std::fprintf(stderr, "%s: error: %s\nrun '%s --help' for the flags and their values\n", cmd.c_str(), e.what(),
                  cmd.c_str());
     return kExitUsage;
@@ -69,6 +81,24 @@ int parse_and_run(int argc, char** argv) {
 }
 
 }  // namespace
+
+int parse_tool_args(int argc, char** argv, std::string* message) {
+  CLI::App app{kDescription, "megamoe"};
+  const auto commands = init_app(&app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp&) {
+    return kExitOk;
+  } catch (const CLI::CallForAllHelp&) {
+    return kExitOk;
+  } catch (const CLI::CallForVersion&) {
+    return kExitOk;
+  } catch (const CLI::ParseError& e) {
+    if (message) *message = command_path(app) + ": error: " + e.what();
+    return kExitUsage;
+  }
+  return kExitOk;
+}
 
 int run_tool(int argc, char** argv) {
   // invariant: no exception leaves run_tool; every failure becomes a message and a non-zero exit code.

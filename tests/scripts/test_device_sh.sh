@@ -83,5 +83,32 @@ expect "verify: the mega tests first" "^megamoe_gpu_tests --gtest_filter=Sm90/Sm
 expect "verify: the soak" "^megamoe_gpu_tests --gtest_filter=\*Soak\*$"
 expect "verify: mega beside routed at EP1" "^megamoe bench --preset deepseek-v3 --backend mega,routed --ep 1 --tokens 1,8 --iters 20 --warmup 5 --max-host-gb 100 --json $OUT/bench_deepseek-v3.json$"
 exists "verify packed its output" "$OUT/out.tgz"
+# sanitize: a fake compute-sanitizer prints a fixture log (SANITIZER_FIXTURE); the summary must count
+# only this project's errors, NCCL's own host-side reports filtered by rule.
+cat > "$BIN/compute-sanitizer" <<'FAKE'
+#!/usr/bin/env bash
+echo "compute-sanitizer $*" >> "$LOG"
+cat "$SANITIZER_FIXTURE"
+FAKE
+chmod +x "$BIN/compute-sanitizer"
+FIX=$ROOT/tests/scripts/fixtures
+status "sanitize: NCCL's probes only" 0 env PATH="$BIN:$PATH" SANITIZER_FIXTURE="$FIX/sanitize_memcheck_nccl.log" \
+  "${D[@]}" sanitize 'Sm90Fake.*'
+expect "sanitize: initcheck among the tools" "^compute-sanitizer --tool initcheck --print-limit 10000 $BIN/megamoe_gpu_tests --gtest_filter=Sm90Fake\.\*$"
+if grep -q "sanitize_initcheck.log: clean: 0 error(s) of this project, 2 NCCL host-side report(s) filtered" "$OUT/sanitize_summary.txt"; then
+  echo "ok   sanitize: NCCL's reports filtered"
+else
+  echo "FAIL sanitize: summary"; cat "$OUT/sanitize_summary.txt"; failures=$((failures + 1))
+fi
+status "sanitize: an error of this project" 1 env PATH="$BIN:$PATH" TOOLS=initcheck \
+  SANITIZER_FIXTURE="$FIX/sanitize_initcheck_project.log" "${D[@]}" sanitize
+if grep -q "FAIL: 2 error(s) of this project, 1 NCCL host-side report(s) filtered" "$OUT/sanitize_summary.txt"; then
+  echo "ok   sanitize: this project's errors counted"
+else
+  echo "FAIL sanitize: summary"; cat "$OUT/sanitize_summary.txt"; failures=$((failures + 1))
+fi
+status "sanitize: a run cut short" 1 env PATH="$BIN:$PATH" TOOLS=racecheck \
+  SANITIZER_FIXTURE="$FIX/sanitize_racecheck_cut.log" "${D[@]}" sanitize
+
 echo "device.sh with fake binaries: $failures failure(s)"
 [[ $failures -eq 0 ]]

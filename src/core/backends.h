@@ -38,6 +38,9 @@ BackendSelection select_backend_for(const MoeGeometry& geometry, const MoeConfig
 // would build); no device access. Part of its capability gate (core/layer.cpp), so `auto` never picks
 // routed for a layer that create() or warmup() would then refuse.
 Status routed_format_gate(const MoeGeometry& geometry, const MoeConfig& config);
+// The weight / dispatch pairing both GPU backends run: fp8-block weights with an fp8-block dispatch,
+// bf16 weights with a bf16 one (`backend` names the backend in the message).
+Status weight_dispatch_pairing_gate(const char* backend, const MoeConfig& config);
 
 // src/kernels/mega/mega_layer.cpp: the one-kernel backend's factory (`comm` as for routed) and its
 // static rules (formats, options, shapes the kernel runs); no device access.

@@ -57,6 +57,18 @@ int layer_device_of(const Communicator* comm, std::string* why_not) {
   return -1;
 }
 
+Status weight_dispatch_pairing_gate(const char* backend, const MoeConfig& c) {
+  if (c.weight_format == WeightFormat::kFp8Block && c.dispatch_format != DispatchFormat::kFp8Block)
+    return Status(StatusCode::kUnavailable, std::string("the ") + backend +
+                                                " backend runs fp8-block weights with dispatch_format=fp8-block (got "
+                                                "dispatch_format=" + to_string(c.dispatch_format) + ")");
+  if (c.weight_format == WeightFormat::kBf16 && c.dispatch_format != DispatchFormat::kBf16)
+    return Status(StatusCode::kUnavailable, std::string("the ") + backend +
+                                                " backend runs bf16 weights with dispatch_format=bf16 (got "
+                                                "dispatch_format=" + to_string(c.dispatch_format) + ")");
+  return Status::ok();
+}
+
 Status mega_capability_on(const MoeGeometry& g, const MoeConfig& c, int device, const std::string& why_not) {
   MEGAMOE_RETURN_IF_ERROR(hopper_device_gate("the mega backend", device, why_not));
   return mega_format_gate(g, c);

@@ -247,14 +247,7 @@ class MegaMoeLayer final : public MoeLayer {
 }  // namespace
 
 Status mega_format_gate(const MoeGeometry& g, const MoeConfig& c) {
-  if (c.weight_format == WeightFormat::kFp8Block && c.dispatch_format != DispatchFormat::kFp8Block)
-    return Status(StatusCode::kUnavailable,
-                  "the mega backend runs fp8-block weights with dispatch_format=fp8-block (got dispatch_format=" +
-                      std::string(to_string(c.dispatch_format)) + ")");
-  if (c.weight_format == WeightFormat::kBf16 && c.dispatch_format != DispatchFormat::kBf16)
-    return Status(StatusCode::kUnavailable,
-                  "the mega backend runs bf16 weights with dispatch_format=bf16 (got dispatch_format=" +
-                      std::string(to_string(c.dispatch_format)) + ")");
+  MEGAMOE_RETURN_IF_ERROR(weight_dispatch_pairing_gate("mega", c));
   if (c.weight_format != WeightFormat::kFp8Block && c.weight_format != WeightFormat::kBf16)
     return Status(StatusCode::kUnavailable, std::string("the mega backend has no ") + to_string(c.weight_format) +
                                                 " weights yet (fp8-block or bf16)");

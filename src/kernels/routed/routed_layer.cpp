@@ -583,14 +583,7 @@ Status make_routed_gemm_args(const MoeGeometry& g, const MoeConfig& c, const Wor
 }
 
 Status routed_format_gate(const MoeGeometry& g, const MoeConfig& c) {
-  if (c.weight_format == WeightFormat::kFp8Block && c.dispatch_format != DispatchFormat::kFp8Block)
-    return Status(StatusCode::kUnavailable,
-                  "the routed backend runs fp8-block weights with dispatch_format=fp8-block (got dispatch_format=" +
-                      std::string(to_string(c.dispatch_format)) + ")");
-  if (c.weight_format == WeightFormat::kBf16 && c.dispatch_format != DispatchFormat::kBf16)
-    return Status(StatusCode::kUnavailable,
-                  "the routed backend runs bf16 weights with dispatch_format=bf16 (got dispatch_format=" +
-                      std::string(to_string(c.dispatch_format)) + ")");
+  MEGAMOE_RETURN_IF_ERROR(weight_dispatch_pairing_gate("routed", c));
   if (c.weight_format != WeightFormat::kFp8Block && c.weight_format != WeightFormat::kBf16)
     return Status(StatusCode::kUnavailable, std::string("the routed backend has no ") + to_string(c.weight_format) +
                                                 " grouped GEMM yet (fp8-block or bf16 weights)");

@@ -28,6 +28,7 @@
 #include "core/device.h"
 #include "megamoe/comm.h"
 #include "megamoe/config.h"
+#include "megamoe/knobs.h"
 #include "megamoe/layer.h"
 #include "megamoe/status.h"
 #include "megamoe/tensor.h"
@@ -390,21 +391,21 @@ NB_MODULE(_C, m) {
       .def("__repr__", &MoeGeometry::to_string);
   m.attr("DIM_ALIGNMENT") = kDimAlignment;
 
-  nb::class_<Knobs>(m, "Knobs")
-      .def(nb::init<>())
-      .def("__init__",
-           [](Knobs* k, nb::kwargs kw) {
-             new (k) Knobs();
-             set_fields(k, kw);
-           })
-      .def_rw("block_m", &Knobs::block_m)
-      .def_rw("block_n", &Knobs::block_n)
-      .def_rw("num_sms", &Knobs::num_sms)
-      .def_rw("combine_groups", &Knobs::combine_groups)
-      .def_rw("gemm_cluster", &Knobs::gemm_cluster)
-      .def("validate", [](const Knobs& k) { check(k.validate()); })
-      .def("__eq__", [](const Knobs& a, const Knobs& b) { return a == b; })
-      .def("__repr__", &Knobs::to_string);
+  auto knobs = nb::class_<Knobs>(m, "Knobs")
+                   .def(nb::init<>())
+                   .def("__init__",
+                        [](Knobs* k, nb::kwargs kw) {
+                          new (k) Knobs();
+                          set_fields(k, kw);
+                        })
+                   .def("validate", [](const Knobs& k) { check(k.validate()); })
+                   .def("__eq__", [](const Knobs& a, const Knobs& b) { return a == b; })
+                   .def("__repr__", &Knobs::to_string);
+  // Every field from the one table of them (knobs.h), so a new knob reaches Python without an edit here.
+  for (const KnobField& f : knob_fields())
+    knobs.def_prop_rw(
+        f.name, [member = f.member](const Knobs& k) { return k.*member; },
+        [member = f.member](Knobs& k, int32_t v) { k.*member = v; });
 
   auto config = nb::class_<MoeConfig>(m, "MoeConfig");
   config.def(nb::init<>()).def("__init__", [](MoeConfig* c, nb::kwargs kw) {

@@ -30,6 +30,9 @@ def test_config_takes_enum_values_or_canonical_names():
     assert c.owner_reduce == megamoe.OwnerReduce.on and c.uses_owner_reduce()
     c.knobs = megamoe.Knobs(block_m=64)
     assert c.knobs.block_m == 64
+    k = megamoe.Knobs(block_n=128, num_sms=66, combine_groups=2, gemm_cluster=2, gemm_tile_order=1)
+    assert (k.block_n, k.num_sms, k.combine_groups, k.gemm_cluster, k.gemm_tile_order) == (128, 66, 2, 2, 1)
+    assert "gemm_tile_order=1" in repr(k)
     with pytest.raises(TypeError, match="unexpected keyword argument 'weightformat'"):
         megamoe.MoeConfig(weightformat="bf16")
 

@@ -69,5 +69,13 @@ ErrorBound same_points_bound(CombineDtype combine) {
   return b;
 }
 
+ErrorBound same_points_bound_one_forward(CombineDtype combine, int64_t tokens) {
+  ErrorBound b = same_points_bound(combine);
+  const double n = static_cast<double>(tokens > 0 ? tokens : 1);
+  b.rel_l2 *= 1.0 + 3.0 / std::sqrt(n);
+  b.derivation += ", one forward of " + std::to_string(tokens > 0 ? tokens : 1) + " token(s): x (1 + 3 / sqrt(tokens))";
+  return b;
+}
+
 }  // namespace reference
 }  // namespace megamoe

@@ -49,5 +49,16 @@ ErrorBound error_bound(const MoeConfig& c, int64_t top_k);
 constexpr double kSamePointsRelL2 = 5e-3;
 ErrorBound same_points_bound(CombineDtype combine);
 
+// The same comparison on ONE forward of `tokens` output rows. The bound above holds for the rel-L2
+// pooled over many outputs; one forward's rel-L2 is the same ratio over its own tokens, whose errors
+// come from a few flipped intermediate codes of heavy-tailed size (SwiGLU outputs times routing
+// weights), so it spreads around the pooled value about as 1 / sqrt(tokens). Measured on one H200
+// (2026-12-02, bf16 wire): single forwards of 8 to 96 tokens 1.3e-3 to 5.6e-3, pooled over 300
+// random forwards 3.8e-3 to 3.9e-3, the worst of those 300 (down to one token) 1.46e-2 = 3.8x pooled.
+// same_points_bound * (1 + 3 / sqrt(tokens)) covers them (1.43x at 48 tokens, 4x at one) and still
+// fails a forward that loses one (token, slot) pair of T * top_k, whose rel-L2 is about
+// 1 / sqrt(T * top_k): 6e-2 against a bound of 6.9e-3 at 64 tokens of top-4.
+ErrorBound same_points_bound_one_forward(CombineDtype combine, int64_t tokens);
+
 }  // namespace reference
 }  // namespace megamoe

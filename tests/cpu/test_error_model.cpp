@@ -84,5 +84,21 @@ TEST(ErrorBound, RootSumSquareOfTheRoundingsTimesTwo) {
   EXPECT_NE(reference::error_bound(c, 8).derivation.find("mxfp8 combine wire"), std::string::npos);
 }
 
+// One forward's bound: the pooled bound widened by 1 + 3 / sqrt(tokens); 4x at one token, within
+// 10% of the pooled bound from 900 tokens, and a lost (token, slot) pair of a 64-token top-4 forward
+// (rel-L2 about 1 / sqrt(256)) still far outside it.
+TEST(ErrorBound, OneForwardWidensThePooledBoundByTokenCount) {
+  for (CombineDtype w : {CombineDtype::kBf16, CombineDtype::kMxfp8, CombineDtype::kNvfp4}) {
+    const double pooled = reference::same_points_bound(w).rel_l2;
+    EXPECT_DOUBLE_EQ(reference::same_points_bound_one_forward(w, 1).rel_l2, 4 * pooled);
+    EXPECT_DOUBLE_EQ(reference::same_points_bound_one_forward(w, 0).rel_l2, 4 * pooled);  // no rows: as one
+    EXPECT_DOUBLE_EQ(reference::same_points_bound_one_forward(w, 900).rel_l2, 1.1 * pooled);
+  }
+  const reference::ErrorBound b = reference::same_points_bound_one_forward(CombineDtype::kBf16, 64);
+  EXPECT_NEAR(b.rel_l2, 5e-3 * 1.375, 1e-15);
+  EXPECT_LT(b.rel_l2, 1.0 / std::sqrt(64.0 * 4) / 8);
+  EXPECT_NE(b.derivation.find("one forward of 64 token(s)"), std::string::npos) << b.derivation;
+}
+
 }  // namespace
 }  // namespace megamoe

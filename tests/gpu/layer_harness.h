@@ -227,9 +227,14 @@ class Harness {
       });
     }
     for (auto& t : threads) t.join();
+    // Every failing rank's error: the first to fail names the cause, its peers' aborts follow.
+    ::testing::AssertionResult result = ::testing::AssertionSuccess();
     for (int r = 0; r < R_; ++r)
-      if (!errors[r].empty()) return ::testing::AssertionFailure() << "rank " << r << ": " << errors[r];
-    return ::testing::AssertionSuccess();
+      if (!errors[r].empty()) {
+        if (result) result = ::testing::AssertionFailure();
+        result << "rank " << r << ": " << errors[r] << "\n";
+      }
+    return result;
   }
 
   // release() on every rank's thread (collective, bounded); ok or the first rank's error.

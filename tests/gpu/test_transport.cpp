@@ -50,6 +50,9 @@ void setup_rank(const Case& c, std::shared_ptr<Communicator> comm, int rank, Ran
   }
   run->ids->upload(run->in.topk_ids);
   run->weights->upload(run->in.topk_weights);
+  // The FC2 output the combine reads (filled per test): allocated here, before the barrier.
+  const WorkspaceLayout& l = run->transport->layout();
+  run->expert_out.reset(new DeviceBuffer(std::max<int64_t>(l.pool_rows * H * 4, 16)));
   // Every rank set up (allocations, synchronous uploads) before any dispatches: on a shared GPU a
   // rank's dispatch kernel would otherwise wait (bounded) through its peer's setup.
   const Status b = gpu_rank_of(comm.get())->barrier("setup", 30000);
@@ -103,7 +106,7 @@ Status forward(const Case& c, RankRun* run, int rank, bool fused = true) {
 template <typename T>
 std::vector<T> read_region(const EpTransport& t, const WorkspaceRegion& r) {
   std::vector<T> v(r.bytes / sizeof(T));
-  if (!v.empty()) cudaMemcpy(v.data(), static_cast<char*>(t.base()) + r.offset, v.size() * sizeof(T), cudaMemcpyDeviceToHost);
+  DeviceBuffer::copy_to_host(v.data(), static_cast<char*>(t.base()) + r.offset, v.size() * sizeof(T));
   return v;
 }
 
@@ -190,7 +193,7 @@ void run_case(const Case& c, int repeats = 1, bool graph = false, uint64_t seed_
 
     // Identity experts: FC2 output = the dequantised pool row.
     const std::vector<float> expert_out = identity_expert_out(c, l, pool_x, pool_scales);
-    run.expert_out.reset(new DeviceBuffer(std::max<size_t>(expert_out.size() * 4, 16)));
+    EXPECT_LE(expert_out.size() * 4, run.expert_out->bytes);
     run.expert_out->upload(expert_out);
     EXPECT_TRUE(combine_once(c, &run, rank).is_ok());
     st = run.transport->check_error(run.stream);
@@ -452,7 +455,6 @@ void expect_bad_ids_reported(Case c) {
     EXPECT_TRUE(run.transport->build_expert_pool(run.stream).is_ok());
     const WorkspaceLayout& l = run.transport->layout();
     std::vector<float> zeros(l.pool_rows * c.hidden, 0.f);
-    run.expert_out.reset(new DeviceBuffer(zeros.size() * 4));
     run.expert_out->upload(zeros);
     EXPECT_TRUE(combine_once(c, &run, rank).is_ok());
     const Status st = run.transport->check_error(run.stream);

@@ -46,6 +46,10 @@ const char* transport_group_kind();
 // Runs fn(rank) on one thread per rank (each with its device set) and joins them.
 void run_ranks(int n, const std::function<void(int)>& fn);
 
+// Test buffers. On a shared GPU a rank must not allocate or free device memory between the setup
+// barrier and its last launch: cudaMalloc / cudaFree are implicit synchronisation points (the CUDA
+// programming guide, "Implicit Synchronization"), so the call would wait for a peer's kernel that
+// is itself waiting (bounded) for this rank's launch. Allocate in setup, copy on non-blocking streams.
 struct DeviceBuffer {
   void* ptr = nullptr;
   size_t bytes = 0;
@@ -72,8 +76,17 @@ struct DeviceBuffer {
   template <typename T>
   std::vector<T> download(size_t n) const {
     std::vector<T> v(n);
-    if (n) cudaMemcpy(v.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost);
+    copy_to_host(v.data(), ptr, n * sizeof(T));
     return v;
+  }
+  // On a private non-blocking stream, complete on return (see upload).
+  static void copy_to_host(void* dst, const void* src, size_t bytes) {
+    if (!bytes) return;
+    cudaStream_t s = nullptr;
+    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, s);
+    cudaStreamSynchronize(s);
+    cudaStreamDestroy(s);
   }
 };
 

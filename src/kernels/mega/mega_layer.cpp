@@ -98,8 +98,9 @@ class MegaMoeLayer final : public MoeLayer {
     if (mega::mega_staged_combine(l.params.combine_format, l.params.owner_reduce != 0)) {
       // FC2's unweighted bf16 rows for the staged send (shared like the routed backend's expert_out).
       if (!expert_out_)
+        // Zeroed once (FC2's TMA stores do not count as initialising for compute-sanitizer's initcheck).
         MEGAMOE_RETURN_IF_ERROR(shared_scratch(device_, group_id_, rank_, kScratchExpertOut,
-                                               l.pool_rows * geometry_.hidden * 2, &expert_out_));
+                                               l.pool_rows * geometry_.hidden * 2, &expert_out_, /*zero=*/true));
       pa.expert_out = expert_out_->ptr;
     }
     // One CTA per SM (fewer with Knobs::num_sms, to leave SMs to concurrent work; at most the rank's

@@ -240,7 +240,8 @@ struct MegaPrologueSmem {
 // 16-byte pieces per lane a placing warp holds of its row (8: a 4096-byte row in one batch).
 constexpr int kPlaceBatch = 8;
 
-// Exclusive prefix of counts[0, n) into offsets[0, n] by warp 0 (32 at a time).
+// Exclusive prefix of counts[0, n) into offsets[0, n] by warp 0 (32 at a time); on return every lane
+// of the warp sees all of offsets (the __syncwarp orders the other lanes' stores before its reads).
 __device__ __forceinline__ void warp_exclusive_scan(const int32_t* counts, int32_t* offsets, int n, int lane) {
   int32_t carry = 0;
   for (int base = 0; base < n; base += 32) {
@@ -255,6 +256,7 @@ __device__ __forceinline__ void warp_exclusive_scan(const int32_t* counts, int32
     carry += __shfl_sync(0xffffffffu, v, 31);
   }
   if (lane == 0) offsets[n] = carry;
+  __syncwarp();
 }
 
 // The dispatch of this rank's tokens (every thread). Returns after this CTA's signal left.

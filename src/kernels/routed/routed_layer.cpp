@@ -132,8 +132,12 @@ class RoutedMoeLayer final : public MoeLayer {
         MEGAMOE_RETURN_IF_ERROR(device_alloc(device_, P * (H / 128) * 4, &scratch->a_scales));
       // expert_out only when the combine reads FC2's rows here (a quantised wire to encode, or the
       // owner reduce's sums); else a bf16 wire is FC2's own output.
-      if (!routed_fc2_writes_combine(config_) && !scratch->expert_out)
+      // Zeroed once: FC2 fills it with TMA bulk stores, which compute-sanitizer's initcheck does not
+      // count as initialising, so without it every read of a row FC2 wrote is reported.
+      if (!routed_fc2_writes_combine(config_) && !scratch->expert_out) {
         MEGAMOE_RETURN_IF_ERROR(device_alloc(device_, P * H * 2, &scratch->expert_out));
+        MEGAMOE_CUDA_CHECK(zero_device_sync(scratch->expert_out->ptr, static_cast<size_t>(P * H * 2)));
+      }
       // int32 ids + fp32 (scaled) weights for forwards whose routing the transport cannot read as given.
       if (!scratch->routing)
         MEGAMOE_RETURN_IF_ERROR(

@@ -154,6 +154,7 @@ Status EpTransport::create(std::shared_ptr<Communicator> comm, const EpTransport
   t->shape_sms_ = shape_sms;
   t->num_sms_ = options.num_sms > 0 ? std::min(options.num_sms, shape_sms) : shape_sms;
   t->allow_pdl_ = !gpu->shares_device();
+  t->shares_device_ = gpu->shares_device();
   *out = std::move(t);
   return Status::ok();
 }
@@ -428,7 +429,7 @@ Status EpTransport::send_and_combine(const TensorView& expert_out, const TensorV
   const TransportArgs args = make_args(*this, scratch_, options_, T, allow_pdl_);
   const int groups = options_.combine_groups > 0 ? options_.combine_groups : default_combine_groups(T);
   return kernels::launch_combine(args, expert_out.data, expert_out.dtype == DType::kFloat32, topk_ids.ptr<int32_t>(),
-                                 y.ptr<uint16_t>(), groups, num_sms_, stream);
+                                 y.ptr<uint16_t>(), groups, num_sms_, /*cooperative=*/!shares_device_, stream);
 }
 
 Status EpTransport::seed_epoch_for_test(uint64_t launches) {

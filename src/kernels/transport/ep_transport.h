@@ -178,6 +178,7 @@ class EpTransport {
   CombineTargets combine_targets_;
   void* peer_base_[kMaxCombinePeers] = {};  // every rank's workspace copy (warmup)
   bool allow_pdl_ = true;
+  bool shares_device_ = false;  // logical ranks on one GPU: the one-kernel combine is a plain launch
   bool warmed_up_ = false, released_ = false;
   int32_t* backend_counters_ = nullptr;
   int32_t* gated_offsets_ = nullptr;

@@ -124,7 +124,7 @@ int reduce_parts(const TransportArgs& args) {
 
 template <int kFormat, typename InT, bool kOwner>
 Status launch_fused(const TransportArgs& args, const InT* in, const int32_t* topk_ids, uint16_t* y, int64_t want_ctas,
-                    CombineShape shape, cudaStream_t stream) {
+                    CombineShape shape, bool cooperative, cudaStream_t stream) {
   // Co-residency (see combine_kernel): at most what the SMs hold at once.
   int device = 0, sms = 0;
   MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
@@ -136,10 +136,14 @@ Status launch_fused(const TransportArgs& args, const InT* in, const int32_t* top
   const int ctas = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want_ctas, static_cast<int64_t>(sms) * std::max(per_sm, 1))));
   if (ctas < 2) shape.groups = 1;  // groups need a sending and a reducing CTA
   shape.reducers = shape.groups > 1 ? std::max(1, ctas / 8) : 0;
-  // Cooperative: the grid starts only once every CTA has an SM (a kernel on another stream, or a
-  // logical peer's, cannot leave some of them waiting for SMs that the others spin on), or is refused.
-  const cudaError_t err = launch_cooperative(combine_kernel<kFormat, InT, kOwner>, ctas, kCombineThreads, stream,
-                                             use_pdl(args), args, in, topk_ids, y, shape);
+  // Cooperative: the grid starts only once every CTA has an SM (a kernel on another stream cannot
+  // leave some of them waiting for SMs that the others spin on), or is refused. Shared device: plain,
+  // want_ctas is within the rank's budget (launch_combine's caller shapes for half of it).
+  const cudaError_t err =
+      cooperative ? launch_cooperative(combine_kernel<kFormat, InT, kOwner>, ctas, kCombineThreads, stream, use_pdl(args),
+                                       args, in, topk_ids, y, shape)
+                  : launch_pdl(combine_kernel<kFormat, InT, kOwner>, dim3(static_cast<unsigned>(ctas)),
+                               dim3(kCombineThreads), 0, stream, use_pdl(args), args, in, topk_ids, y, shape);
   if (err == cudaErrorCooperativeLaunchTooLarge)
     return Status(StatusCode::kUnavailable,
                   "the one-kernel combine needs its " + std::to_string(ctas) + " CTAs resident at once on cuda:" +
@@ -150,20 +154,20 @@ Status launch_fused(const TransportArgs& args, const InT* in, const int32_t* top
 
 template <typename InT, bool kOwner>
 Status fused_as_mode(const TransportArgs& args, const void* out, const int32_t* topk_ids, uint16_t* y, int64_t want_ctas,
-                CombineShape shape, cudaStream_t stream) {
+                CombineShape shape, bool coop, cudaStream_t stream) {
   const InT* in = static_cast<const InT*>(out);
   switch (args.layout.params.combine_format) {
-    case kWsMxfp8: return launch_fused<kWsMxfp8, InT, kOwner>(args, in, topk_ids, y, want_ctas, shape, stream);
-    case kWsNvfp4: return launch_fused<kWsNvfp4, InT, kOwner>(args, in, topk_ids, y, want_ctas, shape, stream);
-    default: return launch_fused<kWsBf16, InT, kOwner>(args, in, topk_ids, y, want_ctas, shape, stream);
+    case kWsMxfp8: return launch_fused<kWsMxfp8, InT, kOwner>(args, in, topk_ids, y, want_ctas, shape, coop, stream);
+    case kWsNvfp4: return launch_fused<kWsNvfp4, InT, kOwner>(args, in, topk_ids, y, want_ctas, shape, coop, stream);
+    default: return launch_fused<kWsBf16, InT, kOwner>(args, in, topk_ids, y, want_ctas, shape, coop, stream);
   }
 }
 
 template <typename InT>
 Status fused_as(const TransportArgs& args, const void* out, const int32_t* topk_ids, uint16_t* y, int64_t want_ctas,
-                CombineShape shape, cudaStream_t stream) {
-  return args.layout.params.owner_reduce ? fused_as_mode<InT, true>(args, out, topk_ids, y, want_ctas, shape, stream)
-                                         : fused_as_mode<InT, false>(args, out, topk_ids, y, want_ctas, shape, stream);
+                CombineShape shape, bool coop, cudaStream_t stream) {
+  return args.layout.params.owner_reduce ? fused_as_mode<InT, true>(args, out, topk_ids, y, want_ctas, shape, coop, stream)
+                                         : fused_as_mode<InT, false>(args, out, topk_ids, y, want_ctas, shape, coop, stream);
 }
 }  // namespace
 
@@ -186,7 +190,7 @@ Status launch_combine_reduce(const TransportArgs& args, const int32_t* topk_ids,
 }
 
 Status launch_combine(const TransportArgs& args, const void* expert_out, bool out_is_fp32, const int32_t* topk_ids,
-                      uint16_t* y, int groups, int num_sms, cudaStream_t stream) {
+                      uint16_t* y, int groups, int num_sms, bool cooperative, cudaStream_t stream) {
   const int64_t sms = std::max(num_sms, 1), T = args.num_tokens, warps_per_cta = kCombineThreads / 32;
   CombineShape shape{};
   shape.groups = std::max(1, std::min(groups, kMaxCombineGroups));
@@ -197,8 +201,8 @@ Status launch_combine(const TransportArgs& args, const void* expert_out, bool ou
   shape.reduce_parts = reduce_parts(args);
   const int64_t reduce_ctas = std::min<int64_t>((T * shape.reduce_parts + warps_per_cta - 1) / warps_per_cta, 2 * sms);
   const int64_t want = shape.groups > 1 ? 2 * sms : std::max<int64_t>(sh.ctas, reduce_ctas);
-  if (out_is_fp32) return fused_as<float>(args, expert_out, topk_ids, y, want, shape, stream);
-  return fused_as<uint16_t>(args, expert_out, topk_ids, y, want, shape, stream);
+  if (out_is_fp32) return fused_as<float>(args, expert_out, topk_ids, y, want, shape, cooperative, stream);
+  return fused_as<uint16_t>(args, expert_out, topk_ids, y, want, shape, cooperative, stream);
 }
 
 }  // namespace kernels

@@ -181,8 +181,12 @@ Status launch_combine_reduce(const TransportArgs& args, const int32_t* topk_ids,
 // Both in one kernel (combine_kernel): send, publish progress, wait, reduce. groups > 1: the rows go
 // out in `groups` recv-row groups, each published as it completes, and an eighth of the CTAs reduce
 // the tokens whose rows have all arrived while the others still send (see combine_kernel).
+// Its CTAs wait on each other, so all must be resident: `cooperative` launches it so (the driver
+// refuses a grid that cannot be); on a device shared by logical ranks it is a plain launch within the
+// rank's SM budget instead (every rank's grids fit at once by that budget, and two ranks' cooperative
+// grids on two streams need not be scheduled together: each could wait for the other's SMs).
 Status launch_combine(const TransportArgs& args, const void* expert_out, bool out_is_fp32, const int32_t* topk_ids,
-                      uint16_t* y, int groups, int num_sms, cudaStream_t stream);
+                      uint16_t* y, int groups, int num_sms, bool cooperative, cudaStream_t stream);
 
 }  // namespace kernels
 }  // namespace megamoe

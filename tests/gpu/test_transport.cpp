@@ -55,6 +55,7 @@ void setup_rank(const Case& c, std::shared_ptr<Communicator> comm, int rank, Ran
   // The FC2 output the combine reads (filled per test): allocated here, before the barrier.
   const WorkspaceLayout& l = run->transport->layout();
   run->expert_out.reset(new DeviceBuffer(std::max<int64_t>(l.pool_rows * H * 4, 16)));
+  run->expert_out->upload(std::vector<float>(static_cast<size_t>(l.pool_rows * H), 0.f));
   // Every rank set up (allocations, synchronous uploads) before any dispatches: on a shared GPU a
   // rank's dispatch kernel would otherwise wait (bounded) through its peer's setup.
   const Status b = gpu_rank_of(comm.get())->barrier("setup", 30000);
@@ -108,25 +109,55 @@ Status forward(const Case& c, RankRun* run, int rank, bool fused = true) {
 // Rows [first, last) of `ranges` of a region of `row_bytes`-wide rows, every other byte zero: only
 // what the transport wrote is copied (compute-sanitizer's initcheck reports a copy of bytes that
 // nothing wrote, such as the receive rows past a source's count).
+// Copies on the rank's own stream (see DeviceBuffer), complete on return.
 template <typename T>
 std::vector<T> read_rows(const EpTransport& t, const WorkspaceRegion& r, int64_t row_bytes,
-                         const std::vector<std::pair<int64_t, int64_t>>& ranges) {
+                         const std::vector<std::pair<int64_t, int64_t>>& ranges, cudaStream_t stream) {
   std::vector<T> v(r.bytes / sizeof(T));
   char* host = reinterpret_cast<char*>(v.data());
   for (const auto& [first, last] : ranges) {
     const int64_t begin = first * row_bytes, end = std::min<int64_t>(last * row_bytes, r.bytes);
     if (end > begin)
-      DeviceBuffer::copy_to_host(host + begin, static_cast<const char*>(t.base()) + r.offset + begin,
-                                 static_cast<size_t>(end - begin));
+      cudaMemcpyAsync(host + begin, static_cast<const char*>(t.base()) + r.offset + begin,
+                      static_cast<size_t>(end - begin), cudaMemcpyDeviceToHost, stream);
   }
+  cudaStreamSynchronize(stream);
   return v;
 }
 
 template <typename T>
-std::vector<T> read_region(const EpTransport& t, const WorkspaceRegion& r) {
-  std::vector<T> v(r.bytes / sizeof(T));
-  DeviceBuffer::copy_to_host(v.data(), static_cast<char*>(t.base()) + r.offset, v.size() * sizeof(T));
+std::vector<T> read_region(const EpTransport& t, const WorkspaceRegion& r, cudaStream_t stream) {
+  return read_rows<T>(t, r, static_cast<int64_t>(r.bytes), {{0, 1}}, stream);
+}
+
+std::vector<uint16_t> download_y(const RankRun& run, int64_t n) {
+  std::vector<uint16_t> v(static_cast<size_t>(n));
+  if (n > 0) cudaMemcpyAsync(v.data(), run.y->ptr, static_cast<size_t>(n) * 2, cudaMemcpyDeviceToHost, run.stream);
+  cudaStreamSynchronize(run.stream);
   return v;
+}
+
+void poison_y(const RankRun& run, int64_t n) {
+  if (n > 0) cudaMemsetAsync(run.y->ptr, 0xFF, static_cast<size_t>(n) * 2, run.stream);
+}
+
+// The pool rows the host truth says the pool build writes (wire rows of the received tokens, zero
+// padding), for the identity experts' FC2 output before any rank launches.
+void truth_pool(const Case& c, const std::vector<RankInputs>& all, const Truth& tr, std::vector<uint8_t>* pool_x,
+                std::vector<float>* pool_scales, int64_t pool_rows) {
+  const int64_t H = c.hidden, k = c.top_k, T_max = c.max_tokens, row_bytes = H * ws_elem_bytes(c.dispatch_format);
+  pool_x->assign(static_cast<size_t>(pool_rows * row_bytes), 0);
+  pool_scales->assign(static_cast<size_t>(pool_rows * (H / 128)), 0.f);
+  for (size_t p = 0; p < tr.pool_src.size(); ++p) {
+    const int32_t src = tr.pool_src[p];
+    if (src < 0) continue;
+    const int64_t row = src / k, s = row / T_max, tok = tr.recv_src_token[s][row % T_max];
+    std::vector<uint8_t> bytes;
+    std::vector<float> scales;
+    encode_wire_row(c, &all[s].x[tok * H], &bytes, &scales);
+    std::memcpy(&(*pool_x)[p * row_bytes], bytes.data(), static_cast<size_t>(row_bytes));
+    if (c.dispatch_format == kWsFp8Block) std::memcpy(&(*pool_scales)[p * (H / 128)], scales.data(), scales.size() * 4);
+  }
 }
 
 // Full check of one forward (fused combine): receive regions, pool, output; then `repeats` more
@@ -149,19 +180,33 @@ void run_case(const Case& c, int repeats = 1, bool graph = false, uint64_t seed_
     const EpTransport& t = *run.transport;
     const WorkspaceLayout& l = t.layout();
     const int64_t H = c.hidden, k = c.top_k, El = c.num_experts / kRanks, T_max = c.max_tokens;
+    const Truth tr = protocol_truth(c, all, rank);
+    // Identity experts: FC2's output is the dequantised pool row, computed from the truth and
+    // uploaded before any rank launches. Each forward's kernels then go out back to back and every
+    // check reads the regions afterwards: on a shared GPU a rank's host work between its kernels
+    // would leave the peer's kernels waiting (bounded) for it.
+    {
+      std::vector<uint8_t> want_pool_x;
+      std::vector<float> want_pool_scales;
+      truth_pool(c, all, tr, &want_pool_x, &want_pool_scales, l.pool_rows);
+      const std::vector<float> expert_out = identity_expert_out(c, l, want_pool_x, want_pool_scales);
+      EXPECT_LE(expert_out.size() * 4, run.expert_out->bytes);
+      run.expert_out->upload(expert_out);
+    }
+    const Status ready = gpu_rank_of((*group)[rank].get())->barrier("expert-out", 30000);
+    ASSERT_TRUE(ready.is_ok()) << ready.to_string();
 
-    EXPECT_TRUE(dispatch_once(c, &run, rank).is_ok());
+    EXPECT_TRUE(forward(c, &run, rank).is_ok());  // dispatch, pool build, one-kernel combine
     Status st = run.transport->check_error(run.stream);
     EXPECT_TRUE(st.is_ok()) << st.to_string();
-    const Truth tr = protocol_truth(c, all, rank);
-    EXPECT_EQ(read_region<int32_t>(t, l.recv_token_counts), tr.recv_token_counts) << "rank " << rank;
+    EXPECT_EQ(read_region<int32_t>(t, l.recv_token_counts, run.stream), tr.recv_token_counts) << "rank " << rank;
     std::vector<std::pair<int64_t, int64_t>> received;  // each source's segment of receive rows
     for (int s = 0; s < kRanks; ++s)
       received.emplace_back(s * T_max, s * T_max + static_cast<int64_t>(tr.recv_src_token[s].size()));
     const int64_t row_bytes = H * ws_elem_bytes(c.dispatch_format);
-    const auto recv_x = read_rows<uint8_t>(t, l.recv_tokens, row_bytes, received);
-    const auto recv_scales = read_rows<float>(t, l.recv_scales, (H / 128) * 4, received);
-    const auto recv_meta = read_rows<uint8_t>(t, l.recv_meta, l.meta_bytes, received);
+    const auto recv_x = read_rows<uint8_t>(t, l.recv_tokens, row_bytes, received, run.stream);
+    const auto recv_scales = read_rows<float>(t, l.recv_scales, (H / 128) * 4, received, run.stream);
+    const auto recv_meta = read_rows<uint8_t>(t, l.recv_meta, l.meta_bytes, received, run.stream);
     int64_t bad_rows = 0;
     for (int s = 0; s < kRanks; ++s) {
       for (size_t i = 0; i < tr.recv_src_token[s].size(); ++i) {
@@ -192,18 +237,15 @@ void run_case(const Case& c, int repeats = 1, bool graph = false, uint64_t seed_
     }
     EXPECT_EQ(bad_rows, 0) << "rank " << rank;
 
-    EXPECT_TRUE(run.transport->build_expert_pool(run.stream).is_ok());
-    st = run.transport->check_error(run.stream);
-    EXPECT_TRUE(st.is_ok()) << st.to_string();
     // The per-expert counts are the owner's, from the metadata, in the pool build.
-    EXPECT_EQ(read_region<int32_t>(t, l.recv_expert_counts), tr.recv_expert_counts) << "rank " << rank;
-    const auto offsets = read_region<int32_t>(t, l.expert_offsets);
+    EXPECT_EQ(read_region<int32_t>(t, l.recv_expert_counts, run.stream), tr.recv_expert_counts) << "rank " << rank;
+    const auto offsets = read_region<int32_t>(t, l.expert_offsets, run.stream);
     EXPECT_EQ(offsets, tr.expert_offsets) << "rank " << rank;
     const int64_t used = tr.expert_offsets[El];
-    const auto pool_src = read_rows<int32_t>(t, l.pool_src, 4, {{0, used}});
+    const auto pool_src = read_rows<int32_t>(t, l.pool_src, 4, {{0, used}}, run.stream);
     EXPECT_TRUE(std::equal(tr.pool_src.begin(), tr.pool_src.end(), pool_src.begin())) << "rank " << rank << ": pool_src";
-    const auto pool_x = read_rows<uint8_t>(t, l.pool_x, row_bytes, {{0, used}});
-    const auto pool_scales = read_rows<float>(t, l.pool_x_scales, (H / 128) * 4, {{0, used}});
+    const auto pool_x = read_rows<uint8_t>(t, l.pool_x, row_bytes, {{0, used}}, run.stream);
+    const auto pool_scales = read_rows<float>(t, l.pool_x_scales, (H / 128) * 4, {{0, used}}, run.stream);
     int64_t bad_pool = 0;
     for (int64_t p = 0; p < used; ++p) {
       const int32_t src = tr.pool_src[p];
@@ -213,15 +255,19 @@ void run_case(const Case& c, int repeats = 1, bool graph = false, uint64_t seed_
     }
     EXPECT_EQ(bad_pool, 0);
 
-    // Identity experts: FC2 output = the dequantised pool row.
-    const std::vector<float> expert_out = identity_expert_out(c, l, pool_x, pool_scales);
-    EXPECT_LE(expert_out.size() * 4, run.expert_out->bytes);
-    run.expert_out->upload(expert_out);
-    EXPECT_TRUE(combine_once(c, &run, rank).is_ok());
-    st = run.transport->check_error(run.stream);
-    EXPECT_TRUE(st.is_ok()) << st.to_string();
+    if (c.dispatch_format == kWsFp8Block) {  // the pool's scales (the rows are compared above)
+      int64_t bad_scales = 0;
+      for (int64_t p = 0; p < used; ++p) {
+        const int32_t src = tr.pool_src[p];
+        const float* got = &pool_scales[p * (H / 128)];
+        bool ok = true;
+        if (src >= 0) ok = std::memcmp(got, &recv_scales[(src / k) * (H / 128)], (H / 128) * 4) == 0;
+        if (!ok && ++bad_scales <= 3) ADD_FAILURE() << "rank " << rank << ": pool scales of row " << p;
+      }
+      EXPECT_EQ(bad_scales, 0);
+    }
     const int64_t T = run.in.num_tokens;
-    const auto y = run.y->download<uint16_t>(T * H);
+    const auto y = download_y(run, T * H);
     const auto want = expected_output(c, run.in);
     int64_t bad = 0;
     double err2 = 0, ref2 = 0;
@@ -235,14 +281,16 @@ void run_case(const Case& c, int repeats = 1, bool graph = false, uint64_t seed_
     }
     EXPECT_EQ(bad, 0) << "rank " << rank << " (rel L2 vs host codecs " << std::sqrt(err2 / std::max(ref2, 1e-30)) << ")";
 
+    const Status verified = gpu_rank_of((*group)[rank].get())->barrier("verified", 30000);
+    ASSERT_TRUE(verified.is_ok()) << verified.to_string();
     for (int it = 0; it < repeats; ++it) {
-      run.y->upload(std::vector<uint16_t>(T * H, 0xFFFF));  // poison
+      poison_y(run, T * H);
       const bool fused = it % 2 == 1;
       EXPECT_TRUE(forward(c, &run, rank, fused).is_ok());
       if (it == repeats - 1 || it % 25 == 0 || !fused) {
         st = run.transport->check_error(run.stream);
         EXPECT_TRUE(st.is_ok()) << st.to_string();
-        EXPECT_EQ(run.y->download<uint16_t>(T * H), y)
+        EXPECT_EQ(download_y(run, T * H), y)
             << "rank " << rank << ": repeat " << it << (fused ? " (fused)" : " (split)") << " differs";
       }
     }
@@ -254,12 +302,15 @@ void run_case(const Case& c, int repeats = 1, bool graph = false, uint64_t seed_
       EXPECT_EQ(cudaStreamEndCapture(run.stream, &g), cudaSuccess);
       EXPECT_TRUE(cap.is_ok()) << cap.to_string();
       EXPECT_EQ(cudaGraphInstantiate(&exec, g, 0), cudaSuccess);
+      // Instantiation may allocate (an implicit synchronisation): every rank's graph is ready first.
+      const Status b = gpu_rank_of((*group)[rank].get())->barrier("graph", 30000);
+      ASSERT_TRUE(b.is_ok()) << b.to_string();
       for (int it = 0; it < 5; ++it) {
-        run.y->upload(std::vector<uint16_t>(T * H, 0xFFFF));
+        poison_y(run, T * H);
         EXPECT_EQ(cudaGraphLaunch(exec, run.stream), cudaSuccess);
         st = run.transport->check_error(run.stream);
         EXPECT_TRUE(st.is_ok()) << st.to_string();
-        EXPECT_EQ(run.y->download<uint16_t>(T * H), y) << "rank " << rank << ": graph replay " << it << " differs";
+        EXPECT_EQ(download_y(run, T * H), y) << "rank " << rank << ": graph replay " << it << " differs";
       }
       if (exec) cudaGraphExecDestroy(exec);
       if (g) cudaGraphDestroy(g);
@@ -475,9 +526,6 @@ void expect_bad_ids_reported(Case c) {
     if (::testing::Test::HasFatalFailure()) return teardown_rank(&run);
     EXPECT_TRUE(dispatch_once(c, &run, rank).is_ok());
     EXPECT_TRUE(run.transport->build_expert_pool(run.stream).is_ok());
-    const WorkspaceLayout& l = run.transport->layout();
-    std::vector<float> zeros(l.pool_rows * c.hidden, 0.f);
-    run.expert_out->upload(zeros);
     EXPECT_TRUE(combine_once(c, &run, rank).is_ok());
     const Status st = run.transport->check_error(run.stream);
     {

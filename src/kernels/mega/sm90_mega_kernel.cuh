@@ -492,12 +492,16 @@ __device__ __forceinline__ bool mega_prologue(const MegaArgs& a, MegaPrologueSme
     }
   }
   // This CTA's rows are in the pool: release them to the FC1 producers of their experts (every
-  // thread's stores, the proxy fence for the TMA loads that read them, then one count per expert).
+  // thread's proxy fence for the TMA loads that read its stores, the barrier, then warp 0's one
+  // gpu-scope fence, which orders every warp's stores before it, and one count per expert: a
+  // fence in every warp waits for each warp's stores separately).
   fence_proxy_async_global();
   __syncthreads();
-  fence_acq_rel_gpu();
-  for (int64_t e = tid; e < El; e += kThreads)
-    if (s.placed[e] != 0) red_add_relaxed_gpu_s32(a.expert_placed + e, s.placed[e]);
+  if (warp == 0) {
+    fence_acq_rel_gpu();
+    for (int64_t e = lane; e < El; e += 32)
+      if (s.placed[e] != 0) red_add_relaxed_gpu_s32(a.expert_placed + e, s.placed[e]);
+  }
   // The GEMMs' scheduler tables from this launch's counts (the grouped GEMM builds them from
   // expert_offsets in global memory; here every CTA has them in shared memory already, so no barrier
   // is needed before its first tile: an FC1 tile waits for its own expert's rows instead).

@@ -1,7 +1,9 @@
-"""The engine adapters against stand-ins of vLLM's, SGLang's and TensorRT-LLM's interfaces (CI: cpu
-backend, CPU tensors), and against the engines' real classes where the engine imports (skipped with the
-reason otherwise). Each drives the engine's call order and checks the layer's output against a float64
-torch reference of the same experts."""
+"""The engine adapters against stand-ins of vLLM's, SGLang's and TensorRT-LLM's interfaces, and against
+the engines' real classes where the engine imports (skipped with the reason otherwise). Each drives the
+engine's call order and checks the layer's output, on the CPU, against a float64 torch reference of the
+same experts. Tensors live where an engine keeps them: on the device `auto` builds the layer for (a
+Hopper GPU: mega or routed on cuda:0, weights and activations there too; no GPU: the cpu backend and
+CPU tensors, as in CI)."""
 import importlib.metadata
 import inspect
 
@@ -20,6 +22,17 @@ import engine_standins as st  # noqa: E402
 
 H, I, E, K, T = 256, 128, 8, 2, 12
 BOUND = _C._error_bound(megamoe.MoeConfig(weight_format="bf16", dispatch_format="bf16"), K)[0]
+
+
+def _auto_backend():
+    """The backend `auto` picks for these layers (the adapters build with auto) and its device."""
+    g = megamoe.MoeGeometry(hidden=H, intermediate=I, num_experts=E, top_k=K, ep_size=1, ep_rank=0,
+                            max_tokens_per_rank=32)
+    backend, _ = megamoe.select_backend(g, megamoe.MoeConfig(weight_format="bf16", dispatch_format="bf16"))
+    return backend, torch.device("cpu") if backend == megamoe.Backend.cpu else torch.device("cuda", 0)
+
+
+BACKEND, DEV = _auto_backend()
 
 
 @pytest.fixture(autouse=True)
@@ -49,7 +62,18 @@ def reference(x, w13, w2, ids, weights):
 
 
 def rel(a, b):
-    return float((a.double() - b).norm() / b.norm())
+    """rel-L2 of the layer's output `a` (on any device) against the float64 CPU reference `b`."""
+    assert a.device == DEV, f"output on {a.device}, expected the layer's device {DEV}"
+    a = a.double().cpu()
+    return float((a - b).norm() / b.norm())
+
+
+def on_dev(*ts):
+    return tuple(t.to(DEV) for t in ts)
+
+
+def assert_built_on_dev(layer):
+    assert layer.backend == BACKEND and layer.device == DEV, (layer, BACKEND, DEV)
 
 
 def routing(seed):
@@ -72,20 +96,21 @@ def vllm_experts(**kw):
 def test_vllm_modular_kernel_with_passthrough_prepare_finalize():
     w13, w2 = expert_weights(1)
     layer = torch.nn.Module()
-    layer.w13_weight = torch.nn.Parameter(w13, requires_grad=False)
-    layer.w2_weight = torch.nn.Parameter(w2, requires_grad=False)
+    layer.w13_weight = torch.nn.Parameter(w13.to(DEV), requires_grad=False)  # the engine holds them on the device
+    layer.w2_weight = torch.nn.Parameter(w2.to(DEV), requires_grad=False)
     experts = vllm_experts(output_scale=2.0)
     assert experts.expects_unquantized_inputs and experts.activation_format() == st.FusedMoEActivationFormat.Standard
     assert experts.workspace_shapes(7, 2 * I, H, K, E, E, None, "silu") == ((0,), (0,), (7, H))
     assert not inspect.isabstract(type(experts))
     experts.process_weights_after_loading(layer)  # builds and warms up
-    assert experts.layer.backend == megamoe.Backend.cpu  # auto without a GPU
+    assert_built_on_dev(experts.layer)
     kernel = st.FusedMoEModularKernel(st.PassThroughPrepareAndFinalize(), experts)
     x, _, ids, w = routing(2)
     ids[3, 1] = -1  # a padded slot
-    y = kernel.forward(x, layer.w13_weight, layer.w2_weight, w, ids, E)
+    dx, dids, dw = on_dev(x, ids, w)
+    y = kernel.forward(dx, layer.w13_weight, layer.w2_weight, dw, dids, E)
     assert rel(y, 2.0 * reference(x, w13, w2, ids, w)) < BOUND
-    y64 = kernel.forward(x, layer.w13_weight, layer.w2_weight, w, ids.to(torch.int64), E)
+    y64 = kernel.forward(dx, layer.w13_weight, layer.w2_weight, dw, dids.to(torch.int64), E)
     assert torch.equal(y64.view(torch.int16), y.view(torch.int16))
 
 
@@ -117,15 +142,18 @@ def test_sglang_provider_registers_and_runs_a_layer():
         num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, ep_size=1, ep_rank=0, max_tokens_per_rank=32,
         params_dtype=torch.bfloat16, routed_scaling_factor=2.5)
     layer = torch.nn.Module()
-    method.create_weights(layer)
+    with DEV:  # the engine's model loader builds its modules on the target device
+        method.create_weights(layer)
     assert layer.w13_weight.shape == (E, 2 * I, H) and layer.w2_weight.shape == (E, H, I)
+    assert layer.w13_weight.device == DEV
     w13, w2 = expert_weights(4)
     layer.w13_weight.data.copy_(w13)  # the engine's weight loader
     layer.w2_weight.data.copy_(w2)
     method.process_weights_after_loading(layer)
+    assert_built_on_dev(method.layer)
     x, logits, ids, w = routing(5)
     dispatcher = dispatcher_cls()
-    d = dispatcher.dispatch(x, st.StandardTopKOutput(w, ids, logits))
+    d = dispatcher.dispatch(*on_dev(x), st.StandardTopKOutput(*on_dev(w, ids, logits)))
     y = dispatcher.combine(st.StandardCombineInput(method.apply(layer, d)))
     assert rel(y, 2.5 * reference(x, w13, w2, ids, w)) < BOUND  # routed_scaling_factor applied once
 
@@ -148,20 +176,23 @@ def test_trtllm_backend_loads_builds_and_forwards():
     routing_method = st.RenormalizeMoeRoutingMethod(K)
     moe = cls(routing_method=routing_method, num_experts=E, hidden_size=H, intermediate_size=I, dtype=torch.bfloat16,
               model_config=st.ModelConfig(max_num_tokens=32))
-    moe.create_weights()
+    with DEV:  # the engine materialises its modules' parameters on the device
+        moe.create_weights()
+    assert moe.w13_weight.device == DEV
     w13, w2 = expert_weights(6)
     ckpt = {}
     for e in range(E):
         ckpt[f"{e}.w1.weight"], ckpt[f"{e}.w3.weight"], ckpt[f"{e}.w2.weight"] = w13[e, :I], w13[e, I:], w2[e]
     moe.load_weights([ckpt])
     with pytest.raises(megamoe.FailedPreconditionError, match="before post_load_weights"):
-        moe.forward_impl(torch.zeros(1, H, dtype=torch.bfloat16), torch.zeros(1, E))
+        moe.forward_impl(torch.zeros(1, H, dtype=torch.bfloat16, device=DEV), torch.zeros(1, E, device=DEV))
     moe.post_load_weights()
+    assert_built_on_dev(moe.megamoe_layer)
     x, logits, _, _ = routing(7)
-    y = moe(x, logits)
+    y = moe(*on_dev(x, logits))
     ids, w = routing_method.apply(logits)
     assert rel(y, reference(x, w13, w2, ids, w)) < BOUND
-    fake = moe.forward_fake(x, logits)
+    fake = moe.forward_fake(*on_dev(x, logits))
     assert fake.shape == y.shape and fake.dtype == torch.bfloat16
 
 

@@ -5,7 +5,8 @@
 //   _set_error_classes() (megamoe/errors.py), with the C++ message unchanged.
 // - Tensors cross as plain tuples (data_ptr, dtype, shape, strides, device_kind, device_index), so
 //   numpy arrays, torch tensors and raw device pointers all use one path and nothing here knows a
-//   framework. The caller keeps the memory alive for the duration of the call (and, on a GPU
+//   framework; megamoe.torch's forward hands its tensors over as they are (forward_tensors: read
+//   through torch.Tensor's methods, with the dtype table it registered), for its host time. The caller keeps the memory alive for the duration of the call (and, on a GPU
 //   backend, until the stream has consumed it, as with any stream-ordered library).
 // - The GIL is released around every call that launches kernels, blocks on peers or runs the cpu
 //   backend's rank threads (create, warmup, forward, check_error, NCCL bootstraps), so ranks driven
@@ -96,6 +97,90 @@ TensorView to_view(nb::handle obj, const char* name) {
   return v;
 }
 
+// ---- tensors read in place (megamoe.torch's forward) ----
+// The same TensorView from an object with torch.Tensor's methods (dtype, data_ptr(), shape,
+// is_contiguous(), stride(), get_device()), read here rather than packed into a tuple in Python: the
+// forward's host time. Its dtype objects map to DType codes through the table megamoe.torch sets once
+// (_set_tensor_dtypes); nothing here imports torch.
+std::vector<std::pair<PyObject*, DType>> g_tensor_dtypes;  // strong references, for the process
+
+void set_tensor_dtypes(nb::list pairs) {
+  for (auto& e : g_tensor_dtypes) Py_DECREF(e.first);
+  g_tensor_dtypes.clear();
+  for (nb::handle item : pairs) {
+    nb::tuple t = nb::cast<nb::tuple>(item);
+    PyObject* dtype = t[0].ptr();
+    Py_INCREF(dtype);
+    g_tensor_dtypes.emplace_back(dtype, static_cast<DType>(nb::cast<int>(t[1])));
+  }
+}
+
+struct TensorNames {  // interned once
+  PyObject *dtype, *data_ptr, *shape, *is_contiguous, *stride, *get_device;
+};
+const TensorNames& tensor_names() {
+  static const TensorNames n{PyUnicode_InternFromString("dtype"), PyUnicode_InternFromString("data_ptr"),
+                             PyUnicode_InternFromString("shape"), PyUnicode_InternFromString("is_contiguous"),
+                             PyUnicode_InternFromString("stride"), PyUnicode_InternFromString("get_device")};
+  return n;
+}
+
+nb::object py_steal(PyObject* o) {
+  if (!o) throw nb::python_error();
+  return nb::steal(o);
+}
+
+int64_t py_int(PyObject* o) {
+  const long long v = PyLong_AsLongLong(o);
+  if (v == -1 && PyErr_Occurred()) throw nb::python_error();
+  return v;
+}
+
+TensorView tensor_view_of(nb::handle obj, const char* name) {
+  TensorView v;
+  if (obj.is_none()) return v;
+  const TensorNames& n = tensor_names();
+  PyObject* t = obj.ptr();
+  nb::object dtype = py_steal(PyObject_GetAttr(t, n.dtype));
+  bool known = false;
+  for (const auto& e : g_tensor_dtypes)
+    if (e.first == dtype.ptr()) {
+      v.dtype = e.second;
+      known = true;
+      break;
+    }
+  if (!known)
+    throw StatusError{StatusCode::kInvalidArgument, "invalid argument: " + std::string(name) + ".dtype=" +
+                                                        nb::cast<std::string>(nb::str(dtype)) +
+                                                        ", megamoe takes none of that dtype"};
+  v.data = reinterpret_cast<void*>(static_cast<uintptr_t>(py_int(py_steal(PyObject_CallMethodNoArgs(t, n.data_ptr)).ptr())));
+  nb::object shape = py_steal(PyObject_GetAttr(t, n.shape));  // torch.Size: a tuple
+  if (!PyTuple_Check(shape.ptr())) throw nb::type_error((std::string(name) + ".shape is not a tuple").c_str());
+  const Py_ssize_t ndim = PyTuple_GET_SIZE(shape.ptr());
+  if (ndim > TensorView::kMaxDims)
+    throw StatusError{StatusCode::kInvalidArgument, "invalid argument: " + std::string(name) + ".ndim=" +
+                                                        std::to_string(ndim) + ", must be at most " +
+                                                        std::to_string(TensorView::kMaxDims)};
+  v.ndim = static_cast<int>(ndim);
+  for (int i = 0; i < v.ndim; ++i) v.shape[i] = py_int(PyTuple_GET_ITEM(shape.ptr(), i));
+  nb::object contiguous = py_steal(PyObject_CallMethodNoArgs(t, n.is_contiguous));
+  if (contiguous.ptr() == Py_True) {
+    int64_t stride = 1;
+    for (int i = v.ndim - 1; i >= 0; --i) {
+      v.strides[i] = stride;
+      stride *= v.shape[i];
+    }
+  } else {
+    nb::object strides = py_steal(PyObject_CallMethodNoArgs(t, n.stride));
+    if (!PyTuple_Check(strides.ptr()) || PyTuple_GET_SIZE(strides.ptr()) != ndim)
+      throw nb::value_error((std::string(name) + ": strides and shape differ in length").c_str());
+    for (int i = 0; i < v.ndim; ++i) v.strides[i] = py_int(PyTuple_GET_ITEM(strides.ptr(), i));
+  }
+  const int64_t index = py_int(py_steal(PyObject_CallMethodNoArgs(t, n.get_device)).ptr());
+  v.device = index < 0 ? Device::cpu() : Device::cuda(static_cast<int>(index));
+  return v;
+}
+
 nb::tuple device_tuple(const Device& d) { return nb::make_tuple(static_cast<int>(d.kind), d.index); }
 
 // ---- layers ----
@@ -139,6 +224,21 @@ void forward(PyLayer& self, nb::handle x, nb::handle topk_ids, nb::handle topk_w
   MoeLayer& layer = self.get();
   const TensorView vx = to_view(x, "x"), vids = to_view(topk_ids, "topk_ids"),
                    vw = to_view(topk_weights, "topk_weights"), vy = to_view(y, "y"), vs = to_view(x_scale, "x_scale");
+  Status st;
+  {
+    nb::gil_scoped_release release;
+    st = layer.forward(vx, vids, vw, vy, reinterpret_cast<void*>(stream), vs);
+  }
+  check(st);
+}
+
+// forward() on tensors read in place (tensor_view_of): megamoe.torch's forward.
+void forward_tensors(PyLayer& self, nb::handle x, nb::handle topk_ids, nb::handle topk_weights, nb::handle y,
+                     uintptr_t stream, nb::handle x_scale) {
+  MoeLayer& layer = self.get();
+  const TensorView vx = tensor_view_of(x, "x"), vids = tensor_view_of(topk_ids, "topk_ids"),
+                   vw = tensor_view_of(topk_weights, "topk_weights"), vy = tensor_view_of(y, "y"),
+                   vs = tensor_view_of(x_scale, "x_scale");
   Status st;
   {
     nb::gil_scoped_release release;
@@ -301,6 +401,7 @@ NB_MODULE(_C, m) {
     }
   });
   m.def("_set_error_classes", &set_error_classes);
+  m.def("_set_tensor_dtypes", &set_tensor_dtypes, "pairs"_a);
 
   nb::enum_<StatusCode>(m, "StatusCode", nb::is_arithmetic())
       .value("ok", StatusCode::kOk)
@@ -553,6 +654,8 @@ NB_MODULE(_C, m) {
            })
       .def("forward", &forward, "x"_a, "topk_ids"_a, "topk_weights"_a, "y"_a, "stream"_a = 0,
            "x_scale"_a.none() = nb::none())
+      .def("forward_tensors", &forward_tensors, "x"_a, "topk_ids"_a, "topk_weights"_a, "y"_a, "stream"_a,
+           "x_scale"_a.none())
       .def(
           "check_error",
           [](PyLayer& self, uintptr_t stream) {

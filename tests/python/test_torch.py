@@ -65,6 +65,8 @@ def test_torch_layer_equals_numpy_layer_bitwise():
     np.testing.assert_array_equal(y.view(torch.int16).numpy().view(np.uint16), want.view(np.uint16))
     y64 = layer(x, ids.to(torch.int64), w)
     assert torch.equal(y64.view(torch.int16), y.view(torch.int16))
+    via_op = torch.ops.megamoe.forward(layer.handle, x, None, ids, w)  # the traced path; eager calls skip the op
+    assert torch.equal(via_op.view(torch.int16), y.view(torch.int16))
     wb = w.to(torch.bfloat16)
     assert torch.equal(layer(x, ids, wb).view(torch.int16), layer(x, ids, wb.float()).view(torch.int16))
     out = torch.full_like(y, float("nan"))

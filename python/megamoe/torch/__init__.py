@@ -7,13 +7,15 @@ one wheel serves every torch version.
     comm = mt.comm_from_process_group(ep_group, cpu_group=ep_cpu_group)   # collective, cached
     layer = mt.MoeLayer(geometry, megamoe.MoeWeights(w13, w2, w13_scale, w2_scale), config, comm)
     mt.warmup_all()                        # collective, every rank, before CUDA-graph capture
-    y = layer(x, topk_ids, topk_weights)   # torch.ops.megamoe.forward on the current stream
+    y = layer(x, topk_ids, topk_weights)   # one forward on the current stream
 
 - x: bf16 [T, H], or float8_e4m3fn with x_scale [T, H/128] fp32; topk_ids int32 or int64 (an int64
   tensor is converted on the device by the layer, never through the host); topk_weights fp32 or bf16.
 - out: preallocated (forward_out), or allocated from torch's caching allocator on x's device.
 - The ops `megamoe::forward` / `megamoe::forward_out` have fake implementations, so
   torch.compile(fullgraph=True) traces through them; a layer crosses an op as an integer handle.
+  Traced code, tensor subclasses and dispatch modes go through the ops; a plain eager call runs the
+  ops' body directly (the same launches, less host time).
 - A forward under CUDA-graph capture before warmup() raises FailedPreconditionError (call warmup()
   on every rank first).
 """
@@ -64,6 +66,10 @@ def _tensor_view(t: torch.Tensor) -> tuple:
 
 
 tensor_view = _tensor_view
+_C._set_tensor_dtypes([(d, int(c)) for d, c in _TORCH_DTYPES.items()])  # for MoeLayer._run
+
+_is_compiling = torch.compiler.is_compiling
+_dispatch_modes = torch._C._len_torch_dispatch_stack  # active TorchDispatchModes (0 in plain eager)
 
 if hasattr(torch._C, "_cuda_getCurrentRawStream"):
     _raw_stream = torch._C._cuda_getCurrentRawStream
@@ -119,6 +125,7 @@ class MoeLayer:
             self._layer = _HostLayer(geometry, MoeWeights(*(_host_copy(t) for t in
                                                             (w.w13, w.w2, w.w13_scale, w.w2_scale))), config, comm)
         self._impl = self._layer._impl
+        self._forward = self._impl.forward_tensors  # the tensors read in C++, not packed here
         g = self._layer.geometry
         self.hidden = g.hidden
         self.top_k = g.top_k
@@ -156,9 +163,18 @@ class MoeLayer:
     # ---- forward ----
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 out: Optional[torch.Tensor] = None, x_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if _is_compiling() or type(x) is not torch.Tensor or _dispatch_modes():
+            # Traced (torch.compile, export), a tensor subclass, or a dispatch mode (fake tensors,
+            # make_fx): through the torch ops, which those see.
+            if out is None:
+                return _ops.forward(self.handle, x, x_scale, topk_ids, topk_weights)
+            _ops.forward_out(self.handle, x, x_scale, topk_ids, topk_weights, out)
+            return out
+        # Eager: the ops' body itself (the dispatcher's round trip into a Python kernel costs more host
+        # time than the rest of the call); the same launches on the current stream, capturable alike.
         if out is None:
-            return _ops.forward(self.handle, x, x_scale, topk_ids, topk_weights)
-        _ops.forward_out(self.handle, x, x_scale, topk_ids, topk_weights, out)
+            out = torch.empty((x.shape[0], self.hidden), dtype=torch.bfloat16, device=x.device)
+        self._run(x, x_scale, topk_ids, topk_weights, out)
         return out
 
     __call__ = forward
@@ -168,8 +184,8 @@ class MoeLayer:
 
     def _run(self, x, x_scale, topk_ids, topk_weights, out) -> None:
         """The op's body: one _C call on the current stream."""
-        self._impl.forward(_tensor_view(x), _tensor_view(topk_ids), _tensor_view(topk_weights), _tensor_view(out),
-                           self._stream(), None if x_scale is None else _tensor_view(x_scale))
+        self._forward(x, topk_ids, topk_weights, out,
+                      _raw_stream(self._cuda_index) if self._cuda_index >= 0 else 0, x_scale)
 
     # ---- what it is ----
     @property

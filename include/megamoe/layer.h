@@ -98,6 +98,21 @@ class MoeLayer {
     return Status::ok();
   }
 
+  // Whether check_error() has a failure to report, without a host synchronisation: for an engine to
+  // poll between steps (then check_error() says what, and the group is rebuilt). The GPU backends read
+  // a snapshot of the device's error state (the error cell, the peers' abort cells, the bad-id
+  // counters) that a private non-blocking stream copies into pinned host memory; each call takes the
+  // latest snapshot that has arrived and starts the next, so it never waits for the device (a rank
+  // still waiting for a dead peer included), never synchronises nor touches the legacy default
+  // stream, and may run while another thread captures a CUDA graph. A failure shows at most one call
+  // late (a snapshot takes microseconds); *pending then stays true until check_error() reports.
+  // false before warmup(), and always on the cpu backend (forward() reports everything itself).
+  // After release(): kFailedPrecondition. Call it from the thread that drives the layer.
+  virtual Status error_pending(bool* pending) {
+    *pending = false;
+    return Status::ok();
+  }
+
   // Per-local-expert receive counts, for expert load balancing (EPLB). While `counts` is set, each
   // later forward adds to counts[e] the rows local expert e (global expert first_local_expert() + e)
   // received from every rank, on the layer's device in stream order: no host sync, capturable. The

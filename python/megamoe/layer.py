@@ -74,6 +74,14 @@ class MoeLayer:
         """Synchronises `stream` and raises what earlier forwards reported on the device."""
         self._impl.check_error(stream)
 
+    def error_pending(self) -> bool:
+        """Whether check_error() has a failure to report, without a host sync (poll it between steps;
+        then check_error() raises it). Reads the latest snapshot of the device's error state that has
+        arrived and starts the next, so it never waits: a failure shows at most one call late, then
+        stays pending until check_error(). Always False on the cpu backend (forward() raises itself).
+        After release(): FailedPreconditionError."""
+        return self._impl.error_pending()
+
     def release(self) -> None:
         """Frees the layer now (its weights, and its share of the workspace). Idempotent."""
         if self._impl.alive:

@@ -668,6 +668,20 @@ NB_MODULE(_C, m) {
             check(st);
           },
           "stream"_a = 0)
+      .def("error_pending",
+           [](PyLayer& self) {
+             if (!self.alive())
+               throw StatusError{StatusCode::kFailedPrecondition, "error_pending() after release(): build a new layer"};
+             MoeLayer& layer = self.get();
+             bool pending = false;
+             Status st;
+             {
+               nb::gil_scoped_release release;
+               st = layer.error_pending(&pending);
+             }
+             check(st);
+             return pending;
+           })
       .def("set_expert_counts",
            [](PyLayer& self, nb::handle counts) { check(self.get().set_expert_counts(to_view(counts, "counts"))); }, "counts"_a.none())
       .def("_time_forward", &time_forward, "x"_a, "topk_ids"_a, "topk_weights"_a, "y"_a, "stream"_a,

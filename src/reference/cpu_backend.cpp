@@ -199,9 +199,16 @@ Status CpuMoeLayer::set_expert_counts(const TensorView& counts) {
   return Status::ok();
 }
 
+Status CpuMoeLayer::error_pending(bool* pending) {
+  *pending = false;
+  if (released_) return Status(StatusCode::kFailedPrecondition, "error_pending() after release(): build a new layer");
+  return Status::ok();
+}
+
 Status CpuMoeLayer::forward(const TensorView& x, const TensorView& topk_ids, const TensorView& topk_weights,
                             const TensorView& y, void* /*stream: host backend*/, const TensorView& x_scale) {
   if (group_) MEGAMOE_RETURN_IF_ERROR(group_->check(rank_));
+  if (released_) return fail(Status(StatusCode::kFailedPrecondition, "forward() after release(): build a new layer"));
   Status st = validate_forward_args(geometry_, config_, Device::cpu(), x, x_scale, topk_ids, topk_weights, y);
   if (!st.is_ok()) return fail(st);
   return run_forward(x, x_scale, topk_ids, topk_weights, y);

@@ -43,6 +43,15 @@ class CpuMoeLayer final : public MoeLayer {
   Status forward(const TensorView& x, const TensorView& topk_ids, const TensorView& topk_weights, const TensorView& y,
                  void* stream = nullptr, const TensorView& x_scale = TensorView()) override;
 
+  // Marks the layer released: later forward() and error_pending() calls are refused. Its host
+  // workspace goes with the layer object.
+  Status release() override {
+    released_ = true;
+    return Status::ok();
+  }
+  // Always false: forward() reports every failure itself. After release(): kFailedPrecondition.
+  Status error_pending(bool* pending) override;
+
   // Adds each forward's received rows per local expert (after the dispatch) to `counts` (host).
   Status set_expert_counts(const TensorView& counts) override;
 
@@ -81,6 +90,7 @@ class CpuMoeLayer final : public MoeLayer {
   TensorView expert_counts_;  // absent: not counting
   std::mutex own_output_lock_;  // the in-kernel reduce's lock when there is no group
   int expert_workers_;                  // run_experts' max_workers
+  bool released_ = false;
   int64_t expert_min_fmas_per_worker_;  // run_experts' min_fmas_per_worker
 };
 

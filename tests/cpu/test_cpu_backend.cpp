@@ -404,6 +404,32 @@ TEST(CpuBackend, BadIdsAreRefusedByName_EP1) {
   EXPECT_FALSE(has_nan(y));
 }
 
+// The cpu backend reports every failure from forward() itself: error_pending() is false before and
+// after a failed forward; after release() it and forward() are refused, naming the call.
+TEST(CpuBackend, ErrorPendingIsFalse_RefusedAfterRelease_EP1) {
+  SingleLayer s(config(WeightFormat::kBf16, DispatchFormat::kBf16, CombineDtype::kBf16), 8);
+  bool pending = true;
+  ASSERT_TRUE(s.layer->error_pending(&pending).is_ok());
+  EXPECT_FALSE(pending) << "before warmup";
+  std::vector<uint16_t> y;
+  s.problem.ranks[0].topk_ids[0 * kK + 1] = -2;
+  EXPECT_EQ(s.forward(s.x_bf16(), &y).code(), StatusCode::kInvalidArgument);
+  pending = true;
+  ASSERT_TRUE(s.layer->error_pending(&pending).is_ok());
+  EXPECT_FALSE(pending) << "forward() reported the bad id itself";
+  EXPECT_TRUE(s.layer->check_error(nullptr).is_ok());
+  ASSERT_TRUE(s.layer->release().is_ok());
+  pending = true;
+  Status st = s.layer->error_pending(&pending);
+  EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(st.message().find("error_pending() after release()"), std::string::npos) << st.message();
+  EXPECT_FALSE(pending);
+  s.problem.ranks[0].topk_ids[0 * kK + 1] = -1;
+  st = s.forward(s.x_bf16(), &y);
+  EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(st.message().find("forward() after release()"), std::string::npos) << st.message();
+}
+
 TEST(CpuBackend, Fp8InputPassesThroughAndBf16DispatchDequantises) {
   for (bool pow2 : {false, true}) {
     SingleLayer s(config(WeightFormat::kFp8Block, DispatchFormat::kFp8Block, CombineDtype::kBf16, pow2), 32);

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -229,6 +230,134 @@ TEST(Sm90RoutedFaults, ARankThatStopsLaunchingMidRun_EP2_SharedGpu) {
   for (int r = 0; r < 2; ++r) {
     ASSERT_TRUE(st[r].is_ok()) << st[r].to_string();
     EXPECT_LE(rel_l2(io[r].output(), want[r]), reference::same_points_bound_one_forward(CombineDtype::kBf16, problem.ranks[r].num_tokens).rel_l2) << "rank " << r;
+  }
+}
+
+// error_pending() polled on the host while rank 0's forward waits for a rank that stopped launching:
+// every call returns at once (no host sync: a synchronising call would block for the whole wait),
+// it is false while the wait runs, turns true within MEGAMOE_WAIT_TIMEOUT_MS + 1 s, and check_error()
+// then reports the timeout with stage and peer.
+TEST(Sm90RoutedFaults, ErrorPendingSeesAStoppedPeerWithoutASync_EP2_SharedGpu) {
+  MEGAMOE_REQUIRE_SM90_GPUS(1);
+  const int64_t kTimeoutMs = 2000;
+  WaitTimeout bound(kTimeoutMs);
+  const MoeProblem problem = reference::make_random_problem(small_geometry(2, 32), 7, {32, 24});
+  std::vector<std::unique_ptr<MoeLayer>> layers;
+  std::vector<std::shared_ptr<Communicator>> comms;
+  ASSERT_TRUE(build_shared_group(problem, &layers, &comms).is_ok());
+  std::vector<DeviceIo> io(2);
+  for (int r = 0; r < 2; ++r) io[r].stage(0, problem.ranks[r], 512, 4);
+  std::vector<Status> st(2);
+  std::vector<int> pending_after_healthy(2, -1);
+  run_ranks(2, [&](int r) {  // a healthy forward: nothing pending, now or once the snapshots are in
+    cudaSetDevice(0);
+    st[r] = io[r].forward(layers[r].get());
+    if (st[r].is_ok()) st[r] = layers[r]->check_error(io[r].stream);
+    bool any = false;
+    for (int i = 0; i < 5 && st[r].is_ok(); ++i) {
+      bool p = true;
+      st[r] = layers[r]->error_pending(&p);
+      any = any || p;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    pending_after_healthy[r] = any ? 1 : 0;
+  });
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(st[r].is_ok()) << st[r].to_string();
+    EXPECT_EQ(pending_after_healthy[r], 0) << "rank " << r;
+  }
+  // Rank 1 stops: only rank 0 launches, then polls.
+  cudaSetDevice(0);
+  ASSERT_TRUE(io[0].forward(layers[0].get()).is_ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  bool pending = false;
+  double longest_call = 0, pending_at = -1;
+  int calls = 0;
+  while (seconds_since(t0) < kTimeoutMs / 1000.0 + 1.0) {
+    const auto c0 = std::chrono::steady_clock::now();
+    const Status p = layers[0]->error_pending(&pending);
+    longest_call = std::max(longest_call, seconds_since(c0));
+    ++calls;
+    ASSERT_TRUE(p.is_ok()) << p.to_string();
+    if (pending) {
+      pending_at = seconds_since(t0);
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  std::printf("[faults] error_pending: true after %.3f s (%d calls, longest call %.1f us; wait bound %lld ms)\n",
+              pending_at, calls, longest_call * 1e6, static_cast<long long>(kTimeoutMs));
+  ASSERT_TRUE(pending) << "error_pending() still false " << kTimeoutMs << " ms + 1 s after the peer stopped";
+  EXPECT_GE(pending_at, 0.9 * kTimeoutMs / 1000.0) << "pending before the wait could have timed out";
+  EXPECT_LT(longest_call, 0.1) << "an error_pending() call waited for the device";
+  bool still = false;
+  ASSERT_TRUE(layers[0]->error_pending(&still).is_ok());
+  EXPECT_TRUE(still) << "pending stays set until check_error()";
+  const Status err = layers[0]->check_error(io[0].stream);
+  EXPECT_EQ(err.code(), StatusCode::kTimeout) << err.to_string();
+  EXPECT_NE(err.message().find("dispatch-done"), std::string::npos) << err.message();
+  EXPECT_NE(err.message().find("peer rank 1"), std::string::npos) << err.message();
+  run_ranks(2, [&](int r) {  // teardown of the broken group: bounded
+    cudaSetDevice(0);
+    layers[r].reset();
+  });
+}
+
+// Bad expert ids from rank 1: its error_pending() turns true once the snapshot is in (bounded poll),
+// check_error() reports the first bad slot and clears the counters, and error_pending() is false again
+// afterwards (the group is healthy). After release(): refused.
+TEST(Sm90RoutedFaults, ErrorPendingSeesBadIdsAndClearsWithCheckError_EP2_SharedGpu) {
+  MEGAMOE_REQUIRE_SM90_GPUS(1);
+  WaitTimeout bound(2000);
+  MoeProblem problem = reference::make_random_problem(small_geometry(2, 32), 8, {32, 32});
+  problem.ranks[1].topk_ids[4 * 4 + 2] = 16 + 3;  // token 4, slot 2
+  std::vector<std::unique_ptr<MoeLayer>> layers;
+  std::vector<std::shared_ptr<Communicator>> comms;
+  ASSERT_TRUE(build_shared_group(problem, &layers, &comms).is_ok());
+  std::vector<DeviceIo> io(2);
+  for (int r = 0; r < 2; ++r) io[r].stage(0, problem.ranks[r], 512, 4);
+  std::vector<Status> st(2), err(2);
+  std::vector<int> seen(2, -1), after(2, -1);
+  run_ranks(2, [&](int r) {
+    cudaSetDevice(0);
+    st[r] = io[r].forward(layers[r].get());
+    if (st[r].is_ok()) st[r] = cudaStreamSynchronize(io[r].stream) == cudaSuccess ? Status::ok() : Status(StatusCode::kCudaError, "sync");
+    bool p = false;
+    const auto t0 = std::chrono::steady_clock::now();
+    while (st[r].is_ok() && !p && seconds_since(t0) < 1.0) {
+      st[r] = layers[r]->error_pending(&p);
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    seen[r] = p ? 1 : 0;
+    err[r] = layers[r]->check_error(io[r].stream);
+    bool any = false;
+    for (int i = 0; i < 5 && st[r].is_ok(); ++i) {
+      st[r] = layers[r]->error_pending(&p);
+      any = any || p;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    after[r] = any ? 1 : 0;
+  });
+  for (int r = 0; r < 2; ++r) ASSERT_TRUE(st[r].is_ok()) << "rank " << r << ": " << st[r].to_string();
+  EXPECT_EQ(seen[0], 0) << "rank 0 sent good ids";
+  EXPECT_EQ(seen[1], 1) << "rank 1's bad ids never showed in error_pending()";
+  EXPECT_TRUE(err[0].is_ok()) << err[0].to_string();
+  EXPECT_EQ(err[1].code(), StatusCode::kInvalidArgument) << err[1].to_string();
+  EXPECT_NE(err[1].message().find("topk_ids[4, 2]=19"), std::string::npos) << err[1].message();
+  EXPECT_EQ(after[0], 0);
+  EXPECT_EQ(after[1], 0) << "check_error() cleared the counters: nothing pending";
+  std::vector<Status> rel(2);
+  run_ranks(2, [&](int r) {
+    cudaSetDevice(0);
+    rel[r] = layers[r]->release();
+  });
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(rel[r].is_ok()) << rel[r].to_string();
+    bool p = true;
+    const Status s = layers[r]->error_pending(&p);
+    EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.to_string();
+    EXPECT_NE(s.message().find("error_pending() after release()"), std::string::npos) << s.message();
+    EXPECT_FALSE(p);
   }
 }
 

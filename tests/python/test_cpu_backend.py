@@ -218,3 +218,20 @@ def test_released_layer_refuses_calls():
     assert repr(layer) == "MoeLayer(released)"
     with pytest.raises(megamoe.FailedPreconditionError, match="the layer was destroyed"):
         layer.forward(p.x[0], p.ids[0], p.weights[0])
+    with pytest.raises(megamoe.FailedPreconditionError, match=r"error_pending\(\) after release\(\)"):
+        layer.error_pending()
+
+
+def test_error_pending_is_false_on_the_cpu_backend():
+    p = make_problem(seed=14, tokens=(4,))
+    with one_rank_layer(p) as layer:
+        assert layer.error_pending() is False  # before warmup
+        layer.warmup()
+        bad = p.ids[0].copy()
+        bad[1, 0] = -2
+        with pytest.raises(megamoe.InvalidArgumentError, match=r"topk_ids\[1, 0\]=-2"):
+            layer.forward(p.x[0], bad, p.weights[0])
+        assert layer.error_pending() is False  # forward() raised it itself: nothing left for check_error()
+        layer.check_error()
+        layer.forward(p.x[0], p.ids[0], p.weights[0])
+        assert layer.error_pending() is False

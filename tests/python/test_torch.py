@@ -113,6 +113,16 @@ def test_registry_keeps_creation_order_and_handles_die_with_their_layer():
     assert mt.layers() == []
 
 
+def test_error_pending_on_the_cpu_backend_and_after_release():
+    p = make_problem(seed=45, tokens=(4,))
+    layer = mt.MoeLayer(geometry(p), torch_weights(p), cpu_config()).warmup()
+    layer(to_torch(p.x[0]), to_torch(p.ids[0]), to_torch(p.weights[0]))
+    assert layer.error_pending() is False
+    layer.release()
+    with pytest.raises(megamoe.FailedPreconditionError, match=r"error_pending\(\) after release\(\)"):
+        layer.error_pending()
+
+
 def test_expert_counts_from_torch():
     p = make_problem(seed=44, tokens=(15,), minus_one_every=4)
     layer = mt.MoeLayer(geometry(p), torch_weights(p), cpu_config()).warmup()
@@ -158,7 +168,10 @@ def test_routed_from_torch_matches_cpu_backend():
     cpu = mt.MoeLayer(geometry(p, 64), torch_weights(p), megamoe.MoeConfig(backend="cpu", **cfg)).warmup()
     x, ids, w = gpu_inputs(p)
     y = routed(x, ids, w)
+    assert routed.error_pending() is False  # healthy, and no host sync
     routed.check_error()
+    torch.cuda.synchronize()
+    assert [routed.error_pending() for _ in range(3)] == [False] * 3  # the snapshots are in: still nothing
     want = cpu(x.cpu(), ids.cpu(), w.cpu())
     err = rel_l2(y.float().cpu().numpy(), want.float().numpy())
     bound = _C._same_points_bound(megamoe.CombineDtype.bf16)

@@ -144,6 +144,11 @@ class MoeLayer:
         """Synchronises the current stream and raises what earlier forwards reported on the device."""
         self._impl.check_error(self._stream())
 
+    def error_pending(self) -> bool:
+        """Whether check_error() has a failure to report, without a host sync (an engine polls it between
+        steps, then calls check_error()); see megamoe.MoeLayer.error_pending."""
+        return self._impl.error_pending()
+
     def release(self) -> None:
         _layers.pop(self.handle, None)
         self._layer.release()

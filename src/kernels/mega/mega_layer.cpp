@@ -175,6 +175,11 @@ class MegaMoeLayer final : public MoeLayer {
     return st;
   }
 
+  Status error_pending(bool* pending) override {
+    CudaDeviceGuard guard(device_);
+    return transport_->error_pending(pending);
+  }
+
   // The kernel's timeline (bench): while enabled, every forward stamps each CTA's phases into a device
   // buffer; last_stage_times() reports, per phase, the latest CTA's time from the earliest start.
   Status set_stage_timing(bool enabled) override {

@@ -199,6 +199,15 @@ class RoutedMoeLayer final : public MoeLayer {
     return st;
   }
 
+  Status error_pending(bool* pending) override {
+    *pending = false;
+    if (released_)
+      return Status(StatusCode::kFailedPrecondition, "error_pending() after release(): build a new layer");
+    if (!warmed_up_) return Status::ok();
+    CudaDeviceGuard guard(device_);
+    return transport_->error_pending(pending);
+  }
+
   // Collective, bounded: the transport's release (barrier, then the workspace reference: the last one
   // deregisters collectively), then this layer's device memory. Afterwards forward() is refused.
   Status release() override {

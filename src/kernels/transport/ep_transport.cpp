@@ -175,11 +175,50 @@ EpTransport::~EpTransport() {
   // Never waits for a peer: the scratch is local (cudaFree waits for this device's work, whose waits
   // are bounded) and the workspace reference goes outside any CollectiveReleaseScope (a collective
   // deregistration is left to the communicator's teardown).
-  if (scratch_) {
+  if (scratch_ || snapshot_) {
     CudaDeviceGuard guard(device_);
-    cudaFree(scratch_);
+    if (scratch_) cudaFree(scratch_);
+    free_error_snapshot();
   }
   workspace_.reset();
+}
+
+namespace {
+// error_pending()'s snapshot: [WaitError][signals region][InputStatus], each 8-byte aligned.
+constexpr size_t kSnapshotSignals = (sizeof(WaitError) + 7) / 8 * 8;
+size_t snapshot_status_offset(const WorkspaceLayout& l) { return kSnapshotSignals + static_cast<size_t>(l.signals.bytes); }
+}  // namespace
+
+Status EpTransport::make_error_snapshot() {
+  if (snapshot_) return Status::ok();
+  const size_t bytes = snapshot_status_offset(layout_) + sizeof(InputStatus);
+  void* host = nullptr;
+  cudaError_t err = cudaHostAlloc(&host, bytes, cudaHostAllocDefault);
+  if (err == cudaSuccess) {
+    std::memset(host, 0, bytes);
+    snapshot_ = static_cast<char*>(host);
+    err = cudaStreamCreateWithFlags(&snapshot_stream_, cudaStreamNonBlocking);
+  }
+  if (err == cudaSuccess) err = cudaEventCreateWithFlags(&snapshot_done_, cudaEventDisableTiming);
+  if (err != cudaSuccess) {
+    free_error_snapshot();
+    return cuda_status(err, "error_pending() snapshot (cudaHostAlloc, cudaStreamCreateWithFlags, cudaEventCreate)",
+                       __FILE__, __LINE__);
+  }
+  return Status::ok();
+}
+
+// Bounded: an in-flight snapshot is three copies that wait for no kernel.
+void EpTransport::free_error_snapshot() {
+  if (snapshot_in_flight_) cudaEventSynchronize(snapshot_done_);
+  snapshot_in_flight_ = false;
+  error_seen_ = false;
+  if (snapshot_done_) cudaEventDestroy(snapshot_done_);
+  if (snapshot_stream_) cudaStreamDestroy(snapshot_stream_);
+  if (snapshot_) cudaFreeHost(snapshot_);
+  snapshot_done_ = nullptr;
+  snapshot_stream_ = nullptr;
+  snapshot_ = nullptr;
 }
 
 // Warmup either completes or leaves the transport as it was before (retryable): nothing is kept from
@@ -221,6 +260,7 @@ Status EpTransport::warmup(cudaStream_t stream) {
       scratch.reset(p);
     }
     MEGAMOE_CUDA_CHECK(zero_device_sync(scratch.get(), sl.total));
+    MEGAMOE_RETURN_IF_ERROR(make_error_snapshot());
     // Commit: nothing below fails.
     workspace_ = std::move(ws);
     base_ = workspace_->base;
@@ -258,6 +298,7 @@ Status EpTransport::release(int64_t timeout_ms) {
   base_ = nullptr;
   for (void*& p : peer_base_) p = nullptr;
   combine_targets_ = CombineTargets{};
+  free_error_snapshot();
   if (scratch_) cudaFree(scratch_);
   scratch_ = nullptr;
   {
@@ -446,9 +487,69 @@ Status EpTransport::seed_epoch_for_test(uint64_t launches) {
   return Status::ok();
 }
 
+Status EpTransport::error_pending(bool* pending) {
+  *pending = false;
+  if (released_)
+    return Status(StatusCode::kFailedPrecondition, "EpTransport::error_pending() after release(): build a new transport");
+  if (!warmed_up_) return Status::ok();
+  if (!error_seen_) {
+    CudaDeviceGuard guard(device_);
+    // An event query is refused while another thread captures in global mode: relaxed for this
+    // thread (none of the calls below touches a capturing stream), restored on every path.
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    MEGAMOE_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+    const Status st = [&]() -> Status {
+      if (snapshot_in_flight_) {
+        const cudaError_t q = cudaEventQuery(snapshot_done_);
+        if (q == cudaErrorNotReady) {
+          (void)cudaGetLastError();  // not an error: the snapshot is still on its way
+          return Status::ok();
+        }
+        MEGAMOE_CUDA_CHECK(q);
+        snapshot_in_flight_ = false;
+        WaitError err{};
+        std::memcpy(&err, snapshot_, sizeof(err));
+        bool aborted = false;
+        for (int s = 0; s < size_; ++s) {
+          uint64_t abort = 0;
+          std::memcpy(&abort, snapshot_ + kSnapshotSignals +
+                                  (static_cast<size_t>(s) * WorkspaceLayout::kSignalSlots + kernels::kSlotAbort) * 8,
+                      sizeof(abort));
+          aborted = aborted || abort != 0;
+        }
+        InputStatus in{};
+        std::memcpy(&in, snapshot_ + snapshot_status_offset(layout_), sizeof(in));
+        error_seen_ = err.flag != 0 || aborted || in.bad_count != 0 || in.pool_overflow != 0;
+        if (error_seen_) return Status::ok();
+      }
+      const char* base = static_cast<const char*>(base_);
+      const ScratchLayout sl = ScratchLayout::make(options_.params);
+      MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(snapshot_, base + layout_.error_cell.offset, sizeof(WaitError),
+                                         cudaMemcpyDeviceToHost, snapshot_stream_));
+      MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(snapshot_ + kSnapshotSignals, base + layout_.signals.offset,
+                                         static_cast<size_t>(layout_.signals.bytes), cudaMemcpyDeviceToHost,
+                                         snapshot_stream_));
+      MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(snapshot_ + snapshot_status_offset(layout_),
+                                         static_cast<const char*>(scratch_) + sl.input_status, sizeof(InputStatus),
+                                         cudaMemcpyDeviceToHost, snapshot_stream_));
+      MEGAMOE_CUDA_CHECK(cudaEventRecord(snapshot_done_, snapshot_stream_));
+      snapshot_in_flight_ = true;
+      return Status::ok();
+    }();
+    cudaThreadExchangeStreamCaptureMode(&mode);
+    MEGAMOE_RETURN_IF_ERROR(st);
+  }
+  *pending = error_seen_;
+  return Status::ok();
+}
+
 Status EpTransport::check_error(cudaStream_t stream) {
   if (!warmed_up_) return Status::ok();
   CudaDeviceGuard guard(device_);
+  // error_pending()'s state restarts from what this check reports (it clears the bad-input counters).
+  if (snapshot_in_flight_) MEGAMOE_CUDA_CHECK(cudaEventSynchronize(snapshot_done_));
+  snapshot_in_flight_ = false;
+  error_seen_ = false;
   // Copies on the caller's stream (not the legacy default stream, which would order against, or
   // break the capture of, other threads' work in a one-process multi-rank driver).
   WaitError err{};
@@ -495,6 +596,8 @@ Status EpTransport::check_error(cudaStream_t stream) {
   MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   if (in.bad_count != 0 || in.pool_overflow != 0) {
     MEGAMOE_CUDA_CHECK(cudaMemsetAsync(status_ptr, 0, sizeof(in), stream));
+    // Cleared before any later error_pending() snapshot (another stream) can read the counters.
+    MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
     std::ostringstream os;
     if (in.bad_count != 0) {
       os << "invalid topk_ids: topk_ids[" << in.first_token << ", " << in.first_slot << "]=" << in.first_value

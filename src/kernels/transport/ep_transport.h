@@ -111,6 +111,17 @@ class EpTransport {
   // topk ids: first bad token, slot, value; the counters are cleared once reported).
   Status check_error(cudaStream_t stream);
 
+  // Whether check_error() has a failure to report, without a host synchronisation (an engine polls
+  // it between steps). Reads the latest snapshot of the cells check_error() reads (the error cell,
+  // every rank's abort cell in this rank's copy, the bad-input counters) that a private non-blocking
+  // stream finished copying into pinned host memory, and starts the next snapshot once that one is
+  // in. A call never waits: it queries an event and enqueues three small copies on that stream, so
+  // it never orders against the forwards' streams nor the legacy default stream, and runs while a
+  // kernel of this rank still waits for a peer (the copies need no SM). A failure therefore shows at
+  // most one call late. *pending then stays true until check_error() reports. Before warmup(): false.
+  // After release(): kFailedPrecondition. One host thread at a time (the one driving the layer).
+  Status error_pending(bool* pending);
+
   // Where an FC2 epilogue writes the weighted partial of pool row p itself, instead of combine_send()
   // (bf16 wire): row pool_dst[p] = src * rows_per_rank + token * k + slot names row (token * k + slot)
   // of peer_combine[src] (rank src's combine region through its LSA pointer, rows of H bf16), -1 none;
@@ -162,6 +173,9 @@ class EpTransport {
   Status check_tokens(const TensorView& topk_ids, const char* what, int64_t* num_tokens) const;
   Status check_expert_out(const TensorView& expert_out, const char* what) const;
   Status check_output(const TensorView& topk_ids, const TensorView& y, const char* what, int64_t* num_tokens) const;
+  // Pinned host snapshot of the error state and the private stream and event that copy it (warmup).
+  Status make_error_snapshot();
+  void free_error_snapshot();
 
   std::shared_ptr<Communicator> comm_;
   GpuRankComm* gpu_ = nullptr;
@@ -182,6 +196,12 @@ class EpTransport {
   bool warmed_up_ = false, released_ = false;
   int32_t* backend_counters_ = nullptr;
   int32_t* gated_offsets_ = nullptr;
+  // error_pending(): [WaitError][signals region][InputStatus] in pinned host memory.
+  char* snapshot_ = nullptr;
+  cudaStream_t snapshot_stream_ = nullptr;
+  cudaEvent_t snapshot_done_ = nullptr;
+  bool snapshot_in_flight_ = false;
+  bool error_seen_ = false;
 };
 
 // Stage names of the transport's waits ("dispatch-done", "combine-done").

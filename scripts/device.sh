@@ -55,7 +55,8 @@
 #   python                 the Python package's tests with torch on the GPU (tests/python: the torch
 #                          tier, the routed backend from torch, host overhead, captured kernel nodes):
 #                          installs $BIN/python/megamoe-*.whl (a wheel built for the device's python3)
-#                          into $OUT/site without dependencies, then the GPU tests Sm90RoutedInputs*
+#                          into $OUT/site without dependencies, then the GPU tests Sm90RoutedInputs* and
+#                          Sm90RoutedFaults.ErrorPending* (error_pending() polled without a host sync)
 #   verify                 one device call's worth of checks in priority order, each stage bounded and
 #                          skipped when VERIFY_SECONDS (540) would run out: the mega tests (EP1, then
 #                          logical ranks), the rest of the GPU suite, the soak (SOAK_FORWARDS, 300),
@@ -653,7 +654,7 @@ python_tests() {
   echo "python: pytest exit $prc"
   grep -E "host time per forward|kernel nodes|routed vs cpu|FAILED|Error|passed|failed|skipped" "$OUT/pytest.log" | tail -25
   [[ $prc -eq 0 ]] || rc=1
-  TEST_TIMEOUT=120 run_tests "${FILTER:-Sm90RoutedInputs*}" || rc=1
+  TEST_TIMEOUT=120 run_tests "${FILTER:-Sm90RoutedInputs*:Sm90RoutedFaults.ErrorPending*}" || rc=1
 }
 
 case $sub in

@@ -66,6 +66,21 @@ Status weight_dispatch_pairing_gate(const char* backend, const MoeConfig& c) {
     return Status(StatusCode::kUnavailable, std::string("the ") + backend +
                                                 " backend runs bf16 weights with dispatch_format=bf16 (got "
                                                 "dispatch_format=" + to_string(c.dispatch_format) + ")");
+  if (c.weight_format == WeightFormat::kMxfp4 && c.dispatch_format != DispatchFormat::kFp8Block)
+    return Status(StatusCode::kUnavailable, std::string("the ") + backend +
+                                                " backend runs mxfp4 weights with dispatch_format=fp8-block (e4m3 "
+                                                "activations; got dispatch_format=" + to_string(c.dispatch_format) +
+                                                ")");
+  return Status::ok();
+}
+
+Status mxfp4_shape_gate(const char* backend, const MoeGeometry& g, const MoeConfig& c) {
+  if (c.weight_format != WeightFormat::kMxfp4) return Status::ok();
+  if (g.hidden % 256 != 0)
+    return Status(StatusCode::kUnavailable, std::string("the ") + backend + " backend: geometry.hidden=" +
+                                                str(g.hidden) +
+                                                " must be a multiple of 256 with weight_format=mxfp4 (FC2's N = "
+                                                "hidden runs the mxfp4 GEMM's 256-wide tiles)");
   return Status::ok();
 }
 

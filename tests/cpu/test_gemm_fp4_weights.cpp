@@ -4,6 +4,7 @@
 // a warp's fragment reads are 512 contiguous bytes.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <random>
 #include <set>
 #include <vector>
@@ -43,6 +44,52 @@ void expect_layout_matches_expansion(const Mxfp4Stack& s) {
   }
   EXPECT_EQ(diffs, 0);
   EXPECT_EQ(scale_diffs, 0);
+}
+
+// A device image read back as the GEMM reads it: the block scales first, the pieces from
+// mxfp4_pieces_offset() on.
+Mxfp4GemmWeights from_image(const std::vector<uint8_t>& image, int64_t e, int64_t n, int64_t k) {
+  Mxfp4GemmWeights w;
+  w.num_experts = e;
+  w.n = n;
+  w.k = k;
+  w.block_scales.resize(e * (n / 128) * (k / 128));
+  std::memcpy(w.block_scales.data(), image.data(), w.block_scales.size() * sizeof(float));
+  w.slabs.assign(image.begin() + mxfp4_pieces_offset(e, n, k), image.end());
+  return w;
+}
+
+// The layers' upload (prepare_mxfp4_expert_images): every w13 and w2 element of the images, read back
+// through the fragment layout under its block scale, is the mxfp4 value of the element weights.h puts
+// there (w13 row r at the SwiGLU-prepared row), within 15 binades exactly.
+TEST(GemmFp4Weights, ExpertImagesHoldTheLayersWeightsInTheSwigluRowOrder) {
+  const int64_t E = 2, H = 256, I = 128;
+  const Mxfp4Stack w13 = random_stack(E, 2 * I, H, 12, 7u), w2 = random_stack(E, H, I, 12, 8u);
+  std::vector<uint8_t> image13, image2;
+  prepare_mxfp4_expert_images(w13.packed.data(), w13.scales.data(), w2.packed.data(), w2.scales.data(), E, H, I,
+                              &image13, &image2);
+  ASSERT_EQ(static_cast<int64_t>(image13.size()),
+            mxfp4_pieces_offset(E, 2 * I, H) + E * (H / 128) * (2 * I / 64) * kFp4SlabBytes);
+  int64_t checked = 0, diffs = 0;
+  for (int which = 0; which < 2; ++which) {
+    const Mxfp4Stack& s = which == 0 ? w13 : w2;
+    const Mxfp4GemmWeights w = from_image(which == 0 ? image13 : image2, s.e, s.n, s.k);
+    std::vector<float> v(s.n * s.k);
+    for (int64_t e = 0; e < s.e; ++e) {
+      fmt::dequantize_mxfp4(&s.packed[e * s.n * s.k / 2], &s.scales[e * s.n * s.k / 32], s.n * s.k, v.data());
+      for (int64_t r = 0; r < s.n; ++r) {
+        const int64_t row = which == 0 ? swiglu_prepared_row(r, I) : r;
+        for (int64_t c = 0; c < s.k; ++c) {
+          const float scale = w.block_scales[(e * (s.n / 128) + row / 128) * (s.k / 128) + c / 128];
+          const float got = fmt::e4m3_to_float(mxfp4_gemm_e4m3(w, e, row, c)) * scale;
+          diffs += got != v[r * s.k + c];
+          ++checked;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(checked, E * 2 * I * H + E * H * I);
+  EXPECT_EQ(diffs, 0);
 }
 
 TEST(GemmFp4Weights, FragmentLayoutReadsBackTheExpansion_WithinFifteenBinades) {

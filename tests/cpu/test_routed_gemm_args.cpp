@@ -76,6 +76,48 @@ TEST(RoutedGemmArgs, EveryPresetAtOddMaxTokensValidates) {
   EXPECT_GT(checked, 200);
 }
 
+// mxfp4 weights: both GEMMs in the mxfp4 mode (the weights' image as b, no b_scales, the fp8-block
+// A side and SwiGLU + fp8 epilogue), for every preset; tile knobs the mxfp4 GEMM has no configuration
+// for (64- and 128-row tiles, 128 wide, clusters) are left to its heuristic, never refused at warmup.
+TEST(RoutedGemmArgs, Mxfp4WeightsRunTheGemmsMxfp4Mode) {
+  for (const Preset& p : kPresets) {
+    for (int64_t ep : {1, 8}) {
+      if (p.experts % ep != 0) continue;
+      for (int32_t bm : {0, 16, 32, 64, 128}) {
+        MoeGeometry g;
+        g.hidden = p.hidden;
+        g.intermediate = p.intermediate;
+        g.num_experts = p.experts;
+        g.top_k = p.top_k;
+        g.ep_size = ep;
+        g.max_tokens_per_rank = 33;
+        MoeConfig c;
+        c.weight_format = WeightFormat::kMxfp4;
+        c.knobs.block_m = bm;
+        c.knobs.block_n = bm == 64 ? 128 : 0;
+        c.knobs.gemm_cluster = bm == 128 ? 2 : 0;
+        const WorkspaceLayout l = WorkspaceLayout::make(workspace_params(g, c));
+        RoutedGemmBuffers b = fake_buffers(g);
+        b.w13_scales = b.w2_scales = nullptr;  // mxfp4: inside the weights' images
+        gemm::GroupedGemmArgs fc1, fc2;
+        const Status st = make_routed_gemm_args(g, c, l, b, 0, &fc1, &fc2);
+        ASSERT_TRUE(st.is_ok()) << p.name << " EP" << ep << " block_m " << bm << ": " << st.to_string();
+        EXPECT_EQ(fc1.dtype, gemm::GemmDtype::kMxfp4);
+        EXPECT_EQ(fc2.dtype, gemm::GemmDtype::kMxfp4);
+        EXPECT_EQ(fc1.epilogue, gemm::GemmEpilogue::kSwigluFp8);
+        EXPECT_EQ(fc1.b_scales, nullptr);
+        EXPECT_EQ(fc2.b_scales, nullptr);
+        EXPECT_NE(fc1.a_scales, nullptr);
+        EXPECT_EQ(fc2.a_scales, fc1.d_scales);
+        EXPECT_EQ(fc1.tiles.block_m, bm == 16 || bm == 32 ? bm : 0);
+        EXPECT_EQ(fc2.tiles.block_n, 0);
+        EXPECT_NE(fc1.tiles.cluster, 2);
+        EXPECT_TRUE(routed_format_gate(g, c).is_ok()) << p.name << ": " << routed_format_gate(g, c).message();
+      }
+    }
+  }
+}
+
 TEST(RoutedGemmArgs, TheBucketHintFollowsTheRowsReceived) {
   MoeGeometry g;
   g.hidden = 7168;

@@ -112,6 +112,36 @@ TEST(Selection, RoutedFormatGateNamesTheUnsupportedFormat) {
   EXPECT_FALSE(routed_format_gate(g, c).is_ok());
 }
 
+// mxfp4 weights: accepted by the routed gate with an fp8-block dispatch on a hidden the mxfp4 GEMM's
+// 256-wide tiles divide; otherwise refused naming the field, its value and the rule, and `auto` then
+// does not pick routed.
+TEST(Selection, RoutedGateTakesMxfp4WeightsAndNamesItsRules) {
+  MoeGeometry g = geometry_with_tokens(128);
+  MoeConfig c;
+  c.weight_format = WeightFormat::kMxfp4;
+  EXPECT_EQ(c.dispatch_format, DispatchFormat::kFp8Block);
+  EXPECT_TRUE(routed_format_gate(g, c).is_ok()) << routed_format_gate(g, c).message();
+  c.dispatch_format = DispatchFormat::kBf16;
+  Status st = routed_format_gate(g, c);
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("mxfp4 weights with dispatch_format=fp8-block"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("got dispatch_format=bf16"), std::string::npos) << st.message();
+  c.dispatch_format = DispatchFormat::kFp8Block;
+  g.hidden = 384;  // a multiple of 128 (the geometry accepts it), not of 256
+  ASSERT_TRUE(c.validate(g).is_ok());
+  st = routed_format_gate(g, c);
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_EQ(st.code(), StatusCode::kUnavailable);
+  EXPECT_NE(st.message().find("hidden=384"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("multiple of 256 with weight_format=mxfp4"), std::string::npos) << st.message();
+  const BackendSelection s = select_backend(g, c, mega_format_gate(g, c), st);
+  EXPECT_EQ(s.backend, Backend::kCpu) << s.reason;
+  EXPECT_NE(s.reason.find("hidden=384"), std::string::npos) << s.reason;
+  // fp8-block weights keep their 128 rule.
+  c.weight_format = WeightFormat::kFp8Block;
+  EXPECT_TRUE(routed_format_gate(g, c).is_ok()) << routed_format_gate(g, c).message();
+}
+
 // The routed gate carries the EP transport's limits and the grouped GEMMs' shape rules, so `auto`
 // never picks a routed layer that create() or warmup() would refuse: each row is a geometry that the
 // config validation accepts, with the field and rule the gate names, and what auto then picks.

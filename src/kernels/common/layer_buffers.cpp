@@ -77,11 +77,23 @@ Status single_rank_group(int device, std::shared_ptr<Communicator>* out) {
   return Status::ok();
 }
 
-Status upload_expert_weights(int device, const MoeGeometry& geometry, bool fp8, const PreparedWeights& weights,
+Status upload_expert_weights(int device, const MoeGeometry& geometry, const PreparedWeights& weights,
                              ExpertWeightBuffers* out) {
   const QuantizedTensor& w13 = weights.w13;
   const QuantizedTensor& w2 = weights.w2;
   const int64_t El = geometry.experts_per_rank(), H = geometry.hidden, I = geometry.intermediate;
+  if (weights.format == WeightFormat::kMxfp4) {
+    std::vector<uint8_t> image13, image2;
+    gemm::prepare_mxfp4_expert_images(w13.data.data(), w13.scales.data(), w2.data.data(), w2.scales.data(), El, H, I,
+                                      &image13, &image2);
+    MEGAMOE_RETURN_IF_ERROR(upload(device, image13.data(), static_cast<int64_t>(image13.size()), &out->w13));
+    MEGAMOE_RETURN_IF_ERROR(upload(device, image2.data(), static_cast<int64_t>(image2.size()), &out->w2));
+    return Status::ok();
+  }
+  const bool fp8 = weights.format == WeightFormat::kFp8Block;
+  if (!fp8 && weights.format != WeightFormat::kBf16)
+    return Status(StatusCode::kInternal, std::string("upload_expert_weights: no GPU layout for weight format ") +
+                                             to_string(weights.format));
   const int64_t elem = fp8 ? 1 : 2;
   std::vector<uint8_t> w13_swiglu(w13.data.size());
   gemm::prepare_w13_for_swiglu(w13.data.data(), El, I, H, elem, w13_swiglu.data());

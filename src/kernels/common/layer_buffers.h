@@ -42,12 +42,15 @@ Status shared_scratch(int device, uint64_t group_id, int rank, int purpose, int6
 // one workspace too (WorkspacePool keys include the group).
 Status single_rank_group(int device, std::shared_ptr<Communicator>* out);
 
-// This rank's experts as the grouped GEMM reads them: w13 reordered for the SwiGLU epilogue
-// (gemm_weights.h), w2 as prepared; fp32 block scales for fp8-block weights (w13's reordered too).
+// This rank's experts as the grouped GEMM reads them (weights.format: bf16, fp8-block or mxfp4): w13
+// reordered for the SwiGLU epilogue (gemm_weights.h), w2 as prepared; fp32 block scales for fp8-block
+// weights (w13's reordered too); mxfp4: each of w13 and w2 one device image of gemm_weights.h's
+// Mxfp4GemmWeights (its block scales inside, no separate scale buffer), made from the packed codes and
+// their e8m0 scales (w13's rows reordered first).
 struct ExpertWeightBuffers {
   std::shared_ptr<DeviceBuffer> w13, w13_scales, w2, w2_scales;
 };
-Status upload_expert_weights(int device, const MoeGeometry& geometry, bool fp8, const PreparedWeights& weights,
+Status upload_expert_weights(int device, const MoeGeometry& geometry, const PreparedWeights& weights,
                              ExpertWeightBuffers* out);
 
 }  // namespace megamoe

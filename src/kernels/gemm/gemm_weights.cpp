@@ -92,6 +92,23 @@ void prepare_mxfp4_for_gemm(const uint8_t* packed, const uint8_t* scales, int64_
   }
 }
 
+void prepare_mxfp4_expert_images(const uint8_t* w13_packed, const uint8_t* w13_scales, const uint8_t* w2_packed,
+                                 const uint8_t* w2_scales, int64_t num_experts, int64_t hidden, int64_t intermediate,
+                                 std::vector<uint8_t>* w13_image, std::vector<uint8_t>* w2_image) {
+  const int64_t E = num_experts, H = hidden, I = intermediate;
+  std::vector<uint8_t> codes(static_cast<size_t>(E * 2 * I * H / 2)), scales(static_cast<size_t>(E * 2 * I * H / 32));
+  prepare_w13_for_swiglu(w13_packed, E, I, H / 2, 1, codes.data());
+  prepare_w13_for_swiglu(w13_scales, E, I, H / 32, 1, scales.data());
+  {
+    Mxfp4GemmWeights w;
+    prepare_mxfp4_for_gemm(codes.data(), scales.data(), E, 2 * I, H, &w);
+    *w13_image = device_image(w);
+  }
+  Mxfp4GemmWeights w;
+  prepare_mxfp4_for_gemm(w2_packed, w2_scales, E, H, I, &w);
+  *w2_image = device_image(w);
+}
+
 std::vector<uint8_t> device_image(const Mxfp4GemmWeights& w) {
   const int64_t off = mxfp4_pieces_offset(w.num_experts, w.n, w.k);
   std::vector<uint8_t> img(static_cast<size_t>(off) + w.slabs.size(), 0);

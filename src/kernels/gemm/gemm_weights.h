@@ -65,6 +65,14 @@ std::vector<uint8_t> device_image(const Mxfp4GemmWeights& w);
 void prepare_mxfp4_for_gemm(const uint8_t* packed, const uint8_t* scales, int64_t num_experts, int64_t n, int64_t k,
                             Mxfp4GemmWeights* out);
 
+// One layer's mxfp4 experts (weights.h's layout: w13 [E, 2I, H] and w2 [E, H, I] packed codes + e8m0
+// scales per 1x32) as the GEMM's two device images: w13's code and scale rows reordered for the
+// SwiGLU epilogue (prepare_w13_for_swiglu), then both through prepare_mxfp4_for_gemm. I a multiple of
+// 128, H of 128.
+void prepare_mxfp4_expert_images(const uint8_t* w13_packed, const uint8_t* w13_scales, const uint8_t* w2_packed,
+                                 const uint8_t* w2_scales, int64_t num_experts, int64_t hidden, int64_t intermediate,
+                                 std::vector<uint8_t>* w13_image, std::vector<uint8_t>* w2_image);
+
 // Where element (expert e, row, column) of `w` lives: the first byte of its fragment word, its code's
 // index in the word (fmt::fp4_word_code), and the byte of its shift index.
 struct Fp4ElementPlace {

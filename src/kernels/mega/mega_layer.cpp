@@ -61,7 +61,7 @@ class MegaMoeLayer final : public MoeLayer {
     opt.num_sms = config_.knobs.num_sms;
     MEGAMOE_RETURN_IF_ERROR(EpTransport::create(std::move(comm), opt, &transport_));
     ExpertWeightBuffers w;
-    MEGAMOE_RETURN_IF_ERROR(upload_expert_weights(device_, geometry_, fp8(), weights_, &w));
+    MEGAMOE_RETURN_IF_ERROR(upload_expert_weights(device_, geometry_, weights_, &w));
     weights_dev_ = std::move(w);
     return Status::ok();
   }

@@ -7,8 +7,9 @@
 //   -> FC2 grouped GEMM: with a bf16 wire and one row per slot, its epilogue writes the weighted rows
 //      into the source ranks' combine regions through the peer pointers; else bf16 rows to expert_out
 //   -> combine (the reduce alone) or send_and_combine (owner sums, encode, send, reduce) -> y.
-// Formats: fp8-block weights with fp8-block dispatch, or bf16 weights with bf16 dispatch; every
-// combine wire; no in-kernel FC2 reduce.
+// Formats: fp8-block or mxfp4 weights with fp8-block dispatch (mxfp4: the GEMMs' mxfp4 mode, the
+// e2m1 codes expanded to e4m3 in the pipeline; 16- and 32-row tiles only, hidden a multiple of 256),
+// or bf16 weights with bf16 dispatch; every combine wire; no in-kernel FC2 reduce.
 //
 // Buffers and who shares them (layer.h states the rules for callers):
 // - the symmetric workspace (EpTransport, WorkspacePool): every layer of one WorkspaceKey (geometry,
@@ -278,7 +279,8 @@ class RoutedMoeLayer final : public MoeLayer {
   Device device() const override { return Device::cuda(device_); }
 
  private:
-  bool fp8() const { return config_.weight_format == WeightFormat::kFp8Block; }
+  // e4m3 activations with 1x128 scales (fp8-block and mxfp4 weights): the pool's scales transposed for FC1.
+  bool fp8() const { return config_.weight_format != WeightFormat::kBf16; }
 
   // Both GEMMs' arguments (make_routed_gemm_args) for the current config and the plans made from
   // them: built at warmup and again when set_knobs changes the knobs. Keeps the old ones on failure.
@@ -454,10 +456,11 @@ class RoutedMoeLayer final : public MoeLayer {
     return Status::ok();
   }
 
-  // w13 reordered for the SwiGLU epilogue (gemm_weights.h), w2 as prepared; fp32 block scales.
+  // w13 reordered for the SwiGLU epilogue (gemm_weights.h), w2 as prepared; fp32 block scales
+  // (mxfp4: the GEMM's device images, block scales inside).
   Status upload_weights() {
     ExpertWeightBuffers w;
-    MEGAMOE_RETURN_IF_ERROR(upload_expert_weights(device_, geometry_, fp8(), weights_, &w));
+    MEGAMOE_RETURN_IF_ERROR(upload_expert_weights(device_, geometry_, weights_, &w));
     w13_ = std::move(w.w13);
     w13_scales_ = std::move(w.w13_scales);
     w2_ = std::move(w.w2);
@@ -487,13 +490,16 @@ class RoutedMoeLayer final : public MoeLayer {
 
 // Knobs as GEMM tiles; 0 leaves the field to the GEMM's heuristic for the forward's bucket. A
 // BLOCK_N the GEMM cannot run for this N (not 128/256, not dividing N, or not 256 for SwiGLU) is left
-// to the heuristic too. (The pool is not padded, so any BLOCK_M runs any segment.)
+// to the heuristic too, and so are mxfp4 tiles the GEMM has no configuration for (BLOCK_M other than
+// 16 or 32, BLOCK_N other than 256). (The pool is not padded, so any BLOCK_M runs any segment.)
 gemm::GemmTileConfig tiles_for(const MoeConfig& c, int32_t n, bool swiglu, int gemm_sms) {
   const bool fp8 = c.weight_format == WeightFormat::kFp8Block;
+  const bool mxfp4 = c.weight_format == WeightFormat::kMxfp4;
   gemm::GemmTileConfig t;
   t.block_m = c.knobs.block_m;
+  if (mxfp4 && t.block_m != 16 && t.block_m != 32) t.block_m = 0;
   const int32_t bn = c.knobs.block_n;
-  const bool bn_ok = swiglu ? bn == 256 : ((bn == 128 || bn == 256) && n % bn == 0);
+  const bool bn_ok = swiglu || mxfp4 ? bn == 256 : ((bn == 128 || bn == 256) && n % bn == 0);
   t.block_n = bn_ok ? bn : 0;
   t.num_sms = c.knobs.num_sms;
   if (gemm_sms > 0) t.num_sms = t.num_sms > 0 ? std::min(t.num_sms, gemm_sms) : gemm_sms;
@@ -519,7 +525,8 @@ int64_t routed_rows_per_expert(const MoeGeometry& g, int64_t rows) {
 Status make_routed_gemm_args(const MoeGeometry& g, const MoeConfig& c, const WorkspaceLayout& l,
                              const RoutedGemmBuffers& b, int gemm_sms, gemm::GroupedGemmArgs* fc1_out,
                              gemm::GroupedGemmArgs* fc2_out) {
-  const bool fp8 = c.weight_format == WeightFormat::kFp8Block;
+  const bool mxfp4 = c.weight_format == WeightFormat::kMxfp4;
+  const bool fp8 = c.weight_format == WeightFormat::kFp8Block || mxfp4;  // e4m3 activations, 1x128 scales
   const int64_t P = l.pool_rows, H = g.hidden, I = g.intermediate;
   const int32_t El = static_cast<int32_t>(g.experts_per_rank());
   // invariant: P is a multiple of 4, the leading dimension of the M-major scale arrays below.
@@ -527,7 +534,7 @@ Status make_routed_gemm_args(const MoeGeometry& g, const MoeConfig& c, const Wor
     return Status(StatusCode::kInternal, "routed GEMMs: pool_rows=" + str(P) + " is not a multiple of 4 (WorkspaceLayout)");
   char* base = b.workspace;
   gemm::GroupedGemmArgs fc1;  // FC1 + SwiGLU (+ fp8 requant): pool_x -> intermediate
-  fc1.dtype = fp8 ? gemm::GemmDtype::kFp8Block : gemm::GemmDtype::kBf16;
+  fc1.dtype = mxfp4 ? gemm::GemmDtype::kMxfp4 : fp8 ? gemm::GemmDtype::kFp8Block : gemm::GemmDtype::kBf16;
   fc1.layout = gemm::GroupedLayout::kContiguous;
   fc1.epilogue = fp8 ? gemm::GemmEpilogue::kSwigluFp8 : gemm::GemmEpilogue::kSwigluBf16;
   fc1.num_experts = El;
@@ -545,7 +552,7 @@ Status make_routed_gemm_args(const MoeGeometry& g, const MoeConfig& c, const Wor
   if (fp8) {
     fc1.a_scales = b.a_scales;
     fc1.ld_a_scales = P;
-    fc1.b_scales = b.w13_scales;
+    fc1.b_scales = mxfp4 ? nullptr : b.w13_scales;  // mxfp4: inside the image
     // invariant: the intermediate_scales region holds P * I/128 fp32, here M-major [I/128][P].
     fc1.d_scales = reinterpret_cast<float*>(base + l.intermediate_scales.offset);
     fc1.ld_d_scales = P;
@@ -584,7 +591,7 @@ Status make_routed_gemm_args(const MoeGeometry& g, const MoeConfig& c, const Wor
   if (fp8) {
     fc2.a_scales = fc1.d_scales;
     fc2.ld_a_scales = P;
-    fc2.b_scales = b.w2_scales;
+    fc2.b_scales = mxfp4 ? nullptr : b.w2_scales;
   }
   if (P > 0) {
     MEGAMOE_RETURN_IF_ERROR(gemm::validate_grouped_gemm(fc1));
@@ -597,9 +604,11 @@ Status make_routed_gemm_args(const MoeGeometry& g, const MoeConfig& c, const Wor
 
 Status routed_format_gate(const MoeGeometry& g, const MoeConfig& c) {
   MEGAMOE_RETURN_IF_ERROR(weight_dispatch_pairing_gate("routed", c));
-  if (c.weight_format != WeightFormat::kFp8Block && c.weight_format != WeightFormat::kBf16)
+  if (c.weight_format != WeightFormat::kFp8Block && c.weight_format != WeightFormat::kBf16 &&
+      c.weight_format != WeightFormat::kMxfp4)
     return Status(StatusCode::kUnavailable, std::string("the routed backend has no ") + to_string(c.weight_format) +
-                                                " grouped GEMM yet (fp8-block or bf16 weights)");
+                                                " grouped GEMM yet (fp8-block, mxfp4 or bf16 weights)");
+  MEGAMOE_RETURN_IF_ERROR(mxfp4_shape_gate("routed", g, c));
   if (g.experts_per_rank() > 512)
     return Status(StatusCode::kUnavailable, "the routed backend's grouped GEMM takes at most 512 local experts (got " +
                                                 std::to_string(g.experts_per_rank()) + " = num_experts / ep_size)");

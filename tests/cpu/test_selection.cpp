@@ -142,6 +142,23 @@ TEST(Selection, RoutedGateTakesMxfp4WeightsAndNamesItsRules) {
   EXPECT_TRUE(routed_format_gate(g, c).is_ok()) << routed_format_gate(g, c).message();
 }
 
+// The mega backend's static gate takes mxfp4 weights on the same rules (its pairing message names
+// mega); `auto` does not pick mega for them (MoeLayer::create's selection keeps to routed).
+TEST(Selection, MegaGateTakesMxfp4Weights) {
+  MoeGeometry g = geometry_with_tokens(64);
+  MoeConfig c;
+  c.weight_format = WeightFormat::kMxfp4;
+  EXPECT_TRUE(mega_format_gate(g, c).is_ok()) << mega_format_gate(g, c).message();
+  c.dispatch_format = DispatchFormat::kBf16;
+  const Status st = mega_format_gate(g, c);
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("the mega backend runs mxfp4 weights with dispatch_format=fp8-block"), std::string::npos)
+      << st.message();
+  c.weight_format = WeightFormat::kNvfp4;
+  c.dispatch_format = DispatchFormat::kFp8Block;
+  EXPECT_FALSE(mega_format_gate(g, c).is_ok());
+}
+
 // The routed gate carries the EP transport's limits and the grouped GEMMs' shape rules, so `auto`
 // never picks a routed layer that create() or warmup() would refuse: each row is a geometry that the
 // config validation accepts, with the field and rule the gate names, and what auto then picks.

@@ -121,6 +121,7 @@ std::vector<Mxfp4LayerCase> cases_for(Backend b) {
 
 std::vector<Mxfp4LayerCase> all_cases() {
   std::vector<Mxfp4LayerCase> out = cases_for(Backend::kRouted);
+  for (const Mxfp4LayerCase& c : cases_for(Backend::kMega)) out.push_back(c);
   return out;
 }
 

@@ -1,9 +1,10 @@
 // MegaMoeLayer: the one-kernel GPU backend. The whole forward (dispatch, expert-pool placement,
 // FC1 + SwiGLU, FC2, combine) is one persistent kernel on the caller's stream
 // (src/kernels/mega/sm90_mega_kernel.cuh); no host synchronisation inside forward(); a captured
-// forward is one kernel node. Formats: fp8-block weights with fp8-block dispatch, or bf16 weights
-// with bf16 dispatch; every combine wire (bf16 rows per slot written by FC2's epilogue; a quantised
-// wire or the owner reduce sent after FC2 from FC2's bf16 rows); hidden a multiple of 256.
+// forward is one kernel node. Formats: fp8-block or mxfp4 weights with fp8-block dispatch (mxfp4:
+// the grouped GEMM's mxfp4 mode, 16-row tiles at every T), or bf16 weights with bf16 dispatch; every
+// combine wire (bf16 rows per slot written by FC2's epilogue; a quantised wire or the owner reduce
+// sent after FC2 from FC2's bf16 rows); hidden a multiple of 256.
 //
 // Buffers: the symmetric workspace (EpTransport, mega layout, shared through WorkspacePool by every
 // layer of the same geometry); the prepared weights (per layer); the kernel's local counters
@@ -84,10 +85,11 @@ class MegaMoeLayer final : public MoeLayer {
     mega::MegaPlanArgs pa;
     transport_->kernel_params(0, &pa.transport);
     pa.fp8 = fp8();
+    pa.weight_fp4 = config_.weight_format == WeightFormat::kMxfp4;
     pa.intermediate = static_cast<int32_t>(geometry_.intermediate);
     pa.w13 = weights_dev_.w13->ptr;
     pa.w2 = weights_dev_.w2->ptr;
-    if (fp8()) {
+    if (config_.weight_format == WeightFormat::kFp8Block) {
       pa.w13_scales = static_cast<const float*>(weights_dev_.w13_scales->ptr);
       pa.w2_scales = static_cast<const float*>(weights_dev_.w2_scales->ptr);
     }
@@ -235,7 +237,8 @@ class MegaMoeLayer final : public MoeLayer {
 
  private:
   static constexpr int64_t kCountersBytes = 64;  // >= sizeof(mega::MegaCounters)
-  bool fp8() const { return config_.weight_format == WeightFormat::kFp8Block; }
+  // e4m3 activations, wire and intermediate (fp8-block and mxfp4 weights).
+  bool fp8() const { return config_.weight_format != WeightFormat::kBf16; }
 
   int device_ = 0, rank_ = 0, sm_budget_ = 0;
   uint64_t group_id_ = 0;
@@ -254,9 +257,11 @@ class MegaMoeLayer final : public MoeLayer {
 
 Status mega_format_gate(const MoeGeometry& g, const MoeConfig& c) {
   MEGAMOE_RETURN_IF_ERROR(weight_dispatch_pairing_gate("mega", c));
-  if (c.weight_format != WeightFormat::kFp8Block && c.weight_format != WeightFormat::kBf16)
+  if (c.weight_format != WeightFormat::kFp8Block && c.weight_format != WeightFormat::kBf16 &&
+      c.weight_format != WeightFormat::kMxfp4)
     return Status(StatusCode::kUnavailable, std::string("the mega backend has no ") + to_string(c.weight_format) +
-                                                " weights yet (fp8-block or bf16)");
+                                                " weights yet (fp8-block, mxfp4 or bf16)");
+  MEGAMOE_RETURN_IF_ERROR(mxfp4_shape_gate("mega", g, c));
   if (c.in_kernel_fc2_reduce)
     return Status(StatusCode::kUnavailable, "the mega backend has no in-kernel FC2 reduce yet");
   if (g.hidden % mega::kMegaBlockN != 0)

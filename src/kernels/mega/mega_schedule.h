@@ -35,7 +35,9 @@ inline int64_t mega_expected_rows_per_expert(int64_t ep_size, int64_t tokens, in
 //   <= 16 (decode): 16-row tiles with the operands swapped (fp8; bf16 weights take 64)
 //   <= 64: 64-row tiles, one math warpgroup (weight streaming)
 //   else: 128-row tiles, two math warpgroups
-inline int mega_block_m(int64_t rows_per_expert, bool fp8, int32_t knob_block_m) {
+// mxfp4 weights (weight_fp4): 16 always, the one mxfp4 configuration built.
+inline int mega_block_m(int64_t rows_per_expert, bool fp8, int32_t knob_block_m, bool weight_fp4 = false) {
+  if (weight_fp4) return 16;
   if (knob_block_m == 64 || knob_block_m == 128 || (knob_block_m == 16 && fp8)) return knob_block_m;
   if (rows_per_expert <= 16 && fp8) return 16;
   if (rows_per_expert <= 64) return 64;

@@ -15,6 +15,7 @@
 namespace megamoe::mega {
 
 MEGAMOE_MEGA_CONFIGS(MEGAMOE_MEGA_EXTERN)
+MEGAMOE_MEGA_CONFIGS_MXFP4(MEGAMOE_MEGA_EXTERN_MXFP4)
 
 const char* mega_trace_word_name(int i) {
   static const char* const kNames[kMegaTraceWordsPerCta] = {"start",      "dispatched", "placed", "fc1_done",
@@ -44,13 +45,18 @@ Status bad(const std::string& field, const std::string& value, const std::string
   return Status(StatusCode::kInvalidArgument, "invalid mega plan: " + field + "=" + value + ", " + rule);
 }
 
-// How many CTAs of the configuration at (block_m, fp8) an SM holds (raising its shared-memory limit).
-cudaError_t occupancy(int bm, bool fp8, int* ctas) {
+// How many CTAs of the configuration at (block_m, fp8, mxfp4 weights) an SM holds (raising its
+// shared-memory limit).
+cudaError_t occupancy(int bm, bool fp8, bool w4, int* ctas) {
   cudaError_t err = cudaErrorInvalidConfiguration;
 #define MEGAMOE_MEGA_OCC(BM, FP8) \
-  if (bm == BM && fp8 == FP8) err = mega_config_occupancy<MegaFc2Cfg<BM, FP8>, MegaFc1Cfg<BM, FP8>>(ctas);
+  if (!w4 && bm == BM && fp8 == FP8) err = mega_config_occupancy<MegaFc2Cfg<BM, FP8>, MegaFc1Cfg<BM, FP8>>(ctas);
+#define MEGAMOE_MEGA_OCC_FP4(BM) \
+  if (w4 && bm == BM) err = mega_config_occupancy<MegaFc2CfgFp4<BM>, MegaFc1CfgFp4<BM>>(ctas);
   MEGAMOE_MEGA_CONFIGS(MEGAMOE_MEGA_OCC)
+  MEGAMOE_MEGA_CONFIGS_MXFP4(MEGAMOE_MEGA_OCC_FP4)
 #undef MEGAMOE_MEGA_OCC
+#undef MEGAMOE_MEGA_OCC_FP4
   return err;
 }
 
@@ -73,6 +79,8 @@ Status make_mega_plan(const MegaPlanArgs& args, MegaPlanPtr* out) {
     return bad("expert_out", "null", "required with a quantised combine wire or the owner reduce (the staged send)");
   if (args.fp8 != (wp.dispatch_format == kWsFp8Block) || args.fp8 != (wp.intermediate_format == kWsFp8Block))
     return bad("dispatch_format", std::to_string(wp.dispatch_format), "must match the weights (fp8-block or bf16)");
+  if (args.weight_fp4 && !args.fp8)
+    return bad("weight_fp4", "1", "mxfp4 weights run with the fp8 activations, wire and intermediate (fp8 = 1)");
   if (args.grid < 1) return bad("grid", std::to_string(args.grid), "must be >= 1");
   // Every CTA ranks at most `threads` of this rank's tokens in the dispatch (the smallest is 256).
   if (wp.max_tokens_per_rank > int64_t(args.grid) * mega_threads(64))
@@ -92,8 +100,11 @@ Status make_mega_plan(const MegaPlanArgs& args, MegaPlanPtr* out) {
 
   for (int bm : kMegaBlockMs) {
     if (bm == 16 && !args.fp8) continue;  // swapped 16-row tiles are fp8 only
+    if (bm != 16 && args.weight_fp4) continue;  // mxfp4: 16-row tiles only (MEGAMOE_MEGA_CONFIGS_MXFP4)
     gemm::GroupedGemmArgs fc1;
-    fc1.dtype = args.fp8 ? gemm::GemmDtype::kFp8Block : gemm::GemmDtype::kBf16;
+    fc1.dtype = args.weight_fp4 ? gemm::GemmDtype::kMxfp4
+                : args.fp8      ? gemm::GemmDtype::kFp8Block
+                                : gemm::GemmDtype::kBf16;
     fc1.layout = gemm::GroupedLayout::kContiguous;
     fc1.epilogue = args.fp8 ? gemm::GemmEpilogue::kSwigluFp8 : gemm::GemmEpilogue::kSwigluBf16;
     fc1.num_experts = static_cast<int32_t>(El);
@@ -115,7 +126,7 @@ Status make_mega_plan(const MegaPlanArgs& args, MegaPlanPtr* out) {
     if (args.fp8) {
       fc1.a_scales = reinterpret_cast<const float*>(base + l.pool_x_scales.offset);
       fc1.ld_a_scales = plan->ld_pool;
-      fc1.b_scales = args.w13_scales;
+      fc1.b_scales = args.weight_fp4 ? nullptr : args.w13_scales;  // mxfp4: inside the image
       fc1.d_scales = reinterpret_cast<float*>(base + l.intermediate_scales.offset);
       fc1.ld_d_scales = plan->ld_pool;
     }
@@ -141,7 +152,7 @@ Status make_mega_plan(const MegaPlanArgs& args, MegaPlanPtr* out) {
     if (args.fp8) {
       fc2.a_scales = fc1.d_scales;
       fc2.ld_a_scales = plan->ld_pool;
-      fc2.b_scales = args.w2_scales;
+      fc2.b_scales = args.weight_fp4 ? nullptr : args.w2_scales;
     }
     MegaGemms& g = plan->gemms[block_m_index(bm)];
     MEGAMOE_RETURN_IF_ERROR(gemm::plan_grouped_gemm(fc1, &g.fc1));
@@ -152,7 +163,7 @@ Status make_mega_plan(const MegaPlanArgs& args, MegaPlanPtr* out) {
         return Status(StatusCode::kInternal, "mega plan: the GEMM planner chose other tiles (" + gp->tiles.to_string() +
                                                  ") than the kernel's " + std::to_string(bm) + " x 256");
     int ctas = 0;
-    const cudaError_t err = occupancy(bm, args.fp8, &ctas);
+    const cudaError_t err = occupancy(bm, args.fp8, args.weight_fp4, &ctas);
     if (err != cudaSuccess)
       return Status(StatusCode::kCudaError, std::string("mega plan: occupancy query failed: ") + cudaGetErrorString(err));
     // invariant: all CTAs resident (the kernel's CTAs wait for each other): refuse a grid that may not be.
@@ -175,7 +186,7 @@ Status launch_mega(const MegaPlan& plan, const MegaForwardArgs& f, cudaStream_t 
     return Status(StatusCode::kInvalidArgument,
                   "mega forward: T=" + std::to_string(T) + ", must be in [0, max_tokens_per_rank]");
   const int64_t rows = mega_expected_rows_per_expert(wp.ep_size, T, wp.top_k, wp.ep_size * wp.experts_per_rank);
-  const int bm = mega_block_m(rows, pa.fp8, pa.block_m_knob);
+  const int bm = mega_block_m(rows, pa.fp8, pa.block_m_knob, pa.weight_fp4);
   if (!plan.built[block_m_index(bm)])
     return Status(StatusCode::kInternal, "mega forward: no plan for BLOCK_M " + std::to_string(bm));
   if (block_m_out) *block_m_out = bm;
@@ -218,11 +229,16 @@ Status launch_mega(const MegaPlan& plan, const MegaForwardArgs& f, cudaStream_t 
   a.counts_int64 = f.counts_int64 ? 1 : 0;
   const MegaGemms& g = plan.gemms[block_m_index(bm)];
   cudaError_t err = cudaErrorInvalidConfiguration;
-#define MEGAMOE_MEGA_LAUNCH(BM, FP8) \
-  if (bm == BM && pa.fp8 == FP8)    \
+#define MEGAMOE_MEGA_LAUNCH(BM, FP8)              \
+  if (!pa.weight_fp4 && bm == BM && pa.fp8 == FP8) \
     err = launch_mega_config<MegaFc2Cfg<BM, FP8>, MegaFc1Cfg<BM, FP8>>(g, a, pa.grid, pa.cooperative, stream);
+#define MEGAMOE_MEGA_LAUNCH_FP4(BM)   \
+  if (pa.weight_fp4 && bm == BM) \
+    err = launch_mega_config<MegaFc2CfgFp4<BM>, MegaFc1CfgFp4<BM>>(g, a, pa.grid, pa.cooperative, stream);
   MEGAMOE_MEGA_CONFIGS(MEGAMOE_MEGA_LAUNCH)
+  MEGAMOE_MEGA_CONFIGS_MXFP4(MEGAMOE_MEGA_LAUNCH_FP4)
 #undef MEGAMOE_MEGA_LAUNCH
+#undef MEGAMOE_MEGA_LAUNCH_FP4
   if (err != cudaSuccess)
     return Status(StatusCode::kCudaError, std::string("mega kernel launch failed: ") + cudaGetErrorString(err) +
                                               " (BLOCK_M " + std::to_string(bm) + ", grid " + std::to_string(pa.grid) +

@@ -16,10 +16,12 @@ namespace megamoe::mega {
 // What every launch of a layer shares (fixed at warmup).
 struct MegaPlanArgs {
   kernels::TransportArgs transport;  // num_tokens: set per forward
-  bool fp8 = true;                     // fp8-block weights, wire and intermediate; else bf16
+  bool fp8 = true;                     // fp8-block (or mxfp4) weights, fp8 wire and intermediate; else bf16
+  bool weight_fp4 = false;             // mxfp4 weights (with fp8): the grouped GEMM's mxfp4 mode, 16-row tiles
   int32_t intermediate = 0;            // I
   // This rank's experts (device): w13 prepared for the SwiGLU epilogue [E_l, 2I, H], w2 [E_l, H, I],
-  // fp32 128x128 block scales with fp8 (w13's prepared too).
+  // fp32 128x128 block scales with fp8 (w13's prepared too); mxfp4: each the GEMM's device image
+  // (layer_buffers.h), the scales null.
   const void* w13 = nullptr;
   const float* w13_scales = nullptr;
   const void* w2 = nullptr;

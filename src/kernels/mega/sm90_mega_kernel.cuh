@@ -279,6 +279,7 @@ struct MegaWeightPrefetch {
   int32_t n, k;                // FC1's N (2I) and K (H) in elements
   int32_t block_k_bytes;       // 128
   int32_t block_k;             // elements per K block (128 fp8, 64 bf16)
+  const uint8_t* fp4_pieces;   // mxfp4 weights: FC1's pieces (gemm_weights.h's layout), read by bulk copies
 };
 // Where the prologue writes the GEMMs' scheduler tables (the carve's, as build_schedule would).
 struct MegaTables {
@@ -292,8 +293,9 @@ constexpr int kMegaPrefetchKBlocks = 6;
 
 // Prologue: dispatch (B1), placement (each row counted in expert_placed as it lands) and the
 // scheduler tables (`tables`' arrays, from the counts). Returns false when this CTA's dispatch wait
-// failed (recorded; its abort makes every other wait of the group give up promptly).
-template <int kThreads, bool kFp8Wire, int kBlockM>
+// failed (recorded; its abort makes every other wait of the group give up promptly). kWeightFp4: FC1's
+// weights are mxfp4 pieces (the prefetch reads them by bulk prefetches, not the tensor map).
+template <int kThreads, bool kFp8Wire, int kBlockM, bool kWeightFp4 = false>
 __device__ __forceinline__ bool mega_prologue(const MegaArgs& a, MegaPrologueSmem<kThreads>& s, uint64_t epoch,
                                               const MegaWeightPrefetch& wp, const MegaTables& tables) {
   const TransportArgs& tr = a.tr;
@@ -380,8 +382,17 @@ __device__ __forceinline__ bool mega_prologue(const MegaArgs& a, MegaPrologueSme
         const gemm::GroupedTile tile = sched.tile(t);
         const int32_t b_row = tile.expert * wp.n + tile.n_block * mega_block_n();
         const int num_kb = wp.k / wp.block_k;
-        for (int kb = 0; kb < num_kb && kb < kMegaPrefetchKBlocks; ++kb)
-          gemm::ptx::tma_prefetch_l2_2d(wp.tmap_b1, kb * wp.block_k_bytes, b_row);
+        if constexpr (kWeightFp4) {  // the tile's pieces of K block kb: one run ([E][K/128][N/64])
+          constexpr int64_t kPieces = mega_block_n() / gemm::kFp4SlabRows;
+          for (int kb = 0; kb < num_kb && kb < kMegaPrefetchKBlocks; ++kb) {
+            const int64_t piece = (int64_t(tile.expert) * num_kb + kb) * (wp.n / gemm::kFp4SlabRows) + tile.n_block * kPieces;
+            gemm::ptx::bulk_prefetch_l2(wp.fp4_pieces + piece * gemm::kFp4SlabBytes,
+                                        static_cast<uint32_t>(kPieces * gemm::kFp4SlabBytes));
+          }
+        } else {
+          for (int kb = 0; kb < num_kb && kb < kMegaPrefetchKBlocks; ++kb)
+            gemm::ptx::tma_prefetch_l2_2d(wp.tmap_b1, kb * wp.block_k_bytes, b_row);
+        }
       }
     }
     if (lane == 0) {
@@ -609,6 +620,7 @@ __device__ __forceinline__ gemm::GroupedGemmSmem<To> rebind_smem(const gemm::Gro
   t.sfa = s.sfa;
   t.sfb = s.sfb;
   t.out = s.out;
+  if constexpr (To::kWeightFp4) t.fp4_table = s.fp4_table;
   t.full = s.full;
   t.empty = s.empty;
   t.tile_info = s.tile_info;
@@ -628,8 +640,9 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
                      const __grid_constant__ gemm::GroupedGemmParams p1, const __grid_constant__ gemm::GroupedGemmParams p2,
                      const __grid_constant__ MegaArgs a) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  static_assert(Cfg::kBlockM == Cfg1::kBlockM && Cfg::kBlockN == Cfg1::kBlockN && Cfg::kFp8 == Cfg1::kFp8,
-                "one tile shape for both GEMMs");
+  static_assert(Cfg::kBlockM == Cfg1::kBlockM && Cfg::kBlockN == Cfg1::kBlockN && Cfg::kFp8 == Cfg1::kFp8 &&
+                    Cfg::kWeightFp4 == Cfg1::kWeightFp4,
+                "one tile shape and weight format for both GEMMs");
   static_assert(Cfg::kCluster == 1 && Cfg1::kCluster == 1, "no clusters");
   constexpr int kThreads = Cfg::kNumThreads;
   constexpr int kMathWarps = Cfg::kMathThreads / 32;
@@ -645,7 +658,15 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
   // The launch epoch: the previous launch's + 1 (stored back by CTA 0 once every CTA has read it).
   const uint64_t epoch = sig.local_epoch() + 1;
 
-  const MegaWeightPrefetch prefetch{&tmap_b1, p1.n, p1.k, Cfg::kBlockKBytes, Cfg::kBlockK};
+  const MegaWeightPrefetch prefetch{&tmap_b1, p1.n, p1.k, Cfg::kBlockKBytes, Cfg::kBlockK,
+                                    Cfg::kWeightFp4 ? gemm::mxfp4_pieces(p1) : nullptr};
+  if constexpr (Cfg::kWeightFp4) {  // the shift table (outside the B ring; the prologue's barriers publish it)
+    for (int i = threadIdx.x; i < Cfg::kFp4TableRows; i += blockDim.x) {
+      uint32_t lo, hi;
+      fmt::mxfp4_shift_table_row(i + fmt::kMxfp4MinShift, &lo, &hi);
+      sm.fp4_table[i] = make_uint2(lo, hi);
+    }
+  }
   const MegaTables tables{sm.row_begin, sm.num_rows, sm.m_block_prefix};  // the carve's, not the B ring's
   gemm::GroupedSchedule sched1;
   sched1.row_begin = sm.row_begin;
@@ -654,7 +675,7 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
   sched1.num_experts = p1.num_experts;
   sched1.num_n_blocks = p1.n / Cfg::kBlockN;
   sched1.block_m = Cfg::kBlockM;
-  const bool ok = mega_prologue<kThreads, Cfg::kFp8, Cfg::kBlockM>(a, ps, epoch, prefetch, tables);  // ends with a barrier
+  const bool ok = mega_prologue<kThreads, Cfg::kFp8, Cfg::kBlockM, Cfg::kWeightFp4>(a, ps, epoch, prefetch, tables);  // ends with a barrier
 
   if (threadIdx.x == 0) {
     gemm::init_barriers<Cfg>(sm);  // after the prologue's use of the ring (its proxy fence included)

@@ -75,6 +75,35 @@ using MegaFc2Cfg = gemm::GroupedGemmConfig<BM, kMegaBlockN, kFp8, gemm::GemmEpil
 template <int BM, bool kFp8>
 using MegaFc1Cfg = gemm::GroupedGemmConfig<BM, kMegaBlockN, kFp8, kFp8 ? gemm::GemmEpilogue::kSwigluFp8 : gemm::GemmEpilogue::kSwigluBf16, 1>;
 
+// mxfp4 weights (the grouped GEMM's mxfp4 mode: swapped 16-row tiles; fp8 activations, wire and
+// intermediate): X(BLOCK_M).
+#define MEGAMOE_MEGA_CONFIGS_MXFP4(X) X(16)
+
+// A configuration run on the ring of another with fewer stages: the kernel carves FC2's configuration
+// and FC1's SwiGLU epilogue runs on that carve (rebind_smem), so both must name one stage count. With
+// mxfp4's smaller weight slots the SwiGLU configuration (less staging) fits one stage more than FC2's.
+// Its smem_bytes() stays the base's: nothing sizes a launch by it.
+template <class Base, int kRingStages>
+struct MegaOnRing : Base {
+  static_assert(kRingStages >= 3 && kRingStages <= Base::kStages, "at most the stages the configuration fits");
+  static constexpr int kStages = kRingStages;
+};
+
+template <int BM>
+using MegaFc2CfgFp4 = gemm::GroupedGemmConfig<BM, kMegaBlockN, true, gemm::GemmEpilogue::kStoreBf16, 1, true>;
+template <int BM>
+using MegaFc1CfgFp4 = MegaOnRing<gemm::GroupedGemmConfig<BM, kMegaBlockN, true, gemm::GemmEpilogue::kSwigluFp8, 1, true>,
+                                 MegaFc2CfgFp4<BM>::kStages>;
+
+#define MEGAMOE_MEGA_EXTERN_MXFP4(BM)                                                                              \
+  extern template cudaError_t launch_mega_config<MegaFc2CfgFp4<BM>, MegaFc1CfgFp4<BM>>(                            \
+      const MegaGemms&, const MegaArgs&, int, bool, cudaStream_t);                                                 \
+  extern template cudaError_t mega_config_occupancy<MegaFc2CfgFp4<BM>, MegaFc1CfgFp4<BM>>(int*);
+#define MEGAMOE_MEGA_INSTANTIATE_MXFP4(BM)                                                                         \
+  template cudaError_t launch_mega_config<MegaFc2CfgFp4<BM>, MegaFc1CfgFp4<BM>>(                                   \
+      const MegaGemms&, const MegaArgs&, int, bool, cudaStream_t);                                                 \
+  template cudaError_t mega_config_occupancy<MegaFc2CfgFp4<BM>, MegaFc1CfgFp4<BM>>(int*);
+
 #define MEGAMOE_MEGA_EXTERN(BM, FP8)                                                                               \
   extern template cudaError_t launch_mega_config<MegaFc2Cfg<BM, FP8>, MegaFc1Cfg<BM, FP8>>(                        \
       const MegaGemms&, const MegaArgs&, int, bool, cudaStream_t);                                                 \

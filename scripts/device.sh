@@ -20,10 +20,12 @@
 #   barrier-timeout        rank 1 of a launched bench stopped mid-run: rank 0 must exit on its own
 #   gemm [tests|sass|bench|all] [bench-gemm flags]   the grouped GEMM on GPU 0: its tests one process
 #                          each (GEMM_FILTER), the SASS check, `bench-gemm --json`
-#   fp4 [tests|bench|all]  mxfp4 weights (never run on a GPU before): the codec and word-expansion
-#                          tests and the mxfp4 GEMM's tests one process each (bit for bit the fp8-block
-#                          GEMM on the expansion, float64 on the mxfp4 values), then bench-gemm decode
-#                          rows of fp8-block and mxfp4 side by side (--json each)
+#   fp4 [tests|bench|all]  mxfp4 weights: the codec and word-expansion tests, the mxfp4 GEMM's tests
+#                          (bit for bit the fp8-block GEMM on the expansion, float64 on the mxfp4
+#                          values) and the layers' (routed, then mega, against the cpu backend) one
+#                          process each, then bench-gemm decode rows of fp8-block and mxfp4 side by
+#                          side and the layer's bench rows (deepseek-v3 with 32 experts, EP1, 1 / 8 /
+#                          128 tokens, routed and mega, each format; --json each)
 #   gemm-ab                `bench-gemm --no-cublas` of each BINS binary for each line of BENCH,
 #                          ROUNDS (2) times; @OUT@ @ROUND@ @BIN@ substituted, "VAR=v -- args" lines
 #   gemm-matrix [matrix] [alone]   the GEMM against its targets (read floor, matrix, shapes alone)
@@ -215,12 +217,16 @@ fp4() {  # [tests|bench|all]
   local what=${1:-all} wf
   export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
   if [[ $what == all || $what == tests ]]; then
-    EACH=1 tests "${FP4_FILTER:-FormatsDevice.Mxfp4*:FormatsDevice.Fp4*:Cases/Mxfp4Gemm.*}"
+    EACH=1 tests "${FP4_FILTER:-FormatsDevice.Mxfp4*:FormatsDevice.Fp4*:Cases/Mxfp4Gemm.*:Sm90/Sm90Mxfp4Layer.*routed_*:Sm90Mxfp4Prefill.*:Sm90/Sm90Mxfp4Layer.*mega_*}"
   fi
   if [[ $what == all || $what == bench ]]; then
     for wf in fp8-block mxfp4; do
       timeout 300 "$TOOL" bench-gemm --no-cublas --weight-format "$wf" --tokens 8,32 --json "$OUT/fp4_gemm_$wf.json" \
         2>&1 | tee "$OUT/fp4_gemm_$wf.log"
+      [[ ${PIPESTATUS[0]} -eq 0 ]] || rc=1
+      # 32 experts: the weight generation of all 256 takes ~90 s on the device
+      timeout 300 "$TOOL" bench --preset deepseek-v3 --experts 32 --tokens 1,8,128 --backend routed,mega \
+        --weight-format "$wf" --json "$OUT/fp4_layer_$wf.json" 2>&1 | tee "$OUT/fp4_layer_$wf.log"
       [[ ${PIPESTATUS[0]} -eq 0 ]] || rc=1
     done
   fi

@@ -36,6 +36,9 @@ TEST(MegaSchedule, BlockMBucketsAndKnobs) {
   EXPECT_EQ(mega_expected_rows_per_expert(1, 128, 8, 256), 8);
   EXPECT_EQ(mega_block_m(mega_expected_rows_per_expert(1, 1024, 8, 256), true, 0), 64);
   EXPECT_EQ(mega_block_m(mega_expected_rows_per_expert(1, 4096, 8, 256), true, 0), 128);
+  // mxfp4 weights: the one configuration built (16-row tiles) at every size, whatever the knob
+  for (int64_t rows : {1, 16, 17, 64, 65, 4096})
+    for (int32_t knob : {0, 16, 64, 128}) EXPECT_EQ(mega_block_m(rows, true, knob, /*weight_fp4=*/true), 16);
 }
 
 TEST(MegaSchedule, DispatchShapeFitsTheCta) {

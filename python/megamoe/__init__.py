@@ -56,6 +56,8 @@ from .layer import (  # noqa: E402
     select_backend,
 )
 
+from .checkpoint import CheckpointExperts, load_checkpoint_experts  # noqa: E402
+
 __version__ = _C.__version__
 
 __all__ = [
@@ -63,5 +65,5 @@ __all__ = [
     "MoeGeometry", "OwnerReduce", "WeightFormat", "MoeLayer", "MoeWeights", "capabilities", "host_group",
     "nccl_group", "nccl_rank", "nccl_unique_id", "select_backend", "errors", "MegamoeError",
     "InvalidArgumentError", "UnavailableError", "FailedPreconditionError", "CommTimeoutError", "MegamoeIOError",
-    "CudaError", "NcclError", "InternalError",
+    "CudaError", "NcclError", "InternalError", "CheckpointExperts", "load_checkpoint_experts",
 ]

@@ -25,13 +25,17 @@ class MoeWeights:
 
     w13 [E_local, 2I, H] (rows [0, I) gate, [I, 2I) up) and w2 [E_local, H, I]: float32 or bfloat16,
     or float8_e4m3 with the DeepSeek-V3 fp32 128x128 `weight_scale_inv` in w13_scale
-    [E_local, 2I/128, H/128] and w2_scale [E_local, H/128, I/128]. numpy arrays or torch tensors.
+    [E_local, 2I/128, H/128] and w2_scale [E_local, H/128, I/128]; nvfp4 sources also carry the fp32
+    per-expert global scales [E_local] (megamoe/weights.h has every source format). numpy arrays or
+    torch tensors.
     """
 
     w13: Any
     w2: Any
     w13_scale: Any = None
     w2_scale: Any = None
+    w13_global_scale: Any = None
+    w2_global_scale: Any = None
 
 
 def _config(config) -> "_C.MoeConfig":
@@ -56,6 +60,8 @@ class MoeLayer:
             view(w.w2, "w2"),
             view(w.w2_scale, "w2_scale"),
             comm,
+            view(w.w13_global_scale, "w13_global_scale"),
+            view(w.w2_global_scale, "w2_global_scale"),
         )
         self._geometry = self._impl.geometry
         self._hidden = self._geometry.hidden

@@ -6,13 +6,15 @@
 // - Tensors cross as plain tuples (data_ptr, dtype, shape, strides, device_kind, device_index), so
 //   numpy arrays, torch tensors and raw device pointers all use one path and nothing here knows a
 //   framework; megamoe.torch's forward hands its tensors over as they are (forward_tensors: read
-//   through torch.Tensor's methods, with the dtype table it registered), for its host time. The caller keeps the memory alive for the duration of the call (and, on a GPU
-//   backend, until the stream has consumed it, as with any stream-ordered library).
+//   through torch.Tensor's methods, with the dtype table it registered), for its host time. The
+//   caller keeps the memory alive for the duration of the call (and, on a GPU backend, until the
+//   stream has consumed it, as with any stream-ordered library).
 // - The GIL is released around every call that launches kernels, blocks on peers or runs the cpu
 //   backend's rank threads (create, warmup, forward, check_error, NCCL bootstraps), so ranks driven
 //   from Python threads make progress together.
 #include <cuda_runtime_api.h>
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
 #include <nanobind/stl/map.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/shared_ptr.h>
@@ -27,6 +29,7 @@
 #include <vector>
 
 #include "core/device.h"
+#include "megamoe/checkpoint.h"
 #include "megamoe/comm.h"
 #include "megamoe/config.h"
 #include "megamoe/knobs.h"
@@ -183,6 +186,65 @@ TensorView tensor_view_of(nb::handle obj, const char* name) {
 
 nb::tuple device_tuple(const Device& d) { return nb::make_tuple(static_cast<int>(d.kind), d.index); }
 
+// ---- checkpoints ----
+
+// A numpy array viewing host memory `v` (its bits: bf16 as uint16, e4m3 / e8m0 / packed e2m1 as
+// uint8), kept alive by `owner`; None for an absent view.
+nb::object host_array(const TensorView& v, nb::handle owner) {
+  if (!v.present()) return nb::none();
+  size_t shape[TensorView::kMaxDims];
+  int64_t strides[TensorView::kMaxDims];
+  for (int i = 0; i < v.ndim; ++i) {
+    shape[i] = static_cast<size_t>(v.shape[i]);
+    strides[i] = v.strides[i];
+  }
+  nb::dlpack::dtype dt;
+  switch (v.dtype) {
+    case DType::kFloat32: dt = nb::dtype<float>(); break;
+    case DType::kBFloat16: dt = nb::dtype<uint16_t>(); break;
+    case DType::kFloat8E4M3:
+    case DType::kFloat8E8M0:
+    case DType::kFloat4E2M1x2:
+    case DType::kUInt8: dt = nb::dtype<uint8_t>(); break;
+    default:
+      throw StatusError{StatusCode::kInternal, std::string("checkpoint tensor of dtype ") + to_string(v.dtype) +
+                                                   " has no numpy view here"};
+  }
+  return nb::cast(nb::ndarray<nb::numpy>(v.data, static_cast<size_t>(v.ndim), shape, owner, strides, dt));
+}
+
+// load_checkpoint_experts() for Python: a dict of the geometry, layer, layout, format, files,
+// description and the weight arrays (numpy, viewing the loader's host copy, which they keep alive).
+nb::dict load_checkpoint(const std::string& dir, int64_t layer, int64_t ep_size, int64_t ep_rank,
+                         int64_t max_tokens_per_rank) {
+  auto ck = std::make_shared<CheckpointExperts>();
+  Status st;
+  {
+    nb::gil_scoped_release release;
+    st = load_checkpoint_experts(dir, layer, ep_size, ep_rank, max_tokens_per_rank, ck.get());
+  }
+  check(st);
+  nb::capsule owner(new std::shared_ptr<CheckpointExperts>(ck),
+                    [](void* p) noexcept { delete static_cast<std::shared_ptr<CheckpointExperts>*>(p); });
+  const MoeWeights& w = ck->weights;
+  nb::dict d;
+  d["geometry"] = ck->geometry;
+  d["layer"] = ck->layer;
+  d["layout"] = std::string(to_string(ck->layout));
+  d["weight_format"] = ck->format;
+  d["files"] = ck->files;
+  d["description"] = ck->to_string();
+  d["has_input_scale"] = ck->has_input_scale;
+  const std::pair<const char*, const TensorView*> fields[] = {
+      {"w13", &w.w13}, {"w13_scale", &w.w13_scale}, {"w2", &w.w2}, {"w2_scale", &w.w2_scale},
+      {"w13_global_scale", &w.w13_global_scale}, {"w2_global_scale", &w.w2_global_scale}};
+  for (const auto& [name, view] : fields) {
+    d[name] = host_array(*view, owner);
+    d[(std::string(name) + "_dtype").c_str()] = static_cast<int>(view->dtype);
+  }
+  return d;
+}
+
 // ---- layers ----
 
 // The Python handle of one MoeLayer. The layer object goes away with the handle (or destroy()).
@@ -207,8 +269,14 @@ class PyLayer {
 };
 
 PyLayer* create_layer(const MoeGeometry& g, const MoeConfig& c, nb::handle w13, nb::handle w13_scale, nb::handle w2,
-                      nb::handle w2_scale, std::shared_ptr<Communicator> comm) {
-  MoeWeights w{to_view(w13, "w13"), to_view(w13_scale, "w13_scale"), to_view(w2, "w2"), to_view(w2_scale, "w2_scale")};
+                      nb::handle w2_scale, std::shared_ptr<Communicator> comm, nb::handle w13_global_scale,
+                      nb::handle w2_global_scale) {
+  MoeWeights w{to_view(w13, "w13"),
+               to_view(w13_scale, "w13_scale"),
+               to_view(w2, "w2"),
+               to_view(w2_scale, "w2_scale"),
+               to_view(w13_global_scale, "w13_global_scale"),
+               to_view(w2_global_scale, "w2_global_scale")};
   std::unique_ptr<MoeLayer> layer;
   Status st;
   {
@@ -402,6 +470,8 @@ NB_MODULE(_C, m) {
   });
   m.def("_set_error_classes", &set_error_classes);
   m.def("_set_tensor_dtypes", &set_tensor_dtypes, "pairs"_a);
+  m.def("load_checkpoint_experts", &load_checkpoint, "dir"_a, "layer"_a, "ep_size"_a, "ep_rank"_a,
+        "max_tokens_per_rank"_a);
 
   nb::enum_<StatusCode>(m, "StatusCode", nb::is_arithmetic())
       .value("ok", StatusCode::kOk)
@@ -436,7 +506,8 @@ NB_MODULE(_C, m) {
       .value("bf16", WeightFormat::kBf16)
       .value("fp8_block", WeightFormat::kFp8Block)
       .value("mxfp8", WeightFormat::kMxfp8)
-      .value("nvfp4", WeightFormat::kNvfp4);
+      .value("nvfp4", WeightFormat::kNvfp4)
+      .value("mxfp4", WeightFormat::kMxfp4);
   nb::enum_<DispatchFormat>(m, "DispatchFormat", nb::is_arithmetic())
       .value("bf16", DispatchFormat::kBf16)
       .value("fp8_block", DispatchFormat::kFp8Block);
@@ -641,7 +712,8 @@ NB_MODULE(_C, m) {
   // ---- the layer ----
   nb::class_<PyLayer>(m, "MoeLayer")
       .def_static("create", &create_layer, "geometry"_a, "config"_a, "w13"_a, "w13_scale"_a.none(), "w2"_a,
-                  "w2_scale"_a.none(), "comm"_a.none())
+                  "w2_scale"_a.none(), "comm"_a.none(), "w13_global_scale"_a.none() = nb::none(),
+                  "w2_global_scale"_a.none() = nb::none())
       .def("warmup",
            [](PyLayer& self) {
              MoeLayer& layer = self.get();

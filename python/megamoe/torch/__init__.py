@@ -109,21 +109,23 @@ def _host_copy(t):
     return t if t.device.type == "cpu" else t.detach().to("cpu")
 
 
+def _fields(w: MoeWeights) -> tuple:
+    return (w.w13, w.w2, w.w13_scale, w.w2_scale, w.w13_global_scale, w.w2_global_scale)
+
+
 class MoeLayer:
     """One rank's MoE layer on torch tensors. Build it on every rank, then warmup_all()."""
 
     def __init__(self, geometry, weights: MoeWeights, config=None, comm=None):
         w = weights if isinstance(weights, MoeWeights) else MoeWeights(*weights)
-        w = MoeWeights(*(t.contiguous() if isinstance(t, torch.Tensor) else t
-                         for t in (w.w13, w.w2, w.w13_scale, w.w2_scale)))
+        w = MoeWeights(*(t.contiguous() if isinstance(t, torch.Tensor) else t for t in _fields(w)))
         try:
             self._layer = _HostLayer(geometry, w, config, comm)
         except InvalidArgumentError as e:
             if "prepare_weights reads host memory" not in str(e):
                 raise
             # This build prepares weights from host memory: take device tensors through the host.
-            self._layer = _HostLayer(geometry, MoeWeights(*(_host_copy(t) for t in
-                                                            (w.w13, w.w2, w.w13_scale, w.w2_scale))), config, comm)
+            self._layer = _HostLayer(geometry, MoeWeights(*(_host_copy(t) for t in _fields(w))), config, comm)
         self._impl = self._layer._impl
         self._forward = self._impl.forward_tensors  # the tensors read in C++, not packed here
         g = self._layer.geometry

@@ -2,7 +2,8 @@
 //
 // Contract:
 // - MoeWeights views this rank's experts only (E_local = E / R, global experts
-//   [r*E_local, (r+1)*E_local)), on the host.
+//   [r*E_local, (r+1)*E_local)), every present view on the host, or every one on the layer's CUDA
+//   device (device-resident weights, below).
 //   w13 [E_local, 2I, H]: rows [0, I) are the gate projection, rows [I, 2I) the up projection.
 //   w2  [E_local, H, I].
 //   Accepted sources (megamoe/checkpoint.h loads each from the checkpoints that ship them):
@@ -19,6 +20,13 @@
 // - prepare_weights() converts them to config.weight_format (quantising where needed, with the
 //   rounding of megamoe/formats.h). A source prepared in its own format (fp8-block, nvfp4, mxfp4)
 //   is kept bit for bit, scales included.
+// - Device-resident weights (an engine's tensors, already on the GPU): the pairings a GPU backend
+//   can take as they are, with layout work only, are float8_e4m3 w13 / w2 with their float32
+//   128x128 scales for weight_format fp8-block and bfloat16 w13 / w2 (no scales) for weight_format
+//   bf16; views contiguous, all on one CUDA device. check_device_weights() checks that (it reads no
+//   data). This build prepares weights from host memory only: MoeLayer::create() runs
+//   check_device_weights() on device views (so a bad view is named) and then refuses them; copy the
+//   weights to the host first.
 // - A QuantizedTensor holds [E_local, N, K] with K the reduction dimension; its scales follow the
 //   format's block shape along (N, K).
 #pragma once
@@ -73,5 +81,13 @@ struct PreparedWeights {
 
 Status prepare_weights(const MoeGeometry& geometry, const MoeConfig& config, const MoeWeights& source,
                        PreparedWeights* out);
+
+// Whether `weights` is a device-resident source: its w13 view is on a CUDA device.
+bool on_device(const MoeWeights& weights);
+
+// The checks MoeLayer::create() runs on a device-resident source (see the contract above): every
+// present view on w13's CUDA device, contiguous, with its data; the dtypes and shapes of the
+// pairing with config.weight_format that the device path takes. Reads no data.
+Status check_device_weights(const MoeGeometry& geometry, const MoeConfig& config, const MoeWeights& weights);
 
 }  // namespace megamoe

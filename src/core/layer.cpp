@@ -186,6 +186,12 @@ namespace {
 // weight preparation, the backend's factory.
 Status create_layer(const MoeGeometry& g, const MoeConfig& c, const MoeWeights& weights,
                     std::shared_ptr<Communicator> comm, std::unique_ptr<MoeLayer>* out) {
+  if (on_device(weights)) {
+    MEGAMOE_RETURN_IF_ERROR(check_device_weights(g, c, weights));
+    return invalid_argument("weights", "w13.device", weights.w13.device.to_string(),
+                            "this build prepares weights from host memory only (device-resident weights are "
+                            "checked, not prepared on the device); copy the weights to the host first");
+  }
   BackendSelection selection = select_backend_for(g, c, comm.get());
   if (c.backend == Backend::kAuto) {
     if (selection.backend != Backend::kMega) log_info("backend selection: %s", selection.reason.c_str());

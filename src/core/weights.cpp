@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/weight_checks.h"
 #include "megamoe/formats.h"
 
 namespace megamoe {
@@ -48,11 +49,17 @@ std::string strides_string(const TensorView& v) {
   return shape_string(std::vector<int64_t>(v.strides.begin(), v.strides.begin() + std::max(v.ndim, 0)));
 }
 
+// `device`: where the view must be (the host for prepare_weights, w13's device for a device source).
 Status check_view_basics(const TensorView& v, const std::string& name, const std::vector<int64_t>& want,
-                         const std::string& dims) {
-  if (v.device.kind != DeviceKind::kCpu)
+                         const std::string& dims, Device device = Device::cpu()) {
+  if (v.device != device) {
+    if (device.kind == DeviceKind::kCpu)
+      return invalid_argument("weights", name + ".device", v.device.to_string(),
+                              "must be cpu (prepare_weights reads host memory; copy the weights to the host first)");
     return invalid_argument("weights", name + ".device", v.device.to_string(),
-                            "must be cpu (prepare_weights reads host memory; copy the weights to the host first)");
+                            "must be " + device.to_string() + " like w13 (device-resident weights are all on the "
+                                "layer's device)");
+  }
   if (v.ndim != static_cast<int>(want.size()) || !std::equal(want.begin(), want.end(), v.shape.begin()))
     return invalid_argument("weights", name + ".shape", shape_string(v),
                             "must be " + dims + " = " + shape_string(want));
@@ -208,21 +215,49 @@ Status validate_source(const SourceSpec& s) {
                             "must be float32 (one weight_scale_inv per 128x128 block)");
   MEGAMOE_RETURN_IF_ERROR(check_view_basics(scale, scale_name, want_scale, scale_dims));
   // A dequantised value is code * scale: a scale must be finite and >= 0.
-  const float* sp = scale.ptr<const float>();
-  const int64_t count = scale.numel();
-  for (int64_t i = 0; i < count; ++i) {
-    if (!(sp[i] >= 0.f) || std::isinf(sp[i])) {
-      const int64_t per_expert = want_scale[1] * want_scale[2];
-      std::ostringstream value;
-      value << sp[i];
-      return invalid_argument("weights",
-                              scale_name + "[" + std::to_string(i / per_expert) + ", " +
-                                  std::to_string(i % per_expert / want_scale[2]) + ", " +
-                                  std::to_string(i % want_scale[2]) + "]",
-                              value.str(), "a weight_scale_inv must be finite and >= 0");
-    }
+  return check_fp8_block_scale_values(scale_name, scale.ptr<const float>(), want_scale);
+}
+
+// A device-resident source stack: the dtype the layer's format takes as is, shapes, device, layout.
+Status check_device_source(const SourceSpec& s, WeightFormat format, Device device) {
+  const std::string name = s.name, scale_name = s.scale_name;
+  const std::vector<int64_t> want = {s.num_experts, s.rows, s.cols};
+  if (!s.data->present())
+    return invalid_argument("weights", name, "absent",
+                            std::string("must view this rank's experts ") + s.dims + " = " + shape_string(want));
+  const bool fp8 = format == WeightFormat::kFp8Block;
+  if (format != WeightFormat::kFp8Block && format != WeightFormat::kBf16)
+    return invalid_argument("weights", "config.weight_format", to_string(format),
+                            "device-resident weights are taken in the layer's format as they are, fp8-block or bf16 "
+                            "(the GPU backends' formats); for a conversion copy the weights to the host first");
+  const DType want_dtype = fp8 ? DType::kFloat8E4M3 : DType::kBFloat16;
+  if (s.data->dtype != want_dtype)
+    return invalid_argument("weights", name + ".dtype", to_string(s.data->dtype),
+                            std::string("device-resident weights for weight_format ") + to_string(format) +
+                                " must be " + to_string(want_dtype) +
+                                (fp8 ? " with float32 128x128 scales" : " without scales") +
+                                " (taken as they are; for a conversion copy the weights to the host first)");
+  MEGAMOE_RETURN_IF_ERROR(check_view_basics(*s.data, name, want, s.dims, device));
+  if (s.global->present())
+    return invalid_argument("weights", name + "_global_scale", s.global->to_string(),
+                            "only an nvfp4 (float4_e2m1x2) " + name + " has a global scale; leave it absent for " +
+                                to_string(want_dtype));
+  const TensorView& scale = *s.scale;
+  if (!fp8) {
+    if (scale.present())
+      return invalid_argument("weights", scale_name, scale.to_string(),
+                              "only a float8_e4m3 " + name + " has scales; leave it absent for bfloat16");
+    return Status::ok();
   }
-  return Status::ok();
+  const std::vector<int64_t> want_scale = {s.num_experts, s.rows / fmt::kFp8BlockSize, s.cols / fmt::kFp8BlockSize};
+  if (!scale.present())
+    return invalid_argument("weights", scale_name, "absent",
+                            "a float8_e4m3 " + name + " needs its fp32 128x128 weight_scale_inv " + s.scale_dims +
+                                " = " + shape_string(want_scale));
+  if (scale.dtype != DType::kFloat32)
+    return invalid_argument("weights", scale_name + ".dtype", to_string(scale.dtype),
+                            "must be float32 (one weight_scale_inv per 128x128 block)");
+  return check_view_basics(scale, scale_name, want_scale, s.scale_dims, device);
 }
 
 // Rows [r0, r0 + kSlabRows) of expert e of the source as fp32, into out[kSlabRows * cols].
@@ -329,22 +364,26 @@ void convert(const SourceSpec& s, WeightFormat format, bool pow2, QuantizedTenso
   t.num_experts = s.num_experts;
   t.rows = s.rows;
   t.cols = s.cols;
-  t.data.assign(static_cast<size_t>(s.num_experts * t.data_bytes_per_expert()), 0);
+  const size_t data_bytes = static_cast<size_t>(s.num_experts * t.data_bytes_per_expert());
   int64_t num_scales = 1;
   for (int64_t d : t.scale_shape()) num_scales *= d;
-  t.scales.assign(format == WeightFormat::kBf16 ? 0 : static_cast<size_t>(num_scales * dtype_bytes(t.scale_dtype())),
-                  0);
+  const size_t scale_bytes =
+      format == WeightFormat::kBf16 ? 0 : static_cast<size_t>(num_scales * dtype_bytes(t.scale_dtype()));
   t.global_scales.assign(format == WeightFormat::kNvfp4 ? static_cast<size_t>(s.num_experts) : 0, 1.f);
 
   if (kept_as_is(source_kind(s), format)) {
     // A checkpoint kept as is: same codes, same scale bits (weight_scale_inv, e4m3 / e8m0 block
-    // scales, the nvfp4 global scales).
-    std::memcpy(t.data.data(), s.data->data, t.data.size());
-    std::memcpy(t.scales.data(), s.scale->data, t.scales.size());
+    // scales, the nvfp4 global scales). One pass over the bytes (no zero fill first).
+    const uint8_t* data = s.data->ptr<const uint8_t>();
+    t.data.assign(data, data + data_bytes);
+    const uint8_t* scales = scale_bytes ? s.scale->ptr<const uint8_t>() : nullptr;
+    t.scales.assign(scales, scales + scale_bytes);
     if (format == WeightFormat::kNvfp4)
       std::memcpy(t.global_scales.data(), s.global->data, sizeof(float) * static_cast<size_t>(s.num_experts));
     return;
   }
+  t.data.assign(data_bytes, 0);
+  t.scales.assign(scale_bytes, 0);
 
   const unsigned num_workers = worker_count(s.num_experts);
   const int64_t slab_elems = kSlabRows * s.cols;
@@ -368,6 +407,21 @@ void convert(const SourceSpec& s, WeightFormat format, bool pow2, QuantizedTenso
 }
 
 }  // namespace
+
+Status check_fp8_block_scale_values(const std::string& scale_name, const float* values,
+                                    const std::vector<int64_t>& shape) {
+  int64_t count = 1;
+  for (int64_t d : shape) count *= d;
+  for (int64_t i = 0; i < count; ++i) {
+    if (!(values[i] >= 0.f) || std::isinf(values[i])) {
+      std::ostringstream value;
+      value << values[i];
+      return invalid_argument("weights", scale_name + index_string(i, shape), value.str(),
+                              "a weight_scale_inv must be finite and >= 0");
+    }
+  }
+  return Status::ok();
+}
 
 DType QuantizedTensor::data_dtype() const {
   switch (format) {
@@ -479,6 +533,25 @@ MoeWeights PreparedWeights::as_source() const {
     w.w2_global_scale = global(w2);
   }
   return w;
+}
+
+bool on_device(const MoeWeights& weights) { return weights.w13.device.kind == DeviceKind::kCuda; }
+
+Status check_device_weights(const MoeGeometry& geometry, const MoeConfig& config, const MoeWeights& weights) {
+  MEGAMOE_RETURN_IF_ERROR(config.validate(geometry));
+  if (!on_device(weights))
+    return invalid_argument("weights", "w13.device", weights.w13.device.to_string(),
+                            "must be a cuda device for device-resident weights");
+  const Device device = weights.w13.device;
+  const int64_t num_local = geometry.experts_per_rank();
+  const SourceSpec w13{"w13",        "w13_scale",        "[E_local, 2I, H]",        "[E_local, 2I/128, H/128]",
+                       &weights.w13, &weights.w13_scale, &weights.w13_global_scale, num_local,
+                       2 * geometry.intermediate, geometry.hidden};
+  const SourceSpec w2{"w2",        "w2_scale",        "[E_local, H, I]",        "[E_local, H/128, I/128]",
+                      &weights.w2, &weights.w2_scale, &weights.w2_global_scale, num_local,
+                      geometry.hidden, geometry.intermediate};
+  MEGAMOE_RETURN_IF_ERROR(check_device_source(w13, config.weight_format, device));
+  return check_device_source(w2, config.weight_format, device);
 }
 
 Status prepare_weights(const MoeGeometry& geometry, const MoeConfig& config, const MoeWeights& source,

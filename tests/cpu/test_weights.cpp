@@ -12,11 +12,13 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "megamoe/formats.h"
+#include "megamoe/layer.h"
 #include "megamoe/weights.h"
 
 namespace megamoe {
@@ -583,6 +585,123 @@ TEST_F(BadFp4SourceFixture, GlobalScaleOnAnFp8Source) {
   src.w13 = f.data;
   src.w13_scale = f.scale;
   EXPECT_CONTAINS(fail(), "w13_global_scale=float32[3] on cpu, only an nvfp4 (float4_e2m1x2) w13 has a global scale");
+}
+
+}  // namespace
+}  // namespace megamoe
+
+// ---------------------------------------------------------------------------------------------
+// Device-resident sources: the checks MoeLayer::create() runs before any device access
+// (check_device_weights reads no data, so these views point at host memory marked cuda:0).
+
+namespace megamoe {
+namespace {
+
+struct DeviceSourceFixture : ::testing::Test {
+  MoeGeometry g = test_geometry();
+  MoeConfig config;  // fp8-block
+  SourceStack w13 = make_stack(Source::kFp8, 3, 768, 256, 1u);
+  SourceStack w2 = make_stack(Source::kFp8, 3, 256, 384, 2u);
+  SourceStack b13 = make_stack(Source::kBf16, 3, 768, 256, 3u);
+  SourceStack b2 = make_stack(Source::kBf16, 3, 256, 384, 4u);
+  MoeWeights src;
+  void SetUp() override {
+    src.w13 = w13.data;
+    src.w13_scale = w13.scale;
+    src.w2 = w2.data;
+    src.w2_scale = w2.scale;
+    for (TensorView* v : {&src.w13, &src.w13_scale, &src.w2, &src.w2_scale}) v->device = Device::cuda(0);
+    ASSERT_TRUE(on_device(src));
+    const Status st = check_device_weights(g, config, src);
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+  }
+  void use_bf16() {
+    config.weight_format = WeightFormat::kBf16;
+    config.dispatch_format = DispatchFormat::kBf16;
+    src = MoeWeights();
+    src.w13 = b13.data;
+    src.w2 = b2.data;
+    src.w13.device = src.w2.device = Device::cuda(0);
+  }
+  std::string fail() {
+    const Status st = check_device_weights(g, config, src);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+    return st.message();
+  }
+};
+
+TEST_F(DeviceSourceFixture, Bf16TakenAsBf16) {
+  use_bf16();
+  const Status st = check_device_weights(g, config, src);
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+}
+
+TEST_F(DeviceSourceFixture, ConversionsAreRefusedNamingTheRule) {
+  src.w13 = b13.data;  // bf16 into fp8-block would be a quantisation
+  src.w13.device = Device::cuda(0);
+  std::string m = fail();
+  EXPECT_CONTAINS(m, "w13.dtype=bfloat16");
+  EXPECT_CONTAINS(m, "weight_format fp8-block must be float8_e4m3 with float32 128x128 scales");
+  EXPECT_CONTAINS(m, "copy the weights to the host first");
+  use_bf16();
+  src.w2 = w2.data;  // e4m3 into bf16
+  src.w2.device = Device::cuda(0);
+  m = fail();
+  EXPECT_CONTAINS(m, "w2.dtype=float8_e4m3");
+  EXPECT_CONTAINS(m, "must be bfloat16 without scales");
+  config.weight_format = WeightFormat::kMxfp8;
+  EXPECT_CONTAINS(fail(), "config.weight_format=mxfp8, device-resident weights are taken in the layer's format");
+}
+
+TEST_F(DeviceSourceFixture, EveryViewOnW13sDevice) {
+  src.w2.device = Device::cpu();
+  EXPECT_CONTAINS(fail(), "w2.device=cpu, must be cuda:0 like w13");
+  src.w2.device = Device::cuda(0);
+  src.w13_scale.device = Device::cuda(1);
+  EXPECT_CONTAINS(fail(), "w13_scale.device=cuda:1, must be cuda:0 like w13");
+}
+
+TEST_F(DeviceSourceFixture, ShapesStridesAndScales) {
+  src.w13.shape[1] = 384;
+  EXPECT_CONTAINS(fail(), "w13.shape=[3, 384, 256], must be [E_local, 2I, H] = [3, 768, 256]");
+  src.w13.shape[1] = 768;
+  src.w2.strides = {256 * 384, 1, 256};
+  EXPECT_CONTAINS(fail(), "w2.strides=[98304, 1, 256], must be contiguous");
+  src.w2.strides = src.w13.strides;  // restored below by the contiguous view
+  src.w2 = w2.data;
+  src.w2.device = Device::cuda(0);
+  src.w2_scale = TensorView();
+  EXPECT_CONTAINS(fail(), "w2_scale=absent, a float8_e4m3 w2 needs its fp32 128x128 weight_scale_inv");
+  src.w2_scale = w2.scale;
+  src.w2_scale.device = Device::cuda(0);
+  src.w2_scale.dtype = DType::kBFloat16;
+  EXPECT_CONTAINS(fail(), "w2_scale.dtype=bfloat16, must be float32");
+  src.w2_scale.dtype = DType::kFloat32;
+  src.w13.data = nullptr;
+  EXPECT_CONTAINS(fail(), "w13.data=null");
+}
+
+// create() runs those checks first, whatever the backend, then refuses device weights (this build
+// prepares weights from host memory only) with the phrase megamoe.torch falls back on.
+TEST_F(DeviceSourceFixture, CreateChecksThenRefusesDeviceWeights) {
+  g.ep_size = 1;
+  g.ep_rank = 0;
+  g.num_experts = 3;
+  config.backend = Backend::kRouted;
+  src.w13.dtype = DType::kFloat32;
+  std::unique_ptr<MoeLayer> layer;
+  Status st = MoeLayer::create(g, config, src, nullptr, &layer);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_CONTAINS(st.message(), "w13.dtype=float32");
+  src.w13.dtype = DType::kFloat8E4M3;
+  for (Backend b : {Backend::kCpu, Backend::kRouted, Backend::kAuto}) {
+    config.backend = b;
+    st = MoeLayer::create(g, config, src, nullptr, &layer);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+    EXPECT_CONTAINS(st.message(), "w13.device=cuda:0, this build prepares weights from host memory only");
+    EXPECT_CONTAINS(st.message(), "copy the weights to the host first");
+    EXPECT_EQ(layer, nullptr);
+  }
 }
 
 }  // namespace

@@ -122,9 +122,9 @@ class MoeLayer:
         try:
             self._layer = _HostLayer(geometry, w, config, comm)
         except InvalidArgumentError as e:
-            if "prepare_weights reads host memory" not in str(e):
+            if "copy the weights to the host first" not in str(e):
                 raise
-            # This build prepares weights from host memory: take device tensors through the host.
+            # Weights that this build prepares from host memory only: take device tensors through it.
             self._layer = _HostLayer(geometry, MoeWeights(*(_host_copy(t) for t in _fields(w))), config, comm)
         self._impl = self._layer._impl
         self._forward = self._impl.forward_tensors  # the tensors read in C++, not packed here

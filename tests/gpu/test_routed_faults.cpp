@@ -160,6 +160,11 @@ class WaitTimeout {  // MEGAMOE_WAIT_TIMEOUT_MS for one test
   }
 };
 
+// The one-forward same-points bound (bf16 wire) of a rank's tokens.
+double one_forward_bound(const RankInputs& in) {
+  return reference::same_points_bound_one_forward(CombineDtype::kBf16, in.num_tokens).rel_l2;
+}
+
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -189,7 +194,7 @@ TEST(Sm90RoutedFaults, ARankThatStopsLaunchingMidRun_EP2_SharedGpu) {
       });
       for (int r = 0; r < 2; ++r) {
         ASSERT_TRUE(st[r].is_ok()) << st[r].to_string();
-        EXPECT_LE(rel_l2(io[r].output(), want[r]), reference::same_points_bound_one_forward(CombineDtype::kBf16, problem.ranks[r].num_tokens).rel_l2) << "rank " << r;
+        EXPECT_LE(rel_l2(io[r].output(), want[r]), one_forward_bound(problem.ranks[r])) << "rank " << r;
       }
     }
     // Rank 1 stops: only rank 0 launches.
@@ -229,7 +234,7 @@ TEST(Sm90RoutedFaults, ARankThatStopsLaunchingMidRun_EP2_SharedGpu) {
   });
   for (int r = 0; r < 2; ++r) {
     ASSERT_TRUE(st[r].is_ok()) << st[r].to_string();
-    EXPECT_LE(rel_l2(io[r].output(), want[r]), reference::same_points_bound_one_forward(CombineDtype::kBf16, problem.ranks[r].num_tokens).rel_l2) << "rank " << r;
+    EXPECT_LE(rel_l2(io[r].output(), want[r]), one_forward_bound(problem.ranks[r])) << "rank " << r;
   }
 }
 
@@ -393,7 +398,7 @@ TEST(Sm90RoutedFaults, ARankThatSendsBadExpertIds_EP2_SharedGpu) {
     EXPECT_EQ(st[1].code(), StatusCode::kInvalidArgument) << st[1].to_string();
     EXPECT_NE(st[1].message().find("topk_ids[3, 1]=21"), std::string::npos) << st[1].message();
     for (int r = 0; r < 2; ++r)
-      EXPECT_LE(rel_l2(io[r].output(), want[r]), reference::same_points_bound_one_forward(CombineDtype::kBf16, problem.ranks[r].num_tokens).rel_l2) << "rank " << r << " iteration " << it;
+      EXPECT_LE(rel_l2(io[r].output(), want[r]), one_forward_bound(problem.ranks[r])) << "rank " << r << " iteration " << it;
   }
 }
 
@@ -425,8 +430,8 @@ TEST(Sm90RoutedSharing, TwoLayersOfDifferentGeometryOverlapOnTwoStreams_EP1) {
   ASSERT_TRUE(lb->check_error(b[0].stream).is_ok());
   const auto ya = a[0].output(), yb = b[0].output();
   const auto want_a = cpu_outputs(pa, MoeConfig{}), want_b = cpu_outputs(pb, MoeConfig{});
-  EXPECT_LE(rel_l2(ya, want_a[0]), reference::same_points_bound_one_forward(CombineDtype::kBf16, pa.ranks[0].num_tokens).rel_l2);
-  EXPECT_LE(rel_l2(yb, want_b[0]), reference::same_points_bound_one_forward(CombineDtype::kBf16, pb.ranks[0].num_tokens).rel_l2);
+  EXPECT_LE(rel_l2(ya, want_a[0]), one_forward_bound(pa.ranks[0]));
+  EXPECT_LE(rel_l2(yb, want_b[0]), one_forward_bound(pb.ranks[0]));
   // Each layer on its own stream (iteration i of a layer after its iteration i - 1, by an event).
   cudaEvent_t ev_a, ev_b;
   cudaEventCreateWithFlags(&ev_a, cudaEventDisableTiming);

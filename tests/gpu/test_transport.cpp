@@ -127,7 +127,7 @@ std::vector<T> read_rows(const EpTransport& t, const WorkspaceRegion& r, int64_t
 
 template <typename T>
 std::vector<T> read_region(const EpTransport& t, const WorkspaceRegion& r, cudaStream_t stream) {
-  return read_rows<T>(t, r, static_cast<int64_t>(r.bytes), {{0, 1}}, stream);
+  return read_rows<T>(t, r, 1, {{0, static_cast<int64_t>(r.bytes)}}, stream);  // every byte
 }
 
 std::vector<uint16_t> download_y(const RankRun& run, int64_t n) {

@@ -49,7 +49,8 @@ void run_ranks(int n, const std::function<void(int)>& fn);
 // Test buffers. On a shared GPU a rank must not allocate or free device memory between the setup
 // barrier and its last launch: cudaMalloc / cudaFree are implicit synchronisation points (the CUDA
 // programming guide, "Implicit Synchronization"), so the call would wait for a peer's kernel that
-// is itself waiting (bounded) for this rank's launch. Allocate in setup, copy on non-blocking streams.
+// is itself waiting (bounded) for this rank's launch. Allocate and upload in setup; the tests copy
+// back on the rank's own stream.
 struct DeviceBuffer {
   void* ptr = nullptr;
   size_t bytes = 0;
@@ -70,21 +71,6 @@ struct DeviceBuffer {
     cudaStream_t s = nullptr;
     cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
     cudaMemcpyAsync(ptr, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice, s);
-    cudaStreamSynchronize(s);
-    cudaStreamDestroy(s);
-  }
-  template <typename T>
-  std::vector<T> download(size_t n) const {
-    std::vector<T> v(n);
-    copy_to_host(v.data(), ptr, n * sizeof(T));
-    return v;
-  }
-  // On a private non-blocking stream, complete on return (see upload).
-  static void copy_to_host(void* dst, const void* src, size_t bytes) {
-    if (!bytes) return;
-    cudaStream_t s = nullptr;
-    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
-    cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, s);
     cudaStreamSynchronize(s);
     cudaStreamDestroy(s);
   }

@@ -216,7 +216,6 @@ gemm() {  # [tests|sass|bench|all] [bench-gemm flags]
 fp4() {  # [tests|bench|all]
   local what=${1:-all} wf
   export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
-  export MEGAMOE_GPU_MXFP4=1  # the GPU backends' mxfp4 opt-in (refused without it until this has passed)
   if [[ $what == all || $what == tests ]]; then
     EACH=1 tests "${FP4_FILTER:-FormatsDevice.Mxfp4*:FormatsDevice.Fp4*:Cases/Mxfp4Gemm.*:Sm90/Sm90Mxfp4Layer.*routed_*:Sm90Mxfp4Prefill.*:Sm90/Sm90Mxfp4Layer.*mega_*}"
   fi

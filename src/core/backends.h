@@ -42,9 +42,8 @@ Status routed_format_gate(const MoeGeometry& geometry, const MoeConfig& config);
 // mxfp4 weights with an fp8-block one, bf16 weights with a bf16 one (`backend` names the backend in
 // the message).
 Status weight_dispatch_pairing_gate(const char* backend, const MoeConfig& config);
-// mxfp4 weights' rules on both GPU backends: MEGAMOE_GPU_MXFP4=1 (the layer paths have not run on a
-// GPU yet), and the shape (the GEMM's mxfp4 tiles are 256 wide, so hidden, FC2's N, is a multiple of
-// 256; 2I is by the geometry's 128 alignment). Ok for any other weight format.
+// mxfp4 weights' shape rule on both GPU backends (the GEMM's mxfp4 tiles are 256 wide, so hidden, FC2's
+// N, is a multiple of 256; 2I is by the geometry's 128 alignment). Ok for any other weight format.
 Status mxfp4_shape_gate(const char* backend, const MoeGeometry& geometry, const MoeConfig& config);
 
 // src/kernels/mega/mega_layer.cpp: the one-kernel backend's factory (`comm` as for routed) and its

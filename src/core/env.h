@@ -25,9 +25,6 @@ struct EnvKnobs {
   // T, host-known) or "received" (the rows this rank received, decided on the device: two launches
   // per GEMM where the two buckets differ). "received" is off by default until measured on a GPU.
   bool tile_bucket_received = false;
-  // MEGAMOE_GPU_MXFP4: "1" lets the GPU backends take weight_format=mxfp4, whose layer paths have not
-  // run on a GPU yet (the gates refuse it otherwise, naming this variable); "0" or unset: refused.
-  bool gpu_mxfp4 = false;
   // MEGAMOE_LOG: 0 quiet, 1 warnings and selection (default), 2 verbose.
   int log_level = 1;
   // One process per GPU (comm.h NcclBootstrap::from_env, set by `megamoe launch` or an engine's

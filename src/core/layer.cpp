@@ -7,7 +7,6 @@
 #include "comm/gpu_comm.h"
 #include "core/backends.h"
 #include "core/device.h"
-#include "core/env.h"
 #include "core/log.h"
 #include "megamoe/knobs.h"
 
@@ -77,10 +76,6 @@ Status weight_dispatch_pairing_gate(const char* backend, const MoeConfig& c) {
 
 Status mxfp4_shape_gate(const char* backend, const MoeGeometry& g, const MoeConfig& c) {
   if (c.weight_format != WeightFormat::kMxfp4) return Status::ok();
-  if (!env_knobs().gpu_mxfp4)
-    return Status(StatusCode::kUnavailable, std::string("the ") + backend +
-                                                " backend's weight_format=mxfp4 path has not run on a GPU yet: "
-                                                "refused unless MEGAMOE_GPU_MXFP4=1 (the cpu backend runs mxfp4)");
   if (g.hidden % 256 != 0)
     return Status(StatusCode::kUnavailable, std::string("the ") + backend + " backend: geometry.hidden=" +
                                                 str(g.hidden) +

@@ -5,11 +5,9 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 
 #include "core/backends.h"
-#include "core/env.h"
 #include "kernels/routed/routed_gemm_args.h"
 #include "megamoe/workspace.h"
 
@@ -82,8 +80,6 @@ TEST(RoutedGemmArgs, EveryPresetAtOddMaxTokensValidates) {
 // A side and SwiGLU + fp8 epilogue), for every preset; tile knobs the mxfp4 GEMM has no configuration
 // for (64- and 128-row tiles, 128 wide, clusters) are left to its heuristic, never refused at warmup.
 TEST(RoutedGemmArgs, Mxfp4WeightsRunTheGemmsMxfp4Mode) {
-  setenv("MEGAMOE_GPU_MXFP4", "1", 1);  // the gate's opt-in (the layer paths have not run on a GPU yet)
-  reload_env_knobs();
   for (const Preset& p : kPresets) {
     for (int64_t ep : {1, 8}) {
       if (p.experts % ep != 0) continue;
@@ -120,8 +116,6 @@ TEST(RoutedGemmArgs, Mxfp4WeightsRunTheGemmsMxfp4Mode) {
       }
     }
   }
-  unsetenv("MEGAMOE_GPU_MXFP4");
-  reload_env_knobs();
 }
 
 TEST(RoutedGemmArgs, TheBucketHintFollowsTheRowsReceived) {

@@ -1,12 +1,10 @@
 // Backend selection: `auto` resolves once, at construction, with TensorRT-LLM's MEGAMOE_AUTO rule.
 #include <gtest/gtest.h>
 
-#include <cstdlib>
 #include <string>
 
 #include "core/backends.h"
 #include "core/device.h"
-#include "core/env.h"
 #include "megamoe/layer.h"
 
 namespace megamoe {
@@ -114,34 +112,14 @@ TEST(Selection, RoutedFormatGateNamesTheUnsupportedFormat) {
   EXPECT_FALSE(routed_format_gate(g, c).is_ok());
 }
 
-// Sets MEGAMOE_GPU_MXFP4 for one scope (the GPU backends' mxfp4 opt-in), then unsets it.
-struct GpuMxfp4OptIn {
-  GpuMxfp4OptIn() {
-    setenv("MEGAMOE_GPU_MXFP4", "1", 1);
-    reload_env_knobs();
-  }
-  ~GpuMxfp4OptIn() {
-    unsetenv("MEGAMOE_GPU_MXFP4");
-    reload_env_knobs();
-  }
-};
-
-// mxfp4 weights: the GPU layer paths have not run on a GPU, so both gates refuse them unless
-// MEGAMOE_GPU_MXFP4=1 (naming it) and `auto` runs the cpu backend. With the opt-in the routed gate
-// takes them with an fp8-block dispatch on a hidden the mxfp4 GEMM's 256-wide tiles divide;
-// otherwise it refuses naming the field, its value and the rule, and `auto` does not pick routed.
+// mxfp4 weights: accepted by the routed gate with an fp8-block dispatch on a hidden the mxfp4 GEMM's
+// 256-wide tiles divide; otherwise refused naming the field, its value and the rule, and `auto` then
+// does not pick routed.
 TEST(Selection, RoutedGateTakesMxfp4WeightsAndNamesItsRules) {
   MoeGeometry g = geometry_with_tokens(128);
   MoeConfig c;
   c.weight_format = WeightFormat::kMxfp4;
   EXPECT_EQ(c.dispatch_format, DispatchFormat::kFp8Block);
-  for (const Status& refused : {routed_format_gate(g, c), mega_format_gate(g, c)}) {
-    ASSERT_FALSE(refused.is_ok());
-    EXPECT_EQ(refused.code(), StatusCode::kUnavailable);
-    EXPECT_NE(refused.message().find("MEGAMOE_GPU_MXFP4=1"), std::string::npos) << refused.message();
-  }
-  EXPECT_EQ(select_backend(g, c, mega_format_gate(g, c), routed_format_gate(g, c)).backend, Backend::kCpu);
-  const GpuMxfp4OptIn opt_in;
   EXPECT_TRUE(routed_format_gate(g, c).is_ok()) << routed_format_gate(g, c).message();
   c.dispatch_format = DispatchFormat::kBf16;
   Status st = routed_format_gate(g, c);
@@ -164,10 +142,9 @@ TEST(Selection, RoutedGateTakesMxfp4WeightsAndNamesItsRules) {
   EXPECT_TRUE(routed_format_gate(g, c).is_ok()) << routed_format_gate(g, c).message();
 }
 
-// With the opt-in the mega backend's static gate takes mxfp4 weights on the same rules (its pairing
-// message names mega); `auto` does not pick mega for them (MoeLayer::create's selection keeps to routed).
+// The mega backend's static gate takes mxfp4 weights on the same rules (its pairing message names
+// mega); `auto` does not pick mega for them (MoeLayer::create's selection keeps to routed).
 TEST(Selection, MegaGateTakesMxfp4Weights) {
-  const GpuMxfp4OptIn opt_in;
   MoeGeometry g = geometry_with_tokens(64);
   MoeConfig c;
   c.weight_format = WeightFormat::kMxfp4;

@@ -13,12 +13,10 @@
 #include "gpu/layer_harness.h"
 
 #include <cstdio>
-#include <cstdlib>
 #include <string>
 #include <vector>
 
 #include "core/backends.h"
-#include "core/env.h"
 #include "megamoe/formats.h"
 #include "megamoe/layer.h"
 #include "reference/error_model.h"
@@ -57,19 +55,11 @@ MoeGeometry geometry(const Mxfp4LayerCase& p) {
   return g;
 }
 
-// The GPU backends take mxfp4 weights only with MEGAMOE_GPU_MXFP4=1 until these tests have passed on
-// a GPU: every test of this file opts in.
-void opt_in_gpu_mxfp4() {
-  setenv("MEGAMOE_GPU_MXFP4", "1", 1);
-  reload_env_knobs();
-}
-
 class Sm90Mxfp4Layer : public ::testing::TestWithParam<Mxfp4LayerCase> {};
 
 TEST_P(Sm90Mxfp4Layer, MatchesCpuBackendOnTheSameMxfp4Weights) {
   const Mxfp4LayerCase& p = GetParam();
   MEGAMOE_REQUIRE_SM90_GPUS(1);
-  opt_in_gpu_mxfp4();
   std::vector<int64_t> tokens(p.R, p.T);
   if (p.R > 1) tokens[0] = p.T > 1 ? p.T / 2 : 0;  // uneven; T = 1: a rank with no tokens
   MoeProblem problem = reference::make_random_problem(geometry(p), 4321, tokens, p.routing);
@@ -144,7 +134,6 @@ INSTANTIATE_TEST_SUITE_P(Sm90, Sm90Mxfp4Layer, ::testing::ValuesIn(all_cases()),
 // thousands of rows, against the cpu backend.
 TEST(Sm90Mxfp4Prefill, RoutedPoolOf2048Rows) {
   MEGAMOE_REQUIRE_SM90_GPUS(1);
-  opt_in_gpu_mxfp4();
   Mxfp4LayerCase p{"EP1_Tiny_T512", Backend::kRouted, 512, 256, 16, 4, 1, 512, Routing::kUniform};
   MoeProblem problem = reference::make_random_problem(geometry(p), 99, {512});
   MoeConfig c;

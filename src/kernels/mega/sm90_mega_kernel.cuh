@@ -12,11 +12,12 @@
 //                B1 is also this rank's grid barrier: its own cell completes only once all its CTAs
 //                have signalled.
 //     placement  every CTA sums the count bank into per-expert totals and offsets (shared memory);
-//                warps take (recv row, slot) items and place each row expert-major in pool_x at
-//                offsets[e] + atomicAdd(fill[e]) with its scales written M-major (pool_x_scales[kb *
-//                ld_pool + p]: FC1 reads them by TMA as they are, no transpose kernel), and where FC2's
-//                partial goes (pool_dst, pool_weight); each placed row bumps expert_placed[e]
-//                (release). No grid barrier: every CTA has the counts, builds the GEMMs' scheduler
+//                a warp per recv row claims its k slots' pool rows at once (lane j: offsets[e_j] +
+//                atomicAdd(fill[e_j])), reads the row once and stores it expert-major into each, with
+//                its scales written M-major (pool_x_scales[kb * ld_pool + p]: FC1 reads them by TMA as
+//                they are, no transpose kernel), and where FC2's partial goes (pool_dst, pool_weight);
+//                then each CTA adds its placed rows per expert to expert_placed[e] (one release per
+//                CTA: a fence per row serialised the copies). No grid barrier: every CTA has the counts, builds the GEMMs' scheduler
 //                tables from them in shared memory and starts its tiles; an FC1 tile waits for its own
 //                expert's rows only. Meanwhile each CTA's first FC1 weight tile is prefetched into L2.
 //   GEMM (warp-specialised from here on; setmaxnreg as the grouped GEMM):
@@ -231,23 +232,13 @@ struct MegaPrologueSmem {
   int32_t counts[kMegaMaxLocalExperts];      // rows per local expert (every source)
   int32_t offsets[kMegaMaxLocalExperts + 1]; // their exclusive prefix; [E_l] = all rows
   int32_t m_blocks[kMegaMaxLocalExperts + 1];  // exclusive prefix of the experts' m-blocks (the weight prefetch)
+  int32_t placed[kMegaMaxLocalExperts];     // rows this CTA placed per local expert
   int32_t src_start[kernels::kMaxTransportRanks + 1];  // recv rows of the sources before s
   bool ok;
 };
 
-// n 16-byte pieces from -> to by a warp, kBatch loads in flight per lane before their stores (one
-// load and store at a time waited a full L2 round trip per piece: 14 of them for a 7168-byte row).
-__device__ __forceinline__ void copy_row_batched(const uint4* from, uint4* to, int64_t n, int lane) {
-  constexpr int kBatch = 8;
-  for (int64_t c0 = lane; c0 < n; c0 += 32 * kBatch) {
-    uint4 v[kBatch];
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b) v[b] = c0 + 32 * b < n ? from[c0 + 32 * b] : make_uint4(0, 0, 0, 0);
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b)
-      if (c0 + 32 * b < n) to[c0 + 32 * b] = v[b];
-  }
-}
+// 16-byte pieces per lane a placing warp holds of its row (8: a 4096-byte row in one batch).
+constexpr int kPlaceBatch = 8;
 
 // Exclusive prefix of counts[0, n) into offsets[0, n] by warp 0 (32 at a time); on return every lane
 // of the warp sees all of offsets (the __syncwarp orders the other lanes' stores before its reads).
@@ -322,6 +313,7 @@ __device__ __forceinline__ bool mega_prologue(const MegaArgs& a, MegaPrologueSme
   for (int64_t i = gtid; i < a.max_m_blocks; i += gthreads) a.fc1_done[i] = 0;
   for (int64_t i = gtid; i < R * El; i += gthreads) counts_base[(bank ^ 1u) * R * El + i] = 0;
   for (int64_t e = tid; e < E; e += kThreads) s.hist[e] = 0;
+  for (int64_t e = tid; e < El; e += kThreads) s.placed[e] = 0;
   if (tid < R) s.dispatch.peer_base[tid] = sig.peer_ptr(tid, 0);
   __syncthreads();
 
@@ -436,63 +428,90 @@ __device__ __forceinline__ bool mega_prologue(const MegaArgs& a, MegaPrologueSme
   const float* recv_scales = tr.own<float>(tr.layout.recv_scales);
   char* pool_x = tr.own<char>(tr.layout.pool_x);
   float* pool_scales = tr.own<float>(tr.layout.pool_x_scales);
-  const int64_t items = int64_t(s.src_start[R]) * k;
+  const int64_t rows = s.src_start[R];
   const int64_t gwarp = static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + warp;
   const int64_t gwarps = int64_t(gridDim.x) * (kThreads / 32);
-  const uint32_t uk = static_cast<uint32_t>(k);
-  for (int64_t u = gwarp; u < items; u += gwarps) {
-    const uint32_t u_row = static_cast<uint32_t>(u) / uk, j = static_cast<uint32_t>(u) - u_row * uk;
+  const int64_t chunks = row_bytes / 16;
+  // A warp per received row: lane j < k holds slot j (its expert, claimed pool row p_j); the row is
+  // read once and stored into every claimed row, so the warp has up to k x kBatch stores in flight
+  // and pays the claim's round trip once per row, not once per slot.
+  for (int64_t u_row = gwarp; u_row < rows; u_row += gwarps) {
     int src = 0;
-    while (src + 1 < R && u_row >= static_cast<uint32_t>(s.src_start[src + 1])) ++src;
-    const int64_t recv_row = src * T_max + (u_row - static_cast<uint32_t>(s.src_start[src]));
-    const int32_t* meta = reinterpret_cast<const int32_t*>(sig.own_base + tr.layout.recv_meta.offset +
-                                                           recv_row * tr.layout.meta_bytes);
-    const int32_t e = meta[1 + j];  // the slot's local expert, -1 when not here (never trusted blindly)
-    // The owner reduce's inverse map: every slot of every received row gets its pool row or -1.
-    int32_t* const recv_pool_row = tr.layout.params.owner_reduce ? tr.recv_pool_row + recv_row * k + j : nullptr;
-    if (e < 0 || e >= El) {  // warp-uniform: every lane read the same word
-      if (recv_pool_row != nullptr && lane == 0) *recv_pool_row = -1;
-      continue;
+    while (src + 1 < R && u_row >= s.src_start[src + 1]) ++src;
+    const int64_t recv_row = src * T_max + (u_row - s.src_start[src]);
+    const uint4* from = reinterpret_cast<const uint4*>(recv_x + recv_row * row_bytes);
+    // The row's first batch is loaded before the claim, so the two round trips overlap.
+    uint4 v[kPlaceBatch];
+#pragma unroll
+    for (int b = 0; b < kPlaceBatch; ++b) v[b] = lane + 32 * b < chunks ? from[lane + 32 * b] : make_uint4(0, 0, 0, 0);
+    float sc[2] = {0.f, 0.f};
+    if constexpr (kFp8Wire) {
+      const float* fs = recv_scales + recv_row * scale_cols;
+#pragma unroll
+      for (int b = 0; b < 2; ++b) sc[b] = lane + 32 * b < scale_cols ? fs[lane + 32 * b] : 0.f;
     }
-    int32_t idx = 0;
-    if (lane == 0) idx = atomicAdd(&a.expert_fill[e], 1);
-    idx = __shfl_sync(0xffffffffu, idx, 0);
-    if (idx >= s.counts[e]) {  // more rows than the sources counted: inconsistent input
-      if (lane == 0) {
-        atomicAdd(&tr.input_status->pool_overflow, 1);
-        if (recv_pool_row != nullptr) *recv_pool_row = -1;
+    int32_t* const meta = reinterpret_cast<int32_t*>(sig.own_base + tr.layout.recv_meta.offset +
+                                                     recv_row * tr.layout.meta_bytes);
+    // The slot's local expert, -1 when not here (never trusted blindly); the token and the slot's
+    // weight are loaded with it (the claim below is the row's only dependent round trip).
+    const int32_t e = lane < k ? meta[1 + lane] : -1;
+    const int32_t t = meta[0];
+    const int32_t w_bits = lane < k ? meta[1 + k + lane] : 0;
+    const bool here = lane < k && e >= 0 && e < El;
+    const int32_t idx = here ? atomicAdd(&a.expert_fill[e], 1) : 0;
+    const bool claimed = here && idx < s.counts[e];
+    if (here && !claimed) atomicAdd(&tr.input_status->pool_overflow, 1);  // more rows than counted
+    const int32_t p = claimed ? s.offsets[e] + idx : -1;
+    if (lane < k) {
+      // The owner reduce's inverse map: every slot of every received row gets its pool row or -1.
+      if (tr.layout.params.owner_reduce) tr.recv_pool_row[recv_row * k + lane] = p;
+      if (claimed) {
+        tr.pool_dst[p] = (t >= 0 && t < T_max) ? static_cast<int32_t>((src * T_max + t) * k + lane) : -1;
+        // fp32(output_scale * w): the routed backend's routing prep computes the same product
+        const float w = __fmul_rn(a.output_scale, __int_as_float(w_bits));
+        tr.pool_weight[p] = w;
+        // the owner reduce's sums read the slot's weight from the row's metadata (owner_slots)
+        if (tr.layout.params.owner_reduce) meta[1 + k + lane] = __float_as_int(w);
+        atomicAdd(&s.placed[e], 1);
       }
-      continue;
     }
-    const int64_t p = s.offsets[e] + idx;
-    if (recv_pool_row != nullptr && lane == 0) *recv_pool_row = static_cast<int32_t>(p);
-    copy_row_batched(reinterpret_cast<const uint4*>(recv_x + recv_row * row_bytes),
-                     reinterpret_cast<uint4*>(pool_x + p * row_bytes), row_bytes / 16, lane);
+    const uint32_t slots = __ballot_sync(0xffffffffu, claimed);  // warp-uniform
+    for (int64_t base = 0;; base += 32 * kPlaceBatch) {  // base: warp-uniform
+      for (uint32_t m = slots; m != 0; m &= m - 1) {
+        const int64_t pj = __shfl_sync(0xffffffffu, p, __ffs(m) - 1);
+        uint4* to = reinterpret_cast<uint4*>(pool_x + pj * row_bytes);
+#pragma unroll
+        for (int b = 0; b < kPlaceBatch; ++b)
+          if (base + lane + 32 * b < chunks) to[base + lane + 32 * b] = v[b];
+      }
+      if (base + 32 * kPlaceBatch >= chunks) break;
+#pragma unroll
+      for (int b = 0; b < kPlaceBatch; ++b) {
+        const int64_t c = base + 32 * kPlaceBatch + lane + 32 * b;
+        v[b] = c < chunks ? from[c] : make_uint4(0, 0, 0, 0);
+      }
+    }
     if constexpr (kFp8Wire) {  // M-major: FC1's TMA reads [kb][row]
-      const float* from = recv_scales + recv_row * scale_cols;
-      float v[2];
+      const float* fs = recv_scales + recv_row * scale_cols;
+      for (uint32_t m = slots; m != 0; m &= m - 1) {
+        const int64_t pj = __shfl_sync(0xffffffffu, p, __ffs(m) - 1);
 #pragma unroll
-      for (int b = 0; b < 2; ++b) v[b] = lane + 32 * b < scale_cols ? from[lane + 32 * b] : 0.f;
-#pragma unroll
-      for (int b = 0; b < 2; ++b)
-        if (lane + 32 * b < scale_cols) pool_scales[(lane + 32 * b) * a.ld_pool + p] = v[b];
-      for (int64_t c = lane + 64; c < scale_cols; c += 32) pool_scales[c * a.ld_pool + p] = from[c];  // H > 8192
+        for (int b = 0; b < 2; ++b)
+          if (lane + 32 * b < scale_cols) pool_scales[(lane + 32 * b) * a.ld_pool + pj] = sc[b];
+        for (int64_t c = lane + 64; c < scale_cols; c += 32) pool_scales[c * a.ld_pool + pj] = fs[c];  // H > 8192
+      }
     }
-    if (lane == 0) {
-      const int32_t t = meta[0];
-      tr.pool_dst[p] = (t >= 0 && t < T_max) ? static_cast<int32_t>((src * T_max + t) * k + j) : -1;
-      // fp32(output_scale * w): the routed backend's routing prep computes the same product
-      const float w = __fmul_rn(a.output_scale, __int_as_float(meta[1 + k + j]));
-      tr.pool_weight[p] = w;
-      // the owner reduce's sums read the slot's weight from the row's metadata (owner_slots)
-      if (recv_pool_row != nullptr) const_cast<int32_t*>(meta)[1 + k + j] = __float_as_int(w);
-    }
-    // The row is in the pool: release it to the FC1 producers of its expert (every lane's stores,
-    // the proxy fence for their TMA loads, then one count).
-    fence_proxy_async_global();
-    __syncwarp();
+  }
+  // This CTA's rows are in the pool: release them to the FC1 producers of their experts (every
+  // thread's proxy fence for the TMA loads that read its stores, the barrier, then warp 0's one
+  // gpu-scope fence, which orders every warp's stores before it, and one count per expert: a
+  // fence in every warp waits for each warp's stores separately).
+  fence_proxy_async_global();
+  __syncthreads();
+  if (warp == 0) {
     fence_acq_rel_gpu();
-    red_add_relaxed_gpu_s32_if(lane == 0, a.expert_placed + e, 1);
+    for (int64_t e = lane; e < El; e += 32)
+      if (s.placed[e] != 0) red_add_relaxed_gpu_s32(a.expert_placed + e, s.placed[e]);
   }
   // The GEMMs' scheduler tables from this launch's counts (the grouped GEMM builds them from
   // expert_offsets in global memory; here every CTA has them in shared memory already, so no barrier
@@ -555,6 +574,11 @@ __device__ __forceinline__ void mega_send_rows(const MegaArgs& a, MegaSendSmem& 
   }
 }
 
+// Rounds per step of the per-slot bf16 reduce: only the math warps reduce (8 or 4 per SM, a
+// combine kernel has 16), so each lane keeps 2 rounds x 8 slots of 16-byte loads in flight (4
+// rounds spill at the launch bound of 168 registers).
+constexpr int kMegaReduceRounds = 2;
+
 // This rank's tokens, (token, part) items over the grid's math warps (every owner's rows are here).
 template <int kFormat, bool kOwner>
 __device__ __forceinline__ void mega_reduce_tokens(const MegaArgs& a, int64_t warp_id, int64_t num_warps, int lane) {
@@ -563,7 +587,7 @@ __device__ __forceinline__ void mega_reduce_tokens(const MegaArgs& a, int64_t wa
   for (int64_t item = warp_id; item < a.tr.num_tokens * a.reduce_parts; item += num_warps) {
     const uint32_t tok = static_cast<uint32_t>(item) / uparts;
     const uint32_t part = static_cast<uint32_t>(item) - tok * uparts;
-    kernels::reduce_token<kFormat, kOwner>(a.tr, a.topk_ids, a.y, tok, urounds * part / uparts,
+    kernels::reduce_token<kFormat, kOwner, kMegaReduceRounds>(a.tr, a.topk_ids, a.y, tok, urounds * part / uparts,
                                            urounds * (part + 1) / uparts, lane);
   }
 }

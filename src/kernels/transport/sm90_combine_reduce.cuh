@@ -9,42 +9,54 @@ namespace megamoe {
 namespace kernels {
 
 // bf16 wire: one part (rounds [rb, re) of 32 8-element chunks) of token t's sum over its valid rows
-// t * k + j (k: rows per token, slots or owner ranks).
+// t * k + j (k: rows per token, slots or owner ranks). kRounds rounds per step: a lane has kRounds x 8
+// 16-byte loads in flight (a grid with few warps per SM needs more than one round's).
+template <int kRounds = 1>
 __device__ __forceinline__ void reduce_bf16_part(const char* rows, int64_t wire, int64_t t, int k, uint32_t valid,
                                                  uint16_t* __restrict__ y_row, int64_t chunks, int64_t rb, int64_t re,
                                                  int lane) {
   constexpr int kSlotBatch = 8;
-  for (int64_t rr = rb; rr < re; ++rr) {
-    const int64_t c = rr * 32 + lane;
-    if (c >= chunks) continue;
-    float acc[8];
+  for (int64_t r0 = rb; r0 < re; r0 += kRounds) {
+    const StepChunks<kRounds> st(r0, re, chunks, lane);
+    const int64_t(&c)[kRounds] = st.c;
+    const bool(&on)[kRounds] = st.on;
+    bool any = false;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+    for (int u = 0; u < kRounds; ++u) any |= on[u];
+    if (!any) continue;  // this lane's chunks end before the step (per lane: no shuffles below)
+    float acc[kRounds][8];
+#pragma unroll
+    for (int u = 0; u < kRounds; ++u)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[u][i] = 0.f;
     for (int j0 = 0; j0 < k; j0 += kSlotBatch) {
-      uint4 q[kSlotBatch];
+      uint4 q[kRounds][kSlotBatch];
 #pragma unroll
-      for (int jj = 0; jj < kSlotBatch; ++jj) {
-        const int j = j0 + jj;
-        q[jj] = (j < k && (valid >> j & 1u)) ? *reinterpret_cast<const uint4*>(rows + (t * k + j) * wire + c * 16)
-                                             : make_uint4(0, 0, 0, 0);
-      }
+      for (int u = 0; u < kRounds; ++u)
 #pragma unroll
-      for (int jj = 0; jj < kSlotBatch; ++jj) {
-        const int j = j0 + jj;
-        if (j >= k || !(valid >> j & 1u)) continue;  // in slot order; skipped slots add nothing
-        const uint32_t w[4] = {q[jj].x, q[jj].y, q[jj].z, q[jj].w};
-#pragma unroll
-        for (int m = 0; m < 4; ++m) {
-          acc[2 * m] = __fadd_rn(acc[2 * m], fmt::bf16_to_float(static_cast<uint16_t>(w[m] & 0xFFFFu)));
-          acc[2 * m + 1] = __fadd_rn(acc[2 * m + 1], fmt::bf16_to_float(static_cast<uint16_t>(w[m] >> 16)));
+        for (int jj = 0; jj < kSlotBatch; ++jj) {
+          const int j = j0 + jj;
+          q[u][jj] = (on[u] && j < k && (valid >> j & 1u))
+                         ? *reinterpret_cast<const uint4*>(rows + (t * k + j) * wire + c[u] * 16)
+                         : make_uint4(0, 0, 0, 0);
         }
-      }
-    }
-    uint32_t o[4];
 #pragma unroll
-    for (int m = 0; m < 4; ++m)
-      o[m] = cvt_bf16x2(acc[2 * m], acc[2 * m + 1]);  // acc's NaN is canonical (kHwNaNNote)
-    st_v4(y_row + c * 8, make_uint4(o[0], o[1], o[2], o[3]));
+      for (int u = 0; u < kRounds; ++u)
+#pragma unroll
+        for (int jj = 0; jj < kSlotBatch; ++jj) {
+          const int j = j0 + jj;
+          if (j >= k || !(valid >> j & 1u)) continue;  // in slot order; skipped slots add nothing
+          const uint32_t w[4] = {q[u][jj].x, q[u][jj].y, q[u][jj].z, q[u][jj].w};
+#pragma unroll
+          for (int m = 0; m < 4; ++m) {
+            acc[u][2 * m] = __fadd_rn(acc[u][2 * m], fmt::bf16_to_float(static_cast<uint16_t>(w[m] & 0xFFFFu)));
+            acc[u][2 * m + 1] = __fadd_rn(acc[u][2 * m + 1], fmt::bf16_to_float(static_cast<uint16_t>(w[m] >> 16)));
+          }
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < kRounds; ++u)
+      if (on[u]) store_bf16x8(y_row + c[u] * 8, acc[u]);  // acc's NaN is canonical (kHwNaNNote)
   }
 }
 
@@ -95,9 +107,10 @@ __device__ __forceinline__ void reduce_bf16_owner_part(const char* rows, int64_t
 }
 
 // Token t's valid slots summed in slot order (fp32) into y (kOwner: the rows of the owner ranks of
-// its valid slots, in rank order): rounds [rb, re) (combine_reduce_rounds) of the row. Every rank's
+// its valid slots, in rank order): rounds [rb, re) (combine_reduce_rounds) of the row, kBf16Rounds
+// per step on the per-slot bf16 wire (reduce_bf16_part). Every rank's
 // partials of the token must have arrived (the caller waited). All 32 lanes call it.
-template <int kFormat, bool kOwner>
+template <int kFormat, bool kOwner, int kBf16Rounds = 1>
 __device__ __forceinline__ void reduce_token(const TransportArgs& a, const int32_t* __restrict__ topk_ids,
                                              uint16_t* __restrict__ y, int64_t t, int64_t rb, int64_t re, int lane) {
   const int64_t H = a.hidden(), wire = a.layout.wire_row_bytes;
@@ -112,7 +125,7 @@ __device__ __forceinline__ void reduce_token(const TransportArgs& a, const int32
       kOwner ? __reduce_or_sync(0xFFFFFFFFu, my_valid ? 1u << a.el_div.div(static_cast<uint32_t>(my_id)) : 0u) : valid_slots;
   if constexpr (kFormat == kWsBf16) {
     if constexpr (kOwner) reduce_bf16_owner_part(rows, wire, t, k, valid, y + t * H, H / 8, rb, re, lane);
-    else reduce_bf16_part(rows, wire, t, k, valid, y + t * H, H / 8, rb, re, lane);
+    else reduce_bf16_part<kBf16Rounds>(rows, wire, t, k, valid, y + t * H, H / 8, rb, re, lane);
   } else {
     // 16-element chunks c of rounds [rb, re); up to 8 slots' codes and scales loaded before they are
     // summed in slot order (one slot at a time is a chain of dependent loads: 174 us for one token).

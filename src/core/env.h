@@ -28,6 +28,9 @@ struct EnvKnobs {
   // MEGAMOE_GPU_MXFP4: "1" lets the GPU backends take weight_format=mxfp4, whose layer paths have not
   // run on a GPU yet (the gates refuse it otherwise, naming this variable); "0" or unset: refused.
   bool gpu_mxfp4 = false;
+  // MEGAMOE_GPU_NVFP4: "1" lets the routed backend take weight_format=nvfp4 (expanded to bf16 at
+  // upload, docs/GEMM.md), whose layer path has not run on a GPU yet; "0" or unset: refused.
+  bool gpu_nvfp4 = false;
   // MEGAMOE_LOG: 0 quiet, 1 warnings and selection (default), 2 verbose.
   int log_level = 1;
   // One process per GPU (comm.h NcclBootstrap::from_env, set by `megamoe launch` or an engine's

@@ -123,8 +123,9 @@ struct MoeConfig {
   // owner_reduce resolved: kOn, or kAuto with a quantised combine wire and no in-kernel FC2 reduce.
   bool uses_owner_reduce() const;
 
-  // Format of the SwiGLU output that FC2 consumes: fp8-block for the fp8-family weight formats
-  // (requantised in the FC1 epilogue), bf16 for bf16 weights.
+  // Format of the SwiGLU output that FC2 consumes: bf16 for bf16 weights and for nvfp4 weights with
+  // dispatch_format=bf16 (the GPU backends run those on the bf16 GEMM); fp8-block otherwise
+  // (requantised in the FC1 epilogue).
   DispatchFormat intermediate_format() const;
 };
 

@@ -160,7 +160,11 @@ bool MoeConfig::uses_owner_reduce() const {
 }
 
 DispatchFormat MoeConfig::intermediate_format() const {
-  return weight_format == WeightFormat::kBf16 ? DispatchFormat::kBf16 : DispatchFormat::kFp8Block;
+  if (weight_format == WeightFormat::kBf16) return DispatchFormat::kBf16;
+  // nvfp4 weights with a bf16 dispatch: the GPU backends run them as bf16 (docs/GEMM.md, "nvfp4, the
+  // first step"), so the intermediate is bf16 there, and here for every backend (same points).
+  if (weight_format == WeightFormat::kNvfp4 && dispatch_format == DispatchFormat::kBf16) return DispatchFormat::kBf16;
+  return DispatchFormat::kFp8Block;
 }
 
 }  // namespace megamoe

@@ -71,6 +71,20 @@ Status weight_dispatch_pairing_gate(const char* backend, const MoeConfig& c) {
                                                 " backend runs mxfp4 weights with dispatch_format=fp8-block (e4m3 "
                                                 "activations; got dispatch_format=" + to_string(c.dispatch_format) +
                                                 ")");
+  if (c.weight_format == WeightFormat::kNvfp4 && c.dispatch_format != DispatchFormat::kBf16)
+    return Status(StatusCode::kUnavailable, std::string("the ") + backend +
+                                                " backend runs nvfp4 weights with dispatch_format=bf16 (the codes "
+                                                "expanded to bf16 for the bf16 GEMM; got dispatch_format=" +
+                                                to_string(c.dispatch_format) + ")");
+  return Status::ok();
+}
+
+Status nvfp4_opt_in_gate(const char* backend, const MoeConfig& c) {
+  if (c.weight_format != WeightFormat::kNvfp4) return Status::ok();
+  if (!env_knobs().gpu_nvfp4)
+    return Status(StatusCode::kUnavailable, std::string("the ") + backend +
+                                                " backend's weight_format=nvfp4 path has not run on a GPU yet: "
+                                                "refused unless MEGAMOE_GPU_NVFP4=1 (the cpu backend runs nvfp4)");
   return Status::ok();
 }
 

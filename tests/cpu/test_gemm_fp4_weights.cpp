@@ -1,9 +1,13 @@
 // The grouped GEMM's mxfp4 weight layout (kernels/gemm/gemm_weights.h): every element read back through
 // the register-fragment order and the word expansion (what the math warpgroup does) is the e4m3 code
 // of fmt::mxfp4_to_fp8_128x128, under its block scale; every byte of a piece is written exactly once;
-// a warp's fragment reads are 512 contiguous bytes.
+// a warp's fragment reads are 512 contiguous bytes. nvfp4 expanded to bf16 for the bf16 GEMM
+// (expand_nvfp4_to_bf16, prepare_nvfp4_expert_bf16): exact for every code and scale, and the cpu
+// backend's dequantisation bit for bit once the global scale (kept apart) is 1.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <set>
@@ -11,6 +15,7 @@
 
 #include "kernels/gemm/gemm_weights.h"
 #include "megamoe/formats.h"
+#include "megamoe/weights.h"
 
 namespace megamoe::gemm {
 namespace {
@@ -130,6 +135,93 @@ TEST(GemmFp4Weights, EveryCodeNibbleAndShiftByteOnce_WarpReadsContiguous) {
   // A tile's pieces of one K block are contiguous: rows 64..127 follow rows 0..63.
   EXPECT_EQ(mxfp4_gemm_place(w, 0, 64, 0).word_byte, kFp4SlabBytes);
   EXPECT_EQ(mxfp4_gemm_place(w, 0, 0, 128).word_byte, (w.n / 64) * kFp4SlabBytes);
+}
+
+// Every e2m1 code times every finite e4m3 scale code is a bf16 value: the expansion rounds nothing
+// (the product has at most 6 significant bits and lies in [2^-10, 2688]).
+TEST(GemmNvfp4Weights, EveryCodeTimesEveryScaleIsExactInBf16) {
+  int64_t pairs = 0, inexact = 0;
+  for (int scale = 0; scale < 256; ++scale) {
+    if ((scale & 0x7F) == 0x7F) continue;  // e4m3's NaN codes
+    for (int code = 0; code < 16; ++code) {
+      const uint8_t packed = static_cast<uint8_t>(code | (code << 4)), sc = static_cast<uint8_t>(scale);
+      uint16_t out[16];
+      uint8_t row[8];
+      std::memset(row, packed, sizeof(row));
+      expand_nvfp4_to_bf16(row, &sc, 1, 1, 16, out);
+      const float want = fmt::e2m1_to_float(static_cast<uint8_t>(code)) * fmt::e4m3_to_float(sc);
+      for (uint16_t b : out) {
+        const float got = fmt::bf16_to_float(b);
+        inexact += std::memcmp(&got, &want, 4) != 0;  // bits: signed zeros too
+      }
+      ++pairs;
+    }
+  }
+  EXPECT_EQ(pairs, 254 * 16);
+  EXPECT_EQ(inexact, 0);
+}
+
+// The layers' upload (prepare_nvfp4_expert_bf16) on nvfp4 weights prepare_weights made (per-expert
+// global scales != 1): every element at its GEMM row (w13 in the SwiGLU order) is the cpu backend's
+// dequantised value (QuantizedTensor::dequantize) bit for bit with the global scale set to 1; times
+// the global scale in fp32 (what the layer applies) it is within one fp32 rounding of it with the
+// scale (the cpu backend rounds e4m3 scale x global scale first).
+TEST(GemmNvfp4Weights, ExpertBf16ImagesAreTheCpuBackendsDequantisationWithoutTheGlobalScale) {
+  const int64_t E = 3, H = 256, I = 128;
+  MoeGeometry g;
+  g.hidden = H, g.intermediate = I, g.num_experts = E, g.top_k = 2, g.ep_size = 1, g.max_tokens_per_rank = 8;
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<float> w13(E * 2 * I * H), w2(E * H * I);
+  for (int64_t i = 0; i < static_cast<int64_t>(w13.size()); ++i) w13[i] = normal(rng) * std::ldexp(1.f, int(i / (2 * I * H)) - 3);
+  for (int64_t i = 0; i < static_cast<int64_t>(w2.size()); ++i) w2[i] = normal(rng) * std::ldexp(1.f, int(i / (H * I)) + 2);
+  MoeWeights src;
+  src.w13 = TensorView(w13.data(), DType::kFloat32, {E, 2 * I, H});
+  src.w2 = TensorView(w2.data(), DType::kFloat32, {E, H, I});
+  MoeConfig c;
+  c.weight_format = WeightFormat::kNvfp4;
+  c.dispatch_format = DispatchFormat::kBf16;
+  PreparedWeights pw;
+  ASSERT_TRUE(prepare_weights(g, c, src, &pw).is_ok());
+  std::vector<uint16_t> b13, b2;
+  prepare_nvfp4_expert_bf16(pw.w13.data.data(), pw.w13.scales.data(), pw.w2.data.data(), pw.w2.scales.data(), E, H,
+                            I, &b13, &b2);
+  ASSERT_EQ(static_cast<int64_t>(b13.size()), E * 2 * I * H);
+  ASSERT_EQ(static_cast<int64_t>(b2.size()), E * H * I);
+  int64_t checked = 0, diffs = 0, scaled_off = 0, distinct_globals = 0;
+  double worst_scaled = 0;
+  for (int which = 0; which < 2; ++which) {
+    const QuantizedTensor& q = which == 0 ? pw.w13 : pw.w2;
+    const std::vector<uint16_t>& b = which == 0 ? b13 : b2;
+    QuantizedTensor unit = q;
+    for (float& s : unit.global_scales) s = 1.f;
+    std::vector<float> with_g, without_g;
+    q.dequantize(&with_g);
+    unit.dequantize(&without_g);
+    for (int64_t e = 0; e < E; ++e) {
+      distinct_globals += q.global_scales[e] != 1.f;
+      for (int64_t r = 0; r < q.rows; ++r) {
+        const int64_t row = which == 0 ? swiglu_prepared_row(r, I) : r;
+        for (int64_t col = 0; col < q.cols; ++col) {
+          const int64_t at = (e * q.rows + r) * q.cols + col;
+          const float got = fmt::bf16_to_float(b[(e * q.rows + row) * q.cols + col]);
+          diffs += std::memcmp(&got, &without_g[at], 4) != 0;
+          const float scaled = fmt::mul_rn(got, q.global_scales[e]), want = with_g[at];
+          const double rel = want == 0.f ? std::fabs(scaled) : std::fabs(double(scaled) - want) / std::fabs(want);
+          worst_scaled = std::max(worst_scaled, rel);
+          scaled_off += rel > std::ldexp(1.0, -23);
+          ++checked;
+        }
+      }
+    }
+  }
+  std::printf("nvfp4 -> bf16: %lld elements, %lld differ from the dequantisation at global scale 1; times the "
+              "global scale: worst relative difference %.3e\n",
+              static_cast<long long>(checked), static_cast<long long>(diffs), worst_scaled);
+  EXPECT_EQ(checked, E * 3 * H * I);
+  EXPECT_EQ(distinct_globals, 2 * E) << "the case must exercise global scales other than 1";
+  EXPECT_EQ(diffs, 0);
+  EXPECT_EQ(scaled_off, 0);
 }
 
 }  // namespace

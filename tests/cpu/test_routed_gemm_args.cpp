@@ -118,6 +118,66 @@ TEST(RoutedGemmArgs, Mxfp4WeightsRunTheGemmsMxfp4Mode) {
   }
 }
 
+// nvfp4 weights (bf16 dispatch): both GEMMs bf16 on the expanded weights, FC1 with the scaled SwiGLU
+// epilogue reading w13's per-expert global scales, FC2 the plain store into the combine rows with the
+// pool's row weights (into which the pool build folds w2's global scales), no scales anywhere else;
+// the bf16 intermediate; for every preset and tile knob. Without the global scales FC1 is refused.
+TEST(RoutedGemmArgs, Nvfp4WeightsRunTheBf16GemmsWithTheGlobalScalesInFp32) {
+  setenv("MEGAMOE_GPU_NVFP4", "1", 1);  // the gate's opt-in (the layer path has not run on a GPU yet)
+  reload_env_knobs();
+  int checked = 0;
+  for (const Preset& p : kPresets) {
+    for (int64_t ep : {1, 8}) {
+      if (p.experts % ep != 0) continue;
+      for (int32_t bm : {0, 16, 64, 128}) {
+        MoeGeometry g;
+        g.hidden = p.hidden;
+        g.intermediate = p.intermediate;
+        g.num_experts = p.experts;
+        g.top_k = p.top_k;
+        g.ep_size = ep;
+        g.max_tokens_per_rank = 33;
+        MoeConfig c;
+        c.weight_format = WeightFormat::kNvfp4;
+        c.dispatch_format = DispatchFormat::kBf16;
+        c.knobs.block_m = bm == 16 ? 0 : bm;  // bf16 tiles: 64 or 128 rows
+        EXPECT_EQ(c.intermediate_format(), DispatchFormat::kBf16);
+        const WorkspaceLayout l = WorkspaceLayout::make(workspace_params(g, c));
+        EXPECT_EQ(l.params.intermediate_format, kWsBf16);
+        RoutedGemmBuffers b = fake_buffers(g);
+        b.w13_scales = b.w2_scales = b.a_scales = nullptr;  // bf16: no block or activation scales
+        float* const expert_scale = reinterpret_cast<float*>(uintptr_t(3) << 40);
+        b.w13_expert_scale = expert_scale;
+        gemm::GroupedGemmArgs fc1, fc2;
+        const Status st = make_routed_gemm_args(g, c, l, b, 0, &fc1, &fc2);
+        ASSERT_TRUE(st.is_ok()) << p.name << " EP" << ep << " block_m " << bm << ": " << st.to_string();
+        EXPECT_EQ(fc1.dtype, gemm::GemmDtype::kBf16);
+        EXPECT_EQ(fc2.dtype, gemm::GemmDtype::kBf16);
+        EXPECT_EQ(fc1.epilogue, gemm::GemmEpilogue::kSwigluBf16Scaled);
+        EXPECT_EQ(fc1.b_expert_scale, expert_scale);
+        EXPECT_EQ(fc2.epilogue, gemm::GemmEpilogue::kStoreBf16);
+        EXPECT_EQ(fc2.b_expert_scale, nullptr);
+        EXPECT_EQ(fc2.row_weight, b.pool_weight);
+        EXPECT_EQ(fc2.row_map, b.pool_dst);
+        EXPECT_EQ(fc2.num_peer_d, static_cast<int32_t>(ep));
+        EXPECT_EQ(fc1.a_scales, nullptr);
+        EXPECT_EQ(fc1.b_scales, nullptr);
+        EXPECT_EQ(fc2.b_scales, nullptr);
+        EXPECT_EQ(fc1.tiles.block_m, bm == 16 ? 0 : bm);
+        EXPECT_TRUE(routed_format_gate(g, c).is_ok()) << p.name << ": " << routed_format_gate(g, c).message();
+        b.w13_expert_scale = nullptr;
+        const Status missing = make_routed_gemm_args(g, c, l, b, 0, &fc1, &fc2);
+        ASSERT_FALSE(missing.is_ok());
+        EXPECT_NE(missing.message().find("b_expert_scale=null"), std::string::npos) << missing.message();
+        ++checked;
+      }
+    }
+  }
+  EXPECT_GT(checked, 30);
+  unsetenv("MEGAMOE_GPU_NVFP4");
+  reload_env_knobs();
+}
+
 TEST(RoutedGemmArgs, TheBucketHintFollowsTheRowsReceived) {
   MoeGeometry g;
   g.hidden = 7168;

@@ -159,6 +159,74 @@ TEST(Selection, MegaGateTakesMxfp4Weights) {
   EXPECT_FALSE(mega_format_gate(g, c).is_ok());
 }
 
+// Sets MEGAMOE_GPU_NVFP4 for one scope (the routed backend's nvfp4 opt-in), then unsets it.
+struct GpuNvfp4OptIn {
+  GpuNvfp4OptIn() {
+    setenv("MEGAMOE_GPU_NVFP4", "1", 1);
+    reload_env_knobs();
+  }
+  ~GpuNvfp4OptIn() {
+    unsetenv("MEGAMOE_GPU_NVFP4");
+    reload_env_knobs();
+  }
+};
+
+// nvfp4 weights run on the routed backend as bf16 (expanded at upload) with a bf16 dispatch and the
+// bf16 wire FC2 writes itself. Not yet run on a GPU: refused unless MEGAMOE_GPU_NVFP4=1 (naming it),
+// and `auto` then runs the cpu backend. With the opt-in: accepted on those rules; an fp8-block
+// dispatch, a quantised wire or the owner reduce refused naming the field, its value and the rule;
+// the mega backend refuses nvfp4 whatever the opt-in, so `auto` picks routed.
+TEST(Selection, RoutedGateTakesNvfp4WeightsWithABf16DispatchAndNamesItsRules) {
+  MoeGeometry g = geometry_with_tokens(128);
+  MoeConfig c;
+  c.weight_format = WeightFormat::kNvfp4;
+  c.dispatch_format = DispatchFormat::kBf16;
+  Status st = routed_format_gate(g, c);
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_EQ(st.code(), StatusCode::kUnavailable);
+  EXPECT_NE(st.message().find("weight_format=nvfp4"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("MEGAMOE_GPU_NVFP4=1"), std::string::npos) << st.message();
+  EXPECT_EQ(select_backend(g, c, mega_format_gate(g, c), routed_format_gate(g, c)).backend, Backend::kCpu);
+  {
+    const GpuMxfp4OptIn other;  // mxfp4's opt-in is not nvfp4's
+    EXPECT_FALSE(routed_format_gate(g, c).is_ok());
+  }
+  const GpuNvfp4OptIn opt_in;
+  EXPECT_TRUE(routed_format_gate(g, c).is_ok()) << routed_format_gate(g, c).message();
+  const Status mega = mega_format_gate(g, c);
+  ASSERT_FALSE(mega.is_ok());
+  EXPECT_NE(mega.message().find("the mega backend has no nvfp4 weights"), std::string::npos) << mega.message();
+  BackendSelection s = select_backend(g, c, mega, routed_format_gate(g, c));
+  EXPECT_EQ(s.backend, Backend::kRouted) << s.reason;
+  // The pairing: bf16 dispatch only.
+  c.dispatch_format = DispatchFormat::kFp8Block;
+  st = routed_format_gate(g, c);
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("the routed backend runs nvfp4 weights with dispatch_format=bf16"), std::string::npos)
+      << st.message();
+  EXPECT_NE(st.message().find("got dispatch_format=fp8-block"), std::string::npos) << st.message();
+  c.dispatch_format = DispatchFormat::kBf16;
+  // The combine: FC2's own bf16 wire (w2's global scale rides in its row weights).
+  for (CombineDtype wire : {CombineDtype::kMxfp8, CombineDtype::kNvfp4}) {
+    MoeConfig q = c;
+    q.combine_dtype = wire;
+    ASSERT_TRUE(q.validate(g).is_ok());
+    st = routed_format_gate(g, q);
+    ASSERT_FALSE(st.is_ok()) << to_string(wire);
+    EXPECT_NE(st.message().find("combine_dtype=bf16 and no owner reduce"), std::string::npos) << st.message();
+    EXPECT_NE(st.message().find(std::string("got combine_dtype=") + to_string(wire)), std::string::npos)
+        << st.message();
+  }
+  MoeConfig owner = c;
+  owner.owner_reduce = OwnerReduce::kOn;
+  st = routed_format_gate(g, owner);
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("owner_reduce=on"), std::string::npos) << st.message();
+  // The other formats keep their rules.
+  c.weight_format = WeightFormat::kBf16;
+  EXPECT_TRUE(routed_format_gate(g, c).is_ok()) << routed_format_gate(g, c).message();
+}
+
 // The routed gate carries the EP transport's limits and the grouped GEMMs' shape rules, so `auto`
 // never picks a routed layer that create() or warmup() would refuse: each row is a geometry that the
 // config validation accepts, with the field and rule the gate names, and what auto then picks.

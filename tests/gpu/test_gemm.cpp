@@ -638,4 +638,66 @@ INSTANTIATE_TEST_SUITE_P(
                       SwigluCase{"Contig_I384_K256_BM128_Cluster2_Pow2", GroupedLayout::kContiguous, 384, 256, {129, 3}, 128, true, 2}),
     [](const ::testing::TestParamInfo<SwigluCase>& i) { return i.param.name; });
 
+// The scaled bf16 SwiGLU epilogue (nvfp4 weights expanded to bf16, their global scale per expert in
+// fp32): with power-of-two scales s_e every product is exactly s_e times the unscaled one, so FC1 with
+// b_expert_scale = s_e must equal, bit for bit, the unscaled bf16 SwiGLU epilogue on weights multiplied
+// by s_e (exact in bf16). 64- and 128-row tiles (the bf16 configurations), experts with 0, 1, a partial
+// and several m-blocks, scales 1/2, 1, 2, 4.
+TEST(Sm90GroupedGemm, Bf16SwigluScaled_EqualsUnscaledOnPrescaledWeights) {
+  REQUIRE_SM90();
+  for (int block_m : {64, 128}) {
+    GemmCase gc{"Bf16SwigluScaled", GemmDtype::kBf16, GroupedLayout::kContiguous, 2 * 256, 384, {1, 0, 129, 64, 7},
+                block_m, 256, false, false};
+    const Problem p = case_problem(gc, 777u + block_m);
+    const int64_t I = 256, rows = p.a_rows();
+    std::vector<float> scales(p.E);
+    std::vector<uint8_t> scaled_b(p.b.size());
+    for (int e = 0; e < p.E; ++e) {
+      scales[e] = std::ldexp(1.f, e % 4 - 1);
+      for (int64_t i = 0; i < int64_t(p.N) * p.K; ++i) {
+        const int64_t at = int64_t(e) * p.N * p.K + i;
+        uint16_t h;
+        std::memcpy(&h, &p.b[at * 2], 2);
+        const uint16_t hs = fmt::float_to_bf16(fmt::bf16_to_float(h) * scales[e]);
+        ASSERT_EQ(fmt::bf16_to_float(hs), fmt::bf16_to_float(h) * scales[e]) << "must be exact";
+        std::memcpy(&scaled_b[at * 2], &hs, 2);
+      }
+    }
+    std::vector<uint8_t> prep(p.b.size()), prep_scaled(p.b.size());
+    megamoe::gemm::prepare_w13_for_swiglu(p.b.data(), p.E, I, p.K, 2, prep.data());
+    megamoe::gemm::prepare_w13_for_swiglu(scaled_b.data(), p.E, I, p.K, 2, prep_scaled.data());
+    const DeviceProblem dev(p, prep, {}), dev_scaled(p, prep_scaled, {});
+    DevBuf<float> expert_scale(scales);
+    DevBuf<uint16_t> h_scaled(rows * I), h_ref(rows * I);
+    CUDA_OK(cudaMemset(h_scaled.p, 0xFF, rows * I * 2));
+    CUDA_OK(cudaMemset(h_ref.p, 0xFF, rows * I * 2));
+    GroupedGemmArgs a = dev.args();
+    a.epilogue = GemmEpilogue::kSwigluBf16Scaled;
+    a.b_expert_scale = expert_scale.p;
+    a.d = h_scaled.p;
+    a.tiles.block_m = block_m;
+    GroupedGemmArgs r = dev_scaled.args();
+    r.epilogue = GemmEpilogue::kSwigluBf16;
+    r.d = h_ref.p;
+    r.tiles.block_m = block_m;
+    megamoe::gemm::GemmTileConfig used;
+    megamoe::Status st = megamoe::gemm::launch_grouped_gemm(a, nullptr, &used);
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+    EXPECT_EQ(used.block_m, block_m) << used.to_string();
+    st = megamoe::gemm::launch_grouped_gemm(r, nullptr);
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+    CUDA_OK(cudaDeviceSynchronize());
+    const std::vector<uint16_t> got = h_scaled.get(), want = h_ref.get();
+    int64_t diffs = 0, stored = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      diffs += got[i] != want[i];
+      stored += got[i] != 0xFFFF;
+    }
+    std::printf("  [Bf16SwigluScaled BM%d] %lld of %lld h values differ from the prescaled run (%lld stored)\n",
+                block_m, (long long)diffs, (long long)got.size(), (long long)stored);
+    EXPECT_EQ(diffs, 0) << "block_m " << block_m;
+    EXPECT_EQ(stored, (1 + 0 + 129 + 64 + 7) * I) << "every real row, no other";
+  }
+}
+
 }  // namespace

@@ -7,8 +7,10 @@
 
 namespace megamoe::tool {
 
+// bf16 MMAs for bf16 weights and for nvfp4 ones with a bf16 dispatch (expanded to bf16 for the bf16
+// GEMM: intermediate_format() bf16 in both), fp8 otherwise.
 double gemm_peak(const MoeConfig& c) {
-  return c.weight_format == WeightFormat::kBf16 ? kH200Bf16FlopsPerS : kH200Fp8FlopsPerS;
+  return c.intermediate_format() == DispatchFormat::kBf16 ? kH200Bf16FlopsPerS : kH200Fp8FlopsPerS;
 }
 
 ForwardModel model_forward(const MoeGeometry& g, const MoeConfig& c, int64_t tokens, int64_t num_sets,

@@ -100,7 +100,7 @@ void print_bench_header(const BenchHeader& h) {
               "/ median\n");
   std::printf("floor (H200, docs/ARCHITECTURE.md) = max over ranks of max(hit weight bytes / %.1f TB/s, FLOPs / %.0f "
               "TFLOP/s (%s), NVLink bytes / %.0f GB/s); bound = the term that sets it\n",
-              kH200HbmBytesPerS / 1e12, gemm_peak(c) / 1e12, c.weight_format == WeightFormat::kBf16 ? "bf16" : "fp8",
+              kH200HbmBytesPerS / 1e12, gemm_peak(c) / 1e12, c.intermediate_format() == DispatchFormat::kBf16 ? "bf16" : "fp8",
               kH200NvlinkBytesPerS / 1e9);
   if (h.any_cpu)
     std::printf("NOTE: rows on the cpu backend are CPU wall time on this host, not GPU time; their floor is still "

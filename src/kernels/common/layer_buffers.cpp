@@ -90,6 +90,18 @@ Status upload_expert_weights(int device, const MoeGeometry& geometry, const Prep
     MEGAMOE_RETURN_IF_ERROR(upload(device, image2.data(), static_cast<int64_t>(image2.size()), &out->w2));
     return Status::ok();
   }
+  if (weights.format == WeightFormat::kNvfp4) {
+    std::vector<uint16_t> b13, b2;
+    gemm::prepare_nvfp4_expert_bf16(w13.data.data(), w13.scales.data(), w2.data.data(), w2.scales.data(), El, H, I,
+                                    &b13, &b2);
+    MEGAMOE_RETURN_IF_ERROR(upload(device, b13.data(), static_cast<int64_t>(b13.size() * 2), &out->w13));
+    MEGAMOE_RETURN_IF_ERROR(upload(device, b2.data(), static_cast<int64_t>(b2.size() * 2), &out->w2));
+    if (static_cast<int64_t>(w13.global_scales.size()) != El || static_cast<int64_t>(w2.global_scales.size()) != El)
+      return Status(StatusCode::kInternal, "upload_expert_weights: nvfp4 weights without one global scale per expert");
+    MEGAMOE_RETURN_IF_ERROR(upload(device, w13.global_scales.data(), El * 4, &out->w13_expert_scale));
+    MEGAMOE_RETURN_IF_ERROR(upload(device, w2.global_scales.data(), El * 4, &out->w2_expert_scale));
+    return Status::ok();
+  }
   const bool fp8 = weights.format == WeightFormat::kFp8Block;
   if (!fp8 && weights.format != WeightFormat::kBf16)
     return Status(StatusCode::kInternal, std::string("upload_expert_weights: no GPU layout for weight format ") +

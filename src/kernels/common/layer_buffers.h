@@ -42,13 +42,16 @@ Status shared_scratch(int device, uint64_t group_id, int rank, int purpose, int6
 // one workspace too (WorkspacePool keys include the group).
 Status single_rank_group(int device, std::shared_ptr<Communicator>* out);
 
-// This rank's experts as the grouped GEMM reads them (weights.format: bf16, fp8-block or mxfp4): w13
-// reordered for the SwiGLU epilogue (gemm_weights.h), w2 as prepared; fp32 block scales for fp8-block
-// weights (w13's reordered too); mxfp4: each of w13 and w2 one device image of gemm_weights.h's
-// Mxfp4GemmWeights (its block scales inside, no separate scale buffer), made from the packed codes and
-// their e8m0 scales (w13's rows reordered first).
+// This rank's experts as the grouped GEMM reads them (weights.format: bf16, fp8-block, nvfp4 or
+// mxfp4): w13 reordered for the SwiGLU epilogue (gemm_weights.h), w2 as prepared; fp32 block scales
+// for fp8-block weights (w13's reordered too); mxfp4: each of w13 and w2 one device image of
+// gemm_weights.h's Mxfp4GemmWeights (its block scales inside, no separate scale buffer), made from
+// the packed codes and their e8m0 scales (w13's rows reordered first); nvfp4: w13 and w2 as bf16
+// (gemm::expand_nvfp4_to_bf16: e2m1 x e4m3 block scale, exact), then as bf16 weights, and each
+// matrix's fp32 global scales [E_local] apart (w13_expert_scale: FC1's scaled SwiGLU epilogue;
+// w2_expert_scale: folded into FC2's row weights by the pool build).
 struct ExpertWeightBuffers {
-  std::shared_ptr<DeviceBuffer> w13, w13_scales, w2, w2_scales;
+  std::shared_ptr<DeviceBuffer> w13, w13_scales, w2, w2_scales, w13_expert_scale, w2_expert_scale;
 };
 Status upload_expert_weights(int device, const MoeGeometry& geometry, const PreparedWeights& weights,
                              ExpertWeightBuffers* out);

@@ -33,6 +33,30 @@ void prepare_w13_scales_for_swiglu(const float* src, int64_t num_experts, int64_
     }
 }
 
+void expand_nvfp4_to_bf16(const uint8_t* packed, const uint8_t* scales, int64_t num_experts, int64_t n, int64_t k,
+                          uint16_t* out) {
+  const int64_t elems = num_experts * n * k;
+  for (int64_t i = 0; i < elems; ++i) {
+    const uint8_t code = static_cast<uint8_t>((packed[i / 2] >> ((i & 1) * 4)) & 0xFu);
+    // exact in fp32, and then in bf16 (see the header)
+    const float v = fmt::mul_rn(fmt::e2m1_to_float(code), fmt::e4m3_to_float(scales[i / fmt::kNvfp4BlockSize]));
+    out[i] = fmt::float_to_bf16(v);
+  }
+}
+
+void prepare_nvfp4_expert_bf16(const uint8_t* w13_packed, const uint8_t* w13_scales, const uint8_t* w2_packed,
+                               const uint8_t* w2_scales, int64_t num_experts, int64_t hidden, int64_t intermediate,
+                               std::vector<uint16_t>* w13_bf16, std::vector<uint16_t>* w2_bf16) {
+  const int64_t E = num_experts, H = hidden, I = intermediate;
+  std::vector<uint16_t> w13(static_cast<size_t>(E * 2 * I * H));
+  expand_nvfp4_to_bf16(w13_packed, w13_scales, E, 2 * I, H, w13.data());
+  w13_bf16->resize(w13.size());
+  prepare_w13_for_swiglu(reinterpret_cast<const uint8_t*>(w13.data()), E, I, H, 2,
+                         reinterpret_cast<uint8_t*>(w13_bf16->data()));
+  w2_bf16->resize(static_cast<size_t>(E * H * I));
+  expand_nvfp4_to_bf16(w2_packed, w2_scales, E, H, I, w2_bf16->data());
+}
+
 Fp4ElementPlace mxfp4_gemm_place(const Mxfp4GemmWeights& w, int64_t e, int64_t row, int64_t col) {
   const int64_t slab = row / kFp4SlabRows, r = row % kFp4SlabRows, kb = col / 128, kl = col % 128;
   const int64_t piece = ((e * (w.k / 128) + kb) * (w.n / kFp4SlabRows) + slab) * kFp4SlabBytes;

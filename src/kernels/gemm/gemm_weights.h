@@ -1,5 +1,5 @@
-// gemm_weights.h — weight preparation for the grouped GEMM: w13 reordered for the SwiGLU epilogue, and mxfp4
-// weights laid out for the register-fragment expansion (below).
+// gemm_weights.h — weight preparation for the grouped GEMM: w13 reordered for the SwiGLU epilogue, nvfp4
+// weights expanded to bf16, and mxfp4 weights laid out for the register-fragment expansion (below).
 //
 // The FC1 epilogue computes h = silu(gate) * up inside one 256-column tile, so each tile must hold
 // 128 gate rows and the 128 up rows of the same intermediate columns. prepare_w13_for_swiglu()
@@ -24,6 +24,23 @@ void prepare_w13_scales_for_swiglu(const float* src, int64_t num_experts, int64_
                                    float* dst);
 // The prepared row that holds original w13 row r (r in [0, 2I)).
 int64_t swiglu_prepared_row(int64_t r, int64_t intermediate);
+
+// ---- nvfp4 weights for the bf16 GEMM (docs/GEMM.md, "nvfp4, the first step") ----
+//
+// e2m1 code x e4m3 block scale as bf16. Exact: the product has at most 6 significant bits (e2m1 2,
+// e4m3 4) and lies in [2^-10, 2688] (0 and the signs aside), inside bf16's 8 significant bits and
+// range, so the fp32 product converts without rounding. The per-expert fp32 global scale stays out
+// of the result: it is exact in neither bf16 nor e4m3, and the layer applies it in fp32 (FC1's
+// accumulators, FC2's row weights). packed [E, N, K/2] (element 2i in the low nibble), scales
+// [E, N, K/16] e4m3 -> out [E, N, K] bf16 bits; K a multiple of 16.
+void expand_nvfp4_to_bf16(const uint8_t* packed, const uint8_t* scales, int64_t num_experts, int64_t n, int64_t k,
+                          uint16_t* out);
+// One layer's nvfp4 experts (weights.h's layout: w13 [E, 2I, H] and w2 [E, H, I] packed codes + e4m3
+// scales per 1x16) as the bf16 GEMM's weights: both expanded (expand_nvfp4_to_bf16), w13's rows
+// then reordered for the SwiGLU epilogue (prepare_w13_for_swiglu). bf16 bits [E, 2I, H] and [E, H, I].
+void prepare_nvfp4_expert_bf16(const uint8_t* w13_packed, const uint8_t* w13_scales, const uint8_t* w2_packed,
+                               const uint8_t* w2_scales, int64_t num_experts, int64_t hidden, int64_t intermediate,
+                               std::vector<uint16_t>* w13_bf16, std::vector<uint16_t>* w2_bf16);
 
 // ---- mxfp4 weights as the grouped GEMM reads them (docs/GEMM.md, "FP4 weights") ----
 //

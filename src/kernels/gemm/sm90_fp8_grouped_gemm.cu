@@ -19,6 +19,7 @@ namespace megamoe::gemm {
 
 MEGAMOE_GROUPED_GEMM_CONFIGS_FP8(MEGAMOE_GROUPED_GEMM_EXTERN)
 MEGAMOE_GROUPED_GEMM_CONFIGS_BF16(MEGAMOE_GROUPED_GEMM_EXTERN)
+MEGAMOE_GROUPED_GEMM_CONFIGS_BF16_SCALED(MEGAMOE_GROUPED_GEMM_EXTERN)
 MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4(MEGAMOE_GROUPED_GEMM_EXTERN_FP4)
 
 const char* to_string(GemmDtype d) {
@@ -33,6 +34,7 @@ const char* to_string(GemmEpilogue e) {
   switch (e) {
     case GemmEpilogue::kSwigluFp8: return "swiglu-fp8";
     case GemmEpilogue::kSwigluBf16: return "swiglu-bf16";
+    case GemmEpilogue::kSwigluBf16Scaled: return "swiglu-bf16-scaled";
     default: return "store-bf16";
   }
 }
@@ -130,6 +132,16 @@ Status validate_grouped_gemm(const GroupedGemmArgs& a) {
                                                 : "must be a positive multiple of 128");
   if (a.epilogue == GemmEpilogue::kSwigluFp8 && !fp8) return bad("epilogue", "swiglu-fp8", "needs dtype fp8-block");
   if (a.epilogue == GemmEpilogue::kSwigluBf16 && fp8) return bad("epilogue", "swiglu-bf16", "needs dtype bf16");
+  if (int32_t(a.epilogue) < 0 || int32_t(a.epilogue) > int32_t(GemmEpilogue::kSwigluBf16Scaled))
+    return bad("epilogue", std::to_string(int(a.epilogue)), "must be one of GemmEpilogue's values (0-3)");
+  if (a.epilogue == GemmEpilogue::kSwigluBf16Scaled) {
+    if (fp8) return bad("epilogue", "swiglu-bf16-scaled", "needs dtype bf16");
+    if (a.b_expert_scale == nullptr)
+      return bad("b_expert_scale", "null", "required for swiglu-bf16-scaled (fp32 [num_experts])");
+  } else if (a.b_expert_scale != nullptr) {
+    return bad("b_expert_scale", "set", std::string("must be null with epilogue ") + to_string(a.epilogue) +
+                                            " (only swiglu-bf16-scaled reads it)");
+  }
   if (a.m_rows < 0 || a.m_rows > (int64_t(1) << 30)) return bad("m_rows", std::to_string(a.m_rows), "must be in [0, 2^30]");
   if (int64_t(a.num_experts) * a.n >= (int64_t(1) << 31)) return bad("num_experts*n", std::to_string(int64_t(a.num_experts) * a.n), "must be < 2^31");
   if (a.layout == GroupedLayout::kMasked && int64_t(a.num_experts) * a.m_rows >= (int64_t(1) << 31))
@@ -285,7 +297,11 @@ Status plan_grouped_gemm(const GroupedGemmArgs& args, GroupedGemmPlan* plan) {
   p.max_m = masked ? int32_t(args.m_rows) : 0;
   p.expert_offsets = args.expert_offsets;
   p.masked_counts = args.masked_counts;
-  p.sfb = mxfp4 ? static_cast<const float*>(args.b) : args.b_scales;  // mxfp4: the image starts with the block scales
+  // mxfp4: the image starts with the block scales; the scaled bf16 SwiGLU: its per-expert scales
+  // (bf16 tiles read no B scales)
+  p.sfb = mxfp4                                                ? static_cast<const float*>(args.b)
+          : args.epilogue == GemmEpilogue::kSwigluBf16Scaled ? args.b_expert_scale
+                                                               : args.b_scales;
   p.d = args.d;
   p.ld_d = args.ldd ? args.ldd : (swiglu ? args.n / 2 : args.n);
   p.row_map = args.row_map;
@@ -344,6 +360,7 @@ Status launch_grouped_gemm_plan(const GroupedGemmPlan& plan, cudaStream_t stream
         plan.tmap_a, plan.tmap_b, plan.tmap_sfa, plan.tmap_d, p, plan.grid, stream, &launched);
   MEGAMOE_GROUPED_GEMM_CONFIGS_FP8(MEGAMOE_DISPATCH)
   MEGAMOE_GROUPED_GEMM_CONFIGS_BF16(MEGAMOE_DISPATCH)
+  MEGAMOE_GROUPED_GEMM_CONFIGS_BF16_SCALED(MEGAMOE_DISPATCH)
   MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4(MEGAMOE_DISPATCH_FP4)
 #undef MEGAMOE_DISPATCH
 #undef MEGAMOE_DISPATCH_FP4

@@ -316,6 +316,11 @@ cudaError_t launch_grouped_gemm_config(const CUtensorMap& tmap_a, const CUtensor
   X(128, 256, false, GemmEpilogue::kStoreBf16, 1)       \
   X(64, 256, false, GemmEpilogue::kSwigluBf16, 1)       \
   X(128, 256, false, GemmEpilogue::kSwigluBf16, 1)
+// nvfp4 weights expanded to bf16 (FC1 with the per-expert global scale; FC2 runs the bf16 list's
+// store-bf16 configurations): a list and translation unit of their own, so the bf16 ones are untouched.
+#define MEGAMOE_GROUPED_GEMM_CONFIGS_BF16_SCALED(X)     \
+  X(64, 256, false, GemmEpilogue::kSwigluBf16Scaled, 1) \
+  X(128, 256, false, GemmEpilogue::kSwigluBf16Scaled, 1)
 
 // mxfp4 weights: X(BLOCK_M, BLOCK_N, fp8 A, epilogue, cluster, weight fp4)
 #define MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4(X)           \

@@ -35,6 +35,11 @@
 //                d_scales[(e * I/128 + kb) * ld_d_scales + m]), so FC2 consumes D and d_scales as its
 //                A and a_scales directly. Rounding: formats.h (fp8_block_scale, float_to_e4m3).
 //   kSwigluBf16  the same, h as bf16.
+//   kSwigluBf16Scaled  kSwigluBf16 with both accumulators of expert e multiplied by b_expert_scale[e]
+//                (fp32, device [num_experts]) before the SwiGLU: h = silu(s * gate) * (s * up). For
+//                weights whose per-expert global scale stays out of B (nvfp4 expanded to bf16,
+//                docs/GEMM.md "nvfp4, the first step"). Its own instantiations, so kSwigluBf16's
+//                kernels are untouched. dtype bf16 only. Not yet run on a GPU.
 // Rows of a segment past its end and padding rows inside the last tile are never stored.
 #pragma once
 
@@ -55,6 +60,7 @@ enum class GemmEpilogue : int32_t {
   kStoreBf16 = 0,   // D bf16 rows (optionally weighted, optionally routed through row_map)
   kSwigluFp8 = 1,   // h = silu(gate) * up, requantised to e4m3 with 1x128 fp32 scales
   kSwigluBf16 = 2,  // h = silu(gate) * up as bf16
+  kSwigluBf16Scaled = 3,  // h = silu(s_e * gate) * (s_e * up) as bf16, s_e = b_expert_scale[e]
 };
 
 const char* to_string(GemmDtype d);
@@ -107,6 +113,7 @@ struct GroupedGemmArgs {
   // B
   const void* b = nullptr;
   const float* b_scales = nullptr;
+  const float* b_expert_scale = nullptr;  // kSwigluBf16Scaled only: fp32 [num_experts]; null otherwise
   // D
   void* d = nullptr;
   int64_t ldd = 0;  // elements; 0 = n (kStoreBf16) or n/2 (SwiGLU)

@@ -24,7 +24,8 @@ struct GroupedGemmParams {
   int32_t max_m;        // masked: rows per expert in A
   const int32_t* expert_offsets;  // contiguous: [E + 1]
   const int32_t* masked_counts;   // masked: [E]
-  const float* sfb;     // fp8: [E, N/128, K/128]
+  const float* sfb;     // fp8: [E, N/128, K/128]; kSwigluBf16Scaled (bf16, no B scales): the
+                        // per-expert scale [E] (GroupedGemmArgs::b_expert_scale)
   // epilogue
   void* d;              // bf16 [*, ld_d] or e4m3 [*, ld_d]
   int64_t ld_d;         // elements
@@ -128,6 +129,7 @@ struct GroupedGemmConfig {
   static constexpr uint32_t kProducerRegs = kNumMathWG == 1 ? 96 : 56;
   static constexpr uint32_t kMathRegs = kNumMathWG == 1 ? 256 : 224;  // scheduler tables: 3 * (E + 1) int32 <= 8 KiB
   static_assert(kBlockM == 16 || kBlockM == 32 || kBlockM == 64 || kBlockM == 128, "BLOCK_M is 16, 32, 64 or 128");
+  static_assert(kEpilogue != GemmEpilogue::kSwigluBf16Scaled || !kFp8, "the scaled SwiGLU epilogue: bf16");
   static_assert(!kSwapAB || (kFp8 && (kEpilogue == GemmEpilogue::kStoreBf16 || kEpilogue == GemmEpilogue::kSwigluFp8)),
                 "16- and 32-row tiles: fp8, bf16 rows or SwiGLU + fp8 out");
   static_assert(kBlockN == 128 || kBlockN == 256, "BLOCK_N is 128 or 256");

@@ -219,11 +219,17 @@ __device__ __forceinline__ float swiglu(float g, float u) {
 // SwiGLU over a 128 gate + 128 up tile: h[:, 128 * n_block ...] of width 128, one 1x128 block per
 // row: fp8 e4m3 codes + fp32 scale (fmt::fp8_block_scale of the row's amax and e4m3(div_rn(h, s)),
 // as fmt::quantize_fp8_1x128 computes them), or bf16. Stores: 8 bytes (e4m3) / 16 bytes (bf16)
-// per lane after the quad transpose.
+// per lane after the quad transpose. kSwigluBf16Scaled: gate and up are each fp32(acc * s) with
+// s = b_expert_scale[expert] (in p.sfb, which bf16 tiles do not otherwise read) before the SwiGLU
+// (compiled out of every other configuration).
 template <class Cfg>
 __device__ __forceinline__ void epilogue_swiglu(const float (&acc)[Cfg::kNumChunks][64], const GroupedTile& t, int wg,
                                                 const GroupedGemmParams& p) {
   const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4, q = lane % 4;
+  constexpr bool kScaled = Cfg::kEpilogue == GemmEpilogue::kSwigluBf16Scaled;
+  float es = 1.f;
+  if constexpr (kScaled) es = p.sfb[t.expert];
+  const auto in = [&](float a) { return kScaled ? __fmul_rn(a, es) : a; };
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = wg * 64 + warp * 16 + lane / 4 + 8 * h;
@@ -231,8 +237,8 @@ __device__ __forceinline__ void epilogue_swiglu(const float (&acc)[Cfg::kNumChun
     float amax = 0.f;
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
-      v[2 * i] = swiglu(acc[0][4 * i + 2 * h], acc[1][4 * i + 2 * h]);
-      v[2 * i + 1] = swiglu(acc[0][4 * i + 2 * h + 1], acc[1][4 * i + 2 * h + 1]);
+      v[2 * i] = swiglu(in(acc[0][4 * i + 2 * h]), in(acc[1][4 * i + 2 * h]));
+      v[2 * i + 1] = swiglu(in(acc[0][4 * i + 2 * h + 1]), in(acc[1][4 * i + 2 * h + 1]));
       amax = fmaxf(amax, fmaxf(fmt::finite_abs(v[2 * i]), fmt::finite_abs(v[2 * i + 1])));
     }
     // The 4 lanes of a quad hold one row.

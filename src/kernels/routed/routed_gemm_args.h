@@ -19,6 +19,7 @@ struct RoutedGemmBuffers {
   const float* w13_scales = nullptr;
   const void* w2 = nullptr;
   const float* w2_scales = nullptr;
+  const float* w13_expert_scale = nullptr;  // nvfp4: fp32 [E_local] w13 global scales (FC1's scaled SwiGLU)
   float* a_scales = nullptr;      // fp8: the pool's activation scales M-major, [H/128][pool_rows]
   void* expert_out = nullptr;     // FC2's bf16 rows when the combine reads them here
   int32_t* tile_counters = nullptr;  // [4]: FC1's pair, then FC2's (per layer)

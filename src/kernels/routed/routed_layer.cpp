@@ -9,7 +9,11 @@
 //   -> combine (the reduce alone) or send_and_combine (owner sums, encode, send, reduce) -> y.
 // Formats: fp8-block or mxfp4 weights with fp8-block dispatch (mxfp4: the GEMMs' mxfp4 mode, the
 // e2m1 codes expanded to e4m3 in the pipeline; 16- and 32-row tiles only, hidden a multiple of 256),
-// or bf16 weights with bf16 dispatch; every combine wire; no in-kernel FC2 reduce.
+// or bf16 weights with bf16 dispatch; every combine wire; no in-kernel FC2 reduce. nvfp4 weights with
+// bf16 dispatch run as bf16 weights (e2m1 x e4m3 block scale expanded to bf16 exactly at upload),
+// each expert's global scales in fp32: w13's on FC1's accumulators (the scaled SwiGLU epilogue),
+// w2's folded into FC2's row weights by the pool build; so only with the bf16 wire written by FC2
+// (no owner reduce), where FC2 applies those row weights. Not yet run on a GPU (MEGAMOE_GPU_NVFP4).
 //
 // Buffers and who shares them (layer.h states the rules for callers):
 // - the symmetric workspace (EpTransport, WorkspacePool): every layer of one WorkspaceKey (geometry,
@@ -223,6 +227,8 @@ class RoutedMoeLayer final : public MoeLayer {
     w13_scales_.reset();
     w2_.reset();
     w2_scales_.reset();
+    w13_expert_scale_.reset();
+    w2_expert_scale_.reset();
     return st;
   }
 
@@ -280,7 +286,9 @@ class RoutedMoeLayer final : public MoeLayer {
 
  private:
   // e4m3 activations with 1x128 scales (fp8-block and mxfp4 weights): the pool's scales transposed for FC1.
-  bool fp8() const { return config_.weight_format != WeightFormat::kBf16; }
+  bool fp8() const {
+    return config_.weight_format == WeightFormat::kFp8Block || config_.weight_format == WeightFormat::kMxfp4;
+  }
 
   // Both GEMMs' arguments (make_routed_gemm_args) for the current config and the plans made from
   // them: built at warmup and again when set_knobs changes the knobs. Keeps the old ones on failure.
@@ -291,6 +299,7 @@ class RoutedMoeLayer final : public MoeLayer {
     b.w13_scales = w13_scales_ ? static_cast<const float*>(w13_scales_->ptr) : nullptr;
     b.w2 = w2_->ptr;
     b.w2_scales = w2_scales_ ? static_cast<const float*>(w2_scales_->ptr) : nullptr;
+    b.w13_expert_scale = w13_expert_scale_ ? static_cast<const float*>(w13_expert_scale_->ptr) : nullptr;
     b.a_scales = scratch.a_scales ? static_cast<float*>(scratch.a_scales->ptr) : nullptr;
     b.expert_out = scratch.expert_out ? scratch.expert_out->ptr : nullptr;
     b.tile_counters = transport_->backend_counters();
@@ -413,7 +422,9 @@ class RoutedMoeLayer final : public MoeLayer {
     MEGAMOE_RETURN_IF_ERROR(mark(0, stream));
     MEGAMOE_RETURN_IF_ERROR(transport_->dispatch(x, x_scale, topk_ids, topk_weights, stream));
     MEGAMOE_RETURN_IF_ERROR(mark(1, stream));
-    MEGAMOE_RETURN_IF_ERROR(transport_->build_expert_pool(stream, plan ? plan->gate_rows : -1));
+    MEGAMOE_RETURN_IF_ERROR(transport_->build_expert_pool(
+        stream, plan ? plan->gate_rows : -1,
+        w2_expert_scale_ ? static_cast<const float*>(w2_expert_scale_->ptr) : nullptr));
     if (expert_counts_.present()) {
       static_assert(kPoolSegmentAlign == 1, "segment sizes are the received rows only without padding");
       MEGAMOE_CUDA_CHECK(kernels::launch_accumulate_expert_counts(
@@ -457,7 +468,7 @@ class RoutedMoeLayer final : public MoeLayer {
   }
 
   // w13 reordered for the SwiGLU epilogue (gemm_weights.h), w2 as prepared; fp32 block scales
-  // (mxfp4: the GEMM's device images, block scales inside).
+  // (mxfp4: the GEMM's device images, block scales inside; nvfp4: bf16 and the global scales).
   Status upload_weights() {
     ExpertWeightBuffers w;
     MEGAMOE_RETURN_IF_ERROR(upload_expert_weights(device_, geometry_, weights_, &w));
@@ -465,6 +476,8 @@ class RoutedMoeLayer final : public MoeLayer {
     w13_scales_ = std::move(w.w13_scales);
     w2_ = std::move(w.w2);
     w2_scales_ = std::move(w.w2_scales);
+    w13_expert_scale_ = std::move(w.w13_expert_scale);
+    w2_expert_scale_ = std::move(w.w2_expert_scale);
     return Status::ok();
   }
 
@@ -484,6 +497,7 @@ class RoutedMoeLayer final : public MoeLayer {
   cudaEvent_t stage_events_[kNumStages + 1] = {};
   std::unique_ptr<EpTransport> transport_;
   std::shared_ptr<DeviceBuffer> w13_, w13_scales_, w2_, w2_scales_;
+  std::shared_ptr<DeviceBuffer> w13_expert_scale_, w2_expert_scale_;  // nvfp4: the global scales [E_local]
   std::shared_ptr<KeyScratch> scratch_;
   TensorView expert_counts_;  // absent: not counting
 };
@@ -527,6 +541,7 @@ Status make_routed_gemm_args(const MoeGeometry& g, const MoeConfig& c, const Wor
                              gemm::GroupedGemmArgs* fc2_out) {
   const bool mxfp4 = c.weight_format == WeightFormat::kMxfp4;
   const bool fp8 = c.weight_format == WeightFormat::kFp8Block || mxfp4;  // e4m3 activations, 1x128 scales
+  const bool nvfp4 = c.weight_format == WeightFormat::kNvfp4;  // bf16 GEMMs on the expanded weights
   const int64_t P = l.pool_rows, H = g.hidden, I = g.intermediate;
   const int32_t El = static_cast<int32_t>(g.experts_per_rank());
   // invariant: P is a multiple of 4, the leading dimension of the M-major scale arrays below.
@@ -536,7 +551,10 @@ Status make_routed_gemm_args(const MoeGeometry& g, const MoeConfig& c, const Wor
   gemm::GroupedGemmArgs fc1;  // FC1 + SwiGLU (+ fp8 requant): pool_x -> intermediate
   fc1.dtype = mxfp4 ? gemm::GemmDtype::kMxfp4 : fp8 ? gemm::GemmDtype::kFp8Block : gemm::GemmDtype::kBf16;
   fc1.layout = gemm::GroupedLayout::kContiguous;
-  fc1.epilogue = fp8 ? gemm::GemmEpilogue::kSwigluFp8 : gemm::GemmEpilogue::kSwigluBf16;
+  fc1.epilogue = fp8     ? gemm::GemmEpilogue::kSwigluFp8
+                 : nvfp4 ? gemm::GemmEpilogue::kSwigluBf16Scaled
+                         : gemm::GemmEpilogue::kSwigluBf16;
+  if (nvfp4) fc1.b_expert_scale = b.w13_expert_scale;  // FC2's: in the pool build's row weights
   fc1.num_experts = El;
   fc1.n = static_cast<int32_t>(2 * I);
   fc1.k = static_cast<int32_t>(H);
@@ -605,10 +623,18 @@ Status make_routed_gemm_args(const MoeGeometry& g, const MoeConfig& c, const Wor
 Status routed_format_gate(const MoeGeometry& g, const MoeConfig& c) {
   MEGAMOE_RETURN_IF_ERROR(weight_dispatch_pairing_gate("routed", c));
   if (c.weight_format != WeightFormat::kFp8Block && c.weight_format != WeightFormat::kBf16 &&
-      c.weight_format != WeightFormat::kMxfp4)
+      c.weight_format != WeightFormat::kMxfp4 && c.weight_format != WeightFormat::kNvfp4)
     return Status(StatusCode::kUnavailable, std::string("the routed backend has no ") + to_string(c.weight_format) +
-                                                " grouped GEMM yet (fp8-block, mxfp4 or bf16 weights)");
+                                                " grouped GEMM yet (fp8-block, mxfp4, nvfp4 or bf16 weights)");
   MEGAMOE_RETURN_IF_ERROR(mxfp4_shape_gate("routed", g, c));
+  MEGAMOE_RETURN_IF_ERROR(nvfp4_opt_in_gate("routed", c));
+  if (c.weight_format == WeightFormat::kNvfp4 && !routed_fc2_writes_combine(c))
+    return Status(StatusCode::kUnavailable,
+                  std::string("the routed backend runs weight_format=nvfp4 with combine_dtype=bf16 and no owner "
+                              "reduce (got combine_dtype=") +
+                      to_string(c.combine_dtype) + ", owner_reduce=" + to_string(c.owner_reduce) +
+                      "): w2's per-expert global scale is folded into the row weights FC2's epilogue applies, "
+                      "which only the bf16 wire FC2 writes itself uses");
   if (g.experts_per_rank() > 512)
     return Status(StatusCode::kUnavailable, "the routed backend's grouped GEMM takes at most 512 local experts (got " +
                                                 std::to_string(g.experts_per_rank()) + " = num_experts / ep_size)");
@@ -628,6 +654,7 @@ Status routed_format_gate(const MoeGeometry& g, const MoeConfig& c) {
   fake.workspace = addr;
   fake.w13 = fake.w2 = addr;
   fake.w13_scales = fake.w2_scales = fake.a_scales = reinterpret_cast<float*>(addr);
+  fake.w13_expert_scale = reinterpret_cast<float*>(addr);
   fake.expert_out = addr;
   fake.tile_counters = reinterpret_cast<int32_t*>(addr);
   fake.pool_dst = reinterpret_cast<int32_t*>(addr);

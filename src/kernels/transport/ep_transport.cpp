@@ -413,11 +413,11 @@ Status EpTransport::dispatch(const TensorView& x, const TensorView& x_scale, con
                                   topk_weights.ptr<float>(), num_sms_, static_cast<cudaStream_t>(stream));
 }
 
-Status EpTransport::build_expert_pool(cudaStream_t stream, int64_t gate_rows) {
+Status EpTransport::build_expert_pool(cudaStream_t stream, int64_t gate_rows, const float* pool_weight_scale) {
   MEGAMOE_RETURN_IF_ERROR(check_ready(stream, "build_expert_pool()"));
   MEGAMOE_CUDA_CHECK(cudaSetDevice(device_));
   const TransportArgs args = make_args(*this, scratch_, options_, last_num_tokens_, allow_pdl_, gate_rows);
-  return kernels::launch_expert_pool(args, num_sms_, stream);
+  return kernels::launch_expert_pool(args, num_sms_, stream, pool_weight_scale);
 }
 
 Status EpTransport::check_expert_out(const TensorView& out, const char* what) const {

@@ -90,7 +90,10 @@ class EpTransport {
                   const TensorView& topk_weights, cudaStream_t stream);
   // gate_rows >= 0: also the two gated copies of expert_offsets (gated_offsets()): the second gets
   // the offsets when the pool's real rows reach gate_rows, the first otherwise, the other one zeros.
-  Status build_expert_pool(cudaStream_t stream, int64_t gate_rows = -1);
+  // pool_weight_scale (null: none): device fp32 [experts_per_rank]; combine_targets().pool_weight[p]
+  // is then fp32(routing weight * pool_weight_scale[e]) for row p's local expert e (a per-expert
+  // factor of FC2 folded into its row weight: nvfp4's global scale).
+  Status build_expert_pool(cudaStream_t stream, int64_t gate_rows = -1, const float* pool_weight_scale = nullptr);
   // expert_out [pool_rows, H] fp32 or bf16: the FC2 output of each pool row (before the weight).
   Status combine_send(const TensorView& expert_out, cudaStream_t stream);
   // topk_ids as given to dispatch(); y [T, H] bf16.

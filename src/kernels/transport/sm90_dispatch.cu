@@ -43,7 +43,8 @@ Status launch_dispatch(const TransportArgs& args, int mode, const void* x, const
   }
 }
 
-Status launch_expert_pool(const TransportArgs& args, int num_sms, cudaStream_t stream) {
+Status launch_expert_pool(const TransportArgs& args, int num_sms, cudaStream_t stream,
+                          const float* pool_weight_scale) {
   const int64_t R = args.sig.num_ranks;
   const int64_t rank_warps = R * args.num_chunks();
   const int rank_ctas = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((rank_warps + 7) / 8, 8 * num_sms)));
@@ -60,7 +61,11 @@ Status launch_expert_pool(const TransportArgs& args, int num_sms, cudaStream_t s
   // the larger, so a small T with many padded expert segments does not zero megabytes on one CTA.
   const int64_t rows = std::max<int64_t>(R * args.t_max(), args.layout.pool_rows);
   const int scatter_ctas = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((rows + 7) / 8, 4 * num_sms)));
-  MEGAMOE_CUDA_CHECK(launch_pdl(pool_scatter_kernel, scatter_ctas, 256, 0, stream, pdl, args));
+  if (pool_weight_scale != nullptr)
+    MEGAMOE_CUDA_CHECK(
+        launch_pdl(pool_scatter_scaled_kernel, scatter_ctas, 256, 0, stream, pdl, args, pool_weight_scale));
+  else
+    MEGAMOE_CUDA_CHECK(launch_pdl(pool_scatter_kernel, scatter_ctas, 256, 0, stream, pdl, args));
   return Status::ok();
 }
 

@@ -17,7 +17,8 @@
 //                     destination (pool_dst, pool_weight: what an FC2 epilogue needs to write the
 //                     weighted partial into the source's combine region) and, with the owner
 //                     reduce, recv_pool_row (the inverse of pool_src: the combine sums a recv row's
-//                     pool rows); then warps zero the padding rows.
+//                     pool rows); then warps zero the padding rows. pool_scatter_scaled_kernel: the
+//                     same, with each row weight times its local expert's scale (nvfp4 weights).
 #pragma once
 
 #include <cub/block/block_scan.cuh>
@@ -185,8 +186,11 @@ __global__ void __launch_bounds__(kPoolOffsetsThreads) pool_offsets_kernel(Trans
   }
 }
 
-__global__ void __launch_bounds__(256) pool_scatter_kernel(TransportArgs a) {
-  pdl_enter();  // launched with launch_pdl (sm90_dispatch.cu)
+// kExpertScale: pool_weight[p] = fp32(routing weight * expert_weight_scale[e]) for the local expert e
+// of row p (nvfp4 weights on the bf16 GEMM: FC2's per-expert global scale folded into the row weight
+// its epilogue applies); else the routing weight as received.
+template <bool kExpertScale>
+__device__ __forceinline__ void pool_scatter(const TransportArgs& a, const float* __restrict__ expert_weight_scale) {
   const int R = a.sig.num_ranks;
   const int64_t k = a.top_k(), El = a.experts_per_rank(), T_max = a.t_max(), chunks = a.num_chunks();
   const int64_t H = a.hidden();
@@ -226,7 +230,10 @@ __global__ void __launch_bounds__(256) pool_scatter_kernel(TransportArgs a) {
         const int32_t* meta = experts - 1;
         const int64_t t = meta[0];
         a.pool_dst[p] = (t >= 0 && t < T_max) ? static_cast<int32_t>((s * T_max + t) * k + j) : -1;
-        a.pool_weight[p] = __int_as_float(meta[1 + k + j]);
+        if constexpr (kExpertScale)
+          a.pool_weight[p] = __fmul_rn(__int_as_float(meta[1 + k + j]), expert_weight_scale[e]);
+        else
+          a.pool_weight[p] = __int_as_float(meta[1 + k + j]);
       }
       for (int64_t c = lane; c < row_bytes / 16; c += 32)
         st_v4(pool_x + p * row_bytes + c * 16, *reinterpret_cast<const uint4*>(recv_x + w * row_bytes + c * 16));
@@ -252,6 +259,17 @@ __global__ void __launch_bounds__(256) pool_scatter_kernel(TransportArgs a) {
     if (fp8)
       for (int64_t c = lane; c < scale_cols; c += 32) pool_scales[p * scale_cols + c] = 0.f;
   }
+}
+
+__global__ void __launch_bounds__(256) pool_scatter_kernel(TransportArgs a) {
+  pdl_enter();  // launched with launch_pdl (sm90_dispatch.cu)
+  pool_scatter<false>(a, nullptr);
+}
+
+// expert_weight_scale: fp32 [experts_per_rank] (see pool_scatter).
+__global__ void __launch_bounds__(256) pool_scatter_scaled_kernel(TransportArgs a, const float* expert_weight_scale) {
+  pdl_enter();  // launched with launch_pdl (sm90_dispatch.cu)
+  pool_scatter<true>(a, expert_weight_scale);
 }
 
 }  // namespace kernels

@@ -170,7 +170,10 @@ constexpr int kBackendCounterWords = 8;
 // Dispatch: one fused layout + copy kernel for `mode`, shaped for `num_sms` SMs.
 Status launch_dispatch(const TransportArgs& args, int mode, const void* x, const float* x_scale,
                        const int32_t* topk_ids, const float* topk_weights, int num_sms, cudaStream_t stream);
-Status launch_expert_pool(const TransportArgs& args, int num_sms, cudaStream_t stream);
+// pool_weight_scale (null: none): fp32 [experts_per_rank], each pool row's weight times its local
+// expert's entry (pool_scatter_scaled_kernel).
+Status launch_expert_pool(const TransportArgs& args, int num_sms, cudaStream_t stream,
+                          const float* pool_weight_scale = nullptr);
 // The pool build's choice between the two gated copies of expert_offsets (gate_rows >= 0), for tests.
 MEGAMOE_HD int gated_copy_for(int64_t real_rows, int64_t gate_rows) { return real_rows >= gate_rows ? 1 : 0; }
 // expert_out: fp32 when out_is_fp32, else bf16. Grids are shaped for `num_sms` SMs.

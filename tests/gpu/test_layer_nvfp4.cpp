@@ -1,0 +1,177 @@
+// nvfp4 expert weights (e2m1 + e4m3 per 16 + fp32 global scale per expert matrix) in the routed
+// backend on an H200, the first step of docs/GEMM.md "nvfp4": the codes times their block scales
+// expanded to bf16 at upload (exact), the bf16 GEMMs, w13's global scale on FC1's accumulators (the
+// scaled SwiGLU epilogue), w2's folded into FC2's row weights by the pool build; bf16 dispatch and
+// intermediate (MoeConfig::intermediate_format), the bf16 wire. Against the cpu backend on the same
+// nvfp4 weights (prepare_weights quantises the problem's fp32 weights to nvfp4 once per layer,
+// identically for both; the cpu backend computes with their exact values at the same quantisation
+// points), within reference::same_points_bound_one_forward for one forward of T tokens: the weights
+// add no error (exact bf16 codes, the global scales in fp32), only accumulation order and two fp32
+// roundings of scalars. Repeats and CUDA-graph replays bitwise; T = 1, odd T, T = T_max, prefill
+// (128-row tiles), a rank with no tokens; EP1 and EP2 on logical ranks sharing GPU 0. Skips without
+// an sm_90 GPU.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include "gpu/gpu_skip.h"
+#include "gpu/layer_harness.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/backends.h"
+#include "core/env.h"
+#include "megamoe/formats.h"
+#include "megamoe/layer.h"
+#include "reference/error_model.h"
+#include "reference/problem.h"
+#include "reference/reference_moe.h"
+
+namespace megamoe {
+namespace {
+
+using gpu_test::GroupKind;
+using gpu_test::Harness;
+using gpu_test::rel_l2_bf16;
+using reference::MoeProblem;
+using reference::RankInputs;
+using reference::Routing;
+
+struct Nvfp4LayerCase {
+  const char* name;
+  Backend backend;
+  int64_t H, I, E, k, R, T;
+  Routing routing;
+  std::string test_name() const {
+    return std::string(to_string(backend)) + "_" + name + (R > 1 ? "_SharedGpu" : "");
+  }
+};
+
+MoeGeometry geometry(const Nvfp4LayerCase& p) {
+  MoeGeometry g;
+  g.hidden = p.H;
+  g.intermediate = p.I;
+  g.num_experts = p.E;
+  g.top_k = p.k;
+  g.ep_size = p.R;
+  g.max_tokens_per_rank = p.T;
+  return g;
+}
+
+// The routed backend takes nvfp4 weights only with MEGAMOE_GPU_NVFP4=1 until these tests have
+// passed on a GPU: every test of this file opts in (the gate test checks the refusal first).
+void opt_in_gpu_nvfp4() {
+  setenv("MEGAMOE_GPU_NVFP4", "1", 1);
+  reload_env_knobs();
+}
+
+MoeConfig nvfp4_config(Backend backend) {
+  MoeConfig c;
+  c.weight_format = WeightFormat::kNvfp4;
+  c.dispatch_format = DispatchFormat::kBf16;
+  c.combine_dtype = CombineDtype::kBf16;
+  c.backend = backend;
+  return c;
+}
+
+class Sm90Nvfp4Layer : public ::testing::TestWithParam<Nvfp4LayerCase> {};
+
+TEST_P(Sm90Nvfp4Layer, MatchesCpuBackendOnTheSameNvfp4Weights) {
+  const Nvfp4LayerCase& p = GetParam();
+  MEGAMOE_REQUIRE_SM90_GPUS(1);
+  opt_in_gpu_nvfp4();
+  std::vector<int64_t> tokens(p.R, p.T);
+  if (p.R > 1) tokens[0] = p.T > 1 ? p.T / 2 : 0;  // uneven; T = 1: a rank with no tokens
+  MoeProblem problem = reference::make_random_problem(geometry(p), 4321, tokens, p.routing);
+  MoeConfig c = nvfp4_config(p.backend);
+  ASSERT_EQ(c.intermediate_format(), DispatchFormat::kBf16);
+  const Status gate = routed_capability(problem.geometry, c);
+  ASSERT_TRUE(gate.is_ok()) << gate.to_string();
+  Harness h(problem, c, p.R > 1 ? GroupKind::kSharedGpu : GroupKind::kNcclGpus, p.backend);
+  ASSERT_TRUE(h.build());
+  ASSERT_EQ(h.gpu_layer(0)->backend(), p.backend);
+  std::vector<std::vector<uint16_t>> y_gpu, y_cpu, y_again, y_graph, unused;
+  ASSERT_TRUE(h.run(problem.ranks, &y_gpu, &y_cpu));
+  for (int r = 0; r < p.R; ++r) {
+    ASSERT_EQ(y_gpu[r].size(), y_cpu[r].size());
+    if (y_gpu[r].empty()) continue;
+    const reference::ErrorBound bound =
+        reference::same_points_bound_one_forward(CombineDtype::kBf16, static_cast<int64_t>(y_gpu[r].size()) / p.H);
+    const double err = rel_l2_bf16(y_gpu[r], y_cpu[r]);
+    std::printf("[nvfp4] %s rank %d: rel-L2 vs cpu backend = %.3e (bound %.2e: %s)\n", p.test_name().c_str(), r, err,
+                bound.rel_l2, bound.derivation.c_str());
+    EXPECT_LE(err, bound.rel_l2) << p.test_name() << " rank " << r;
+  }
+  ASSERT_TRUE(h.run(problem.ranks, &y_again, &unused));
+  EXPECT_EQ(y_gpu, y_again) << "repeated forwards differ: a race";
+  ASSERT_TRUE(h.run(problem.ranks, &y_graph, &unused, /*graph=*/true));
+  EXPECT_EQ(y_gpu, y_graph) << "CUDA-graph replay differs from eager";
+  // The float64 reference on the unquantised fp32 weights, reported: nvfp4's own rounding of them.
+  for (int r = 0; r < p.R; ++r) {
+    const RankInputs& in = problem.ranks[r];
+    if (in.num_tokens == 0) continue;
+    std::vector<float> x(in.x_bf16.size()), y(y_gpu[r].size());
+    for (size_t i = 0; i < x.size(); ++i) x[i] = fmt::bf16_to_float(in.x_bf16[i]);
+    for (size_t i = 0; i < y.size(); ++i) y[i] = fmt::bf16_to_float(y_gpu[r][i]);
+    std::vector<double> ref(y.size());
+    reference::reference_moe(problem.geometry, in.num_tokens, x.data(), in.topk_ids.data(), in.topk_weights.data(),
+                             problem.w13.data(), problem.w2.data(), ref.data());
+    std::printf("[nvfp4] %s rank %d: rel-L2 vs float64 on the unquantised weights = %.3e\n", p.test_name().c_str(), r,
+                reference::rel_l2(y.data(), ref.data(), static_cast<int64_t>(y.size())));
+  }
+}
+
+std::vector<Nvfp4LayerCase> routed_cases() {
+  const Backend b = Backend::kRouted;
+  return {
+      Nvfp4LayerCase{"EP1_Tiny_T1", b, 512, 256, 16, 4, 1, 1, Routing::kUniform},
+      Nvfp4LayerCase{"EP1_Tiny_T33", b, 512, 256, 16, 4, 1, 33, Routing::kUniform},
+      Nvfp4LayerCase{"EP1_Top6_T33_Dropped", b, 512, 256, 32, 6, 1, 33, Routing::kWithDropped},
+      Nvfp4LayerCase{"EP1_SingleExpert_T100", b, 512, 256, 16, 4, 1, 100, Routing::kSingleExpert},
+      Nvfp4LayerCase{"EP1_Qwen3_30B_T96_Dropped", b, 2048, 768, 128, 8, 1, 96, Routing::kWithDropped},
+      Nvfp4LayerCase{"EP1_DeepSeekV3Dims_E16_T8", b, 7168, 2048, 16, 8, 1, 8, Routing::kUniform},
+      Nvfp4LayerCase{"EP1_Tiny_T512", b, 512, 256, 16, 4, 1, 512, Routing::kUniform},
+      Nvfp4LayerCase{"EP2_Tiny_T1", b, 512, 256, 16, 4, 2, 1, Routing::kUniform},
+      Nvfp4LayerCase{"EP2_Tiny_T33", b, 512, 256, 16, 4, 2, 33, Routing::kWithDropped},
+      Nvfp4LayerCase{"EP2_Qwen3_30B_T64", b, 2048, 768, 128, 8, 2, 64, Routing::kUniform},
+  };
+}
+
+INSTANTIATE_TEST_SUITE_P(Sm90, Sm90Nvfp4Layer, ::testing::ValuesIn(routed_cases()),
+                         [](const ::testing::TestParamInfo<Nvfp4LayerCase>& info) { return info.param.test_name(); });
+
+// Without the opt-in the routed backend refuses nvfp4 (naming MEGAMOE_GPU_NVFP4=1) and `auto` builds
+// the cpu backend; the mega backend refuses nvfp4 whatever the opt-in (not built there).
+TEST(Sm90Nvfp4Gate, RefusedWithoutTheOptInAndOnMega) {
+  MEGAMOE_REQUIRE_SM90_GPUS(1);
+  Nvfp4LayerCase p{"EP1_Tiny_T8", Backend::kRouted, 512, 256, 16, 4, 1, 8, Routing::kUniform};
+  MoeProblem problem = reference::make_random_problem(geometry(p), 5, {8});
+  unsetenv("MEGAMOE_GPU_NVFP4");
+  reload_env_knobs();
+  std::unique_ptr<MoeLayer> layer;
+  Status st = MoeLayer::create(problem.geometry, nvfp4_config(Backend::kRouted), reference::local_weights(problem, 0),
+                               nullptr, &layer);
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("MEGAMOE_GPU_NVFP4=1"), std::string::npos) << st.message();
+  ASSERT_TRUE(MoeLayer::create(problem.geometry, nvfp4_config(Backend::kAuto), reference::local_weights(problem, 0),
+                               nullptr, &layer)
+                  .is_ok());
+  EXPECT_EQ(layer->backend(), Backend::kCpu);
+  opt_in_gpu_nvfp4();
+  st = MoeLayer::create(problem.geometry, nvfp4_config(Backend::kMega), reference::local_weights(problem, 0), nullptr,
+                        &layer);
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("nvfp4"), std::string::npos) << st.message();
+  ASSERT_TRUE(MoeLayer::create(problem.geometry, nvfp4_config(Backend::kAuto), reference::local_weights(problem, 0),
+                               nullptr, &layer)
+                  .is_ok());
+  EXPECT_EQ(layer->backend(), Backend::kRouted) << layer->selection().reason;
+  unsetenv("MEGAMOE_GPU_NVFP4");
+  reload_env_knobs();
+}
+
+}  // namespace
+}  // namespace megamoe

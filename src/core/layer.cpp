@@ -217,6 +217,12 @@ Status create_layer(const MoeGeometry& g, const MoeConfig& c, const MoeWeights& 
                               std::string("the ") + to_string(selection.backend) +
                                   " backend computes from host memory (" + selection.reason +
                                   "); copy the weights to the host first");
+    // Before the backend builds anything (prepare_device_expert_weights checks it again).
+    const int device = layer_device_of(comm.get(), nullptr);
+    if (device >= 0 && weights.w13.device != Device::cuda(device))
+      return invalid_argument("weights", "w13.device", weights.w13.device.to_string(),
+                              "device-resident weights must be on the layer's device cuda:" + str(device) +
+                                  " (its communicator's); else copy the weights to the host first");
     prepared.format = c.weight_format;
     prepared.w13.format = prepared.w2.format = c.weight_format;
     prepared.w13.num_experts = prepared.w2.num_experts = g.experts_per_rank();

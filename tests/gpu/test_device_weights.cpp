@@ -292,8 +292,8 @@ TEST_P(Sm90DeviceWeights, SwappingExpertsThroughTheViewsEqualsSwappedHostWeights
   EXPECT_EQ(swapped, forward(*reference_layer));
 }
 
-// Refusals on the device path, by name: views on another device than the layer's (when there is a
-// second GPU), a negative weight_scale_inv (prepare_weights' value rule, read back from the device).
+// Refusals on the device path, by name: a negative weight_scale_inv (prepare_weights' value rule,
+// read back from the device), views on another device than the layer's.
 TEST_P(Sm90DeviceWeights, RefusesBadScalesAndAnotherDevice) {
   const DeviceWeightsCase& c = GetParam();
   const MoeWeights host = source_.as_source();
@@ -308,13 +308,12 @@ TEST_P(Sm90DeviceWeights, RefusesBadScalesAndAnotherDevice) {
     EXPECT_NE(st.message().find("w2_scale[0, 0, 1]=-1, a weight_scale_inv must be finite and >= 0"), std::string::npos)
         << st.message();
   }
-  if (gpu_test::cuda_device_count_or_zero() < 2) return;
-  CUDA_OK(cudaSetDevice(1));
-  DeviceSource dev(host);  // on cuda:1 ...
-  CUDA_OK(cudaSetDevice(0));
+  // Views labelled cuda:1 (the data is on cuda:0; create() refuses them before any device access, so
+  // no second GPU is needed) and the layer on the current device, cuda:0.
+  DeviceSource dev(host);
   for (TensorView* t : {&dev.views.w13, &dev.views.w13_scale, &dev.views.w2, &dev.views.w2_scale})
     if (t->present()) t->device = Device::cuda(1);
-  std::unique_ptr<MoeLayer> layer;  // ... and the layer on the current device, cuda:0
+  std::unique_ptr<MoeLayer> layer;
   const Status st = MoeLayer::create(p_.geometry, cfg_, dev.views, nullptr, &layer);
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
   EXPECT_NE(st.message().find("w13.device=cuda:1, device-resident weights must be on the layer's device cuda:0"),

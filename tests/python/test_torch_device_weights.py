@@ -3,9 +3,10 @@
 With MEGAMOE_GPU_DEVICE_WEIGHTS=1 the layer hands CUDA weight tensors straight to the C++ layer, which
 prepares them on the device (no host copy: the fallback is made to fail here): fp8-block (e4m3 +
 fp32 128x128 scales), bf16, and bf16 quantised into fp8-block, each BITWISE the output of the layer
-built from the same tensors on the host. Without the opt-in, and for a refused format, the device
-tensors go through the host (the fallback) with the same output. Each case runs in a fresh Python
-process, since the C++ side reads MEGAMOE_* variables once per process.
+built from the same tensors on the host, and expert_weight_views() alias the same prepared bytes on
+both (an expert swap through them keeps the outputs equal). Without the opt-in, and for a refused
+format, the device tensors go through the host (the fallback) with the same output. Each case runs
+in a fresh Python process, since the C++ side reads MEGAMOE_* variables once per process.
 """
 import os
 import subprocess
@@ -74,6 +75,26 @@ def check(backend: str, source: str, weight_format: str, expect_via_host: bool) 
     differ = int((want.view(torch.int16) != got.view(torch.int16)).sum())
     print(f"{backend} {source}->{weight_format} via_host={expect_via_host}: {differ} elements differ")
     assert differ == 0
+    # The per-expert views alias the same prepared bytes on both layers; swapping experts 2 and 5
+    # through them (EPLB's move) changes both outputs alike.
+    hv, dv = host.expert_weight_views(), dev.expert_weight_views()
+    assert len(hv) == len(dv) == p.num_experts
+    names = {"w13", "w2"} | ({"w13_scale", "w2_scale"} if weight_format == "fp8-block" else set())
+    for e in range(p.num_experts):
+        assert set(hv[e]) == set(dv[e]) == names
+        for n in names:
+            assert hv[e][n].dtype == torch.uint8 and hv[e][n].device == dev.device
+            assert torch.equal(hv[e][n], dv[e][n]), (e, n)
+    for views in (hv, dv):
+        for n in names:
+            a, b = views[2][n], views[5][n]
+            tmp = a.clone()
+            a.copy_(b)
+            b.copy_(tmp)
+    want2, got2 = host(x, ids, tw), dev(x, ids, tw)
+    torch.cuda.synchronize()
+    assert not torch.equal(want2.view(torch.int16), want.view(torch.int16))
+    assert torch.equal(want2.view(torch.int16), got2.view(torch.int16))
     dev.check_error()
     mt.destroy_all()
 

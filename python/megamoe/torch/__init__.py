@@ -119,6 +119,20 @@ def _sync_producers(w: "MoeWeights") -> None:
             return
 
 
+class _DeviceRegion:
+    """A layer's device bytes as __cuda_array_interface__ (torch.as_tensor aliases it, no copy);
+    holds the layer so that the tensor keeps it alive."""
+
+    def __init__(self, ptr: int, nbytes: int, owner):
+        self._owner = owner
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "version": 3, "strides": None}
+
+
+def _alias(ptr: int, nbytes: int, device: torch.device, owner) -> torch.Tensor:
+    return torch.as_tensor(_DeviceRegion(ptr, nbytes, owner), device=device)
+
+
 def _fields(w: MoeWeights) -> tuple:
     return (w.w13, w.w2, w.w13_scale, w.w2_scale, w.w13_global_scale, w.w2_global_scale)
 
@@ -182,6 +196,18 @@ class MoeLayer:
         each local expert received to counts [experts_per_rank] (int64 or int32); None stops it."""
         self._expert_counts = counts  # kept alive while the layer writes it
         self._impl.set_expert_counts(None if counts is None else _tensor_view(counts))
+
+    def expert_weight_views(self) -> list:
+        """Per local expert, {"w13", "w13_scale", "w2", "w2_scale"} -> a flat uint8 tensor on the
+        layer's device that aliases the prepared weights the kernels read (megamoe/layer.h
+        ExpertWeightView; bf16 layers have no scale entries). EPLB moves an expert by copying its
+        tensors into another expert's (same geometry and format), stream-ordered between forwards.
+        Valid until release(); the cpu backend raises UnavailableError."""
+        out = []
+        for expert in self._impl.expert_weight_views():
+            out.append({name: _alias(ptr, nbytes, self.device, self)
+                        for name, (ptr, nbytes) in expert.items() if nbytes > 0})
+        return out
 
     # ---- forward ----
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

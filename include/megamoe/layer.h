@@ -2,7 +2,8 @@
 //
 // Contract:
 // - MoeLayer::create() validates geometry and config, resolves `auto` to one backend (once; never per
-//   call), and prepares this rank's expert weights. It allocates nothing collective.
+//   call), and prepares this rank's expert weights (from host memory, or on the layer's device from
+//   device-resident views: megamoe/weights.h). It allocates nothing collective.
 // - warmup() does everything collective or blocking (workspace allocation, registration, tuning, host
 //   syncs). Call it on every rank of the group, before any CUDA-graph capture. Idempotent.
 // - forward(x, topk_ids, topk_weights, y, stream[, x_scale]) computes, for this rank's T tokens,
@@ -71,6 +72,33 @@ BackendSelection select_backend(const MoeGeometry& geometry, const MoeConfig& co
                                 const Status& mega_gate, const Status& routed_gate);
 // The same, evaluating the real gates and the knob cache's measured crossover, if any.
 BackendSelection select_backend(const MoeGeometry& geometry, const MoeConfig& config);
+
+// One local expert's prepared weights in the layer's device memory: the bytes the GPU backends'
+// grouped GEMMs read for that expert, for expert load balancing (EPLB) to permute in place. Each
+// region is contiguous and holds that expert only; its layout is the GEMM's, not the source's:
+// - w13: [2I, H] with the rows in the SwiGLU epilogue's order (rows [256 j, 256 j + 128) = gate rows
+//   [128 j, 128 j + 128), rows [256 j + 128, 256 j + 256) = up rows [I + 128 j, I + 128 j + 128)),
+//   e4m3 (fp8-block) or bf16; w13_scale: fp32 [2I/128, H/128] in the same block-row order (fp8-block).
+// - w2: [H, I] as the source, e4m3 or bf16; w2_scale: fp32 [H/128, I/128] (fp8-block).
+// - mxfp4 (MEGAMOE_GPU_MXFP4=1): w13 / w2 are the expert's fragment-ordered pieces and w13_scale /
+//   w2_scale its fp32 128x128 block scales inside the GEMM's image (kernels/gemm/gemm_weights.h).
+// - bf16: the scale pointers are null, their bytes 0.
+// The layout is the same for every expert of every layer of equal geometry (hidden, intermediate)
+// and weight_format, on every rank: moving an expert is copying its four regions into another
+// expert's (of this layer, or of such a layer on another rank). The pointers are fixed from create()
+// to release() (a captured CUDA graph reads what they hold at replay). Write them stream-ordered
+// between forwards, never while a forward of the layer (or a graph replaying it) is in flight;
+// MoeLayer::forward's expert e then computes with whatever expert e's regions hold.
+struct ExpertWeightView {
+  void* w13 = nullptr;
+  int64_t w13_bytes = 0;
+  void* w13_scale = nullptr;
+  int64_t w13_scale_bytes = 0;
+  void* w2 = nullptr;
+  int64_t w2_bytes = 0;
+  void* w2_scale = nullptr;
+  int64_t w2_scale_bytes = 0;
+};
 
 class MoeLayer {
  public:
@@ -153,12 +181,24 @@ class MoeLayer {
     return Status::ok();
   }
 
+  // The prepared weights of local expert e (global expert ep_rank * experts_per_rank + e) at
+  // (*out)[e], experts_per_rank entries, on device() (see ExpertWeightView). The routed and mega
+  // backends answer them; the cpu backend answers kUnavailable (its weights are prepared_weights()),
+  // as does a released layer (kFailedPrecondition).
+  virtual Status expert_weight_views(std::vector<ExpertWeightView>* out) {
+    (void)out;
+    return Status(StatusCode::kUnavailable, "this backend has no device expert weights (see prepared_weights())");
+  }
+
   virtual Backend backend() const = 0;
   // The device the layer's tensors live on (cpu for the cpu backend).
   virtual Device device() const = 0;
   const MoeGeometry& geometry() const { return geometry_; }
   const MoeConfig& config() const { return config_; }
   const BackendSelection& selection() const { return selection_; }
+  // The weights in host memory as prepare_weights() made them. A layer built from device-resident
+  // weights (weights.h) has them only on the device: format and shapes here, data and scales empty
+  // (expert_weight_views() has them).
   const PreparedWeights& prepared_weights() const { return weights_; }
 
  protected:

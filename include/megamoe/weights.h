@@ -20,13 +20,25 @@
 // - prepare_weights() converts them to config.weight_format (quantising where needed, with the
 //   rounding of megamoe/formats.h). A source prepared in its own format (fp8-block, nvfp4, mxfp4)
 //   is kept bit for bit, scales included.
-// - Device-resident weights (an engine's tensors, already on the GPU): the pairings a GPU backend
-//   can take as they are, with layout work only, are float8_e4m3 w13 / w2 with their float32
-//   128x128 scales for weight_format fp8-block and bfloat16 w13 / w2 (no scales) for weight_format
-//   bf16; views contiguous, all on one CUDA device. check_device_weights() checks that (it reads no
-//   data). This build prepares weights from host memory only: MoeLayer::create() runs
-//   check_device_weights() on device views (so a bad view is named) and then refuses them; copy the
-//   weights to the host first.
+// - Device-resident weights (an engine's tensors, already on the GPU): MoeLayer::create() on the
+//   routed or mega backend prepares them on the layer's device, with no host copy of the weights
+//   (device-to-device copies into the GEMM's layout on a private stream, and one quantiser kernel),
+//   bit for bit what it makes of the same bytes in host memory. Accepted pairings:
+//   - weight_format fp8-block: float8_e4m3 w13 / w2 with their float32 128x128 scales (kept as they
+//     are; the scales, 1/16384 of the bytes, are read back once for the value rule above), or
+//     bfloat16 w13 / w2 without scales (quantised on the device as prepare_weights quantises them,
+//     pow2_scales included);
+//   - weight_format bf16: bfloat16 w13 / w2, no scales (kept as they are);
+//   each of w13 and w2 on its own (a bf16 w13 beside an e4m3 w2 is fine). Every view contiguous, on
+//   one CUDA device, the layer's (its communicator's, or the current device without one).
+//   check_device_weights() checks that (it reads no data). The views' contents must be complete on
+//   the device when create() is called (it waits for no other stream: synchronise the stream that
+//   wrote them); the caller may free them once create() returns. Refused, each with "copy the weights
+//   to the host first" (the phrase megamoe.torch falls back on): fp32 or fp4 sources and the other
+//   formats (mxfp8, nvfp4, mxfp4), e4m3 into bf16, the cpu backend (it computes from host memory),
+//   views on another device than the layer's, and until the path has run on a GPU any device view
+//   unless MEGAMOE_GPU_DEVICE_WEIGHTS=1. The layer's prepared_weights() then holds the format and
+//   shapes only; MoeLayer::expert_weight_views() has the prepared weights per expert.
 // - A QuantizedTensor holds [E_local, N, K] with K the reduction dimension; its scales follow the
 //   format's block shape along (N, K).
 #pragma once

@@ -99,6 +99,13 @@ class MoeLayer:
         self._expert_counts = counts  # the layer writes it: keep it alive
         self._impl.set_expert_counts(view(counts, "counts"))
 
+    def expert_weight_views(self) -> list:
+        """Per local expert, {"w13", "w13_scale", "w2", "w2_scale"} -> (device address, bytes) of the
+        prepared weights the GPU backends' GEMMs read (megamoe/layer.h ExpertWeightView: w13 rows in
+        the SwiGLU order, scales absent (0, 0) for bf16), for EPLB to move experts by copying those
+        regions between forwards. Valid until release(). The cpu backend raises UnavailableError."""
+        return self._impl.expert_weight_views()
+
     def __enter__(self) -> "MoeLayer":
         return self
 

@@ -756,6 +756,19 @@ NB_MODULE(_C, m) {
            })
       .def("set_expert_counts",
            [](PyLayer& self, nb::handle counts) { check(self.get().set_expert_counts(to_view(counts, "counts"))); }, "counts"_a.none())
+      .def("expert_weight_views",
+           [](PyLayer& self) {
+             std::vector<ExpertWeightView> views;
+             check(self.get().expert_weight_views(&views));
+             std::vector<std::map<std::string, std::pair<uintptr_t, int64_t>>> out;
+             auto region = [](void* p, int64_t bytes) { return std::make_pair(reinterpret_cast<uintptr_t>(p), bytes); };
+             for (const ExpertWeightView& v : views)
+               out.push_back({{"w13", region(v.w13, v.w13_bytes)},
+                              {"w13_scale", region(v.w13_scale, v.w13_scale_bytes)},
+                              {"w2", region(v.w2, v.w2_bytes)},
+                              {"w2_scale", region(v.w2_scale, v.w2_scale_bytes)}});
+             return out;
+           })
       .def("_time_forward", &time_forward, "x"_a, "topk_ids"_a, "topk_weights"_a, "y"_a, "stream"_a,
            "x_scale"_a.none(), "iters"_a)
       .def("_captured_forward_nodes", &captured_forward_nodes, "x"_a, "topk_ids"_a, "topk_weights"_a, "y"_a,

@@ -20,9 +20,12 @@ namespace megamoe {
 
 // src/kernels/routed/routed_layer.cpp. `comm`: a GPU group's communicator (create_nccl_group /
 // create_nccl_rank / create_shared_gpu_group), or null for ep_size == 1 (the layer then builds a
-// one-rank group on the current device).
+// one-rank group on the current device). `device_weights`: null, or a device-resident source that
+// check_device_weights() accepted, which the layer prepares on its device
+// (prepare_device_expert_weights); `weights` then holds the format and shapes only.
 Status create_routed_layer(const MoeGeometry& geometry, const MoeConfig& config, BackendSelection selection,
-                           PreparedWeights weights, std::shared_ptr<Communicator> comm, std::unique_ptr<MoeLayer>* out);
+                           PreparedWeights weights, std::shared_ptr<Communicator> comm, std::unique_ptr<MoeLayer>* out,
+                           const MoeWeights* device_weights = nullptr);
 
 // src/core/layer.cpp: the gates for the layer's own device (the GPU group's, or the current device
 // without a communicator; -1 with `why_not` for a communicator that is not a GPU group's), and the
@@ -50,10 +53,11 @@ Status nvfp4_opt_in_gate(const char* backend, const MoeConfig& config);
 // N, is a multiple of 256; 2I is by the geometry's 128 alignment). Ok for any other weight format.
 Status mxfp4_shape_gate(const char* backend, const MoeGeometry& geometry, const MoeConfig& config);
 
-// src/kernels/mega/mega_layer.cpp: the one-kernel backend's factory (`comm` as for routed) and its
-// static rules (formats, options, shapes the kernel runs); no device access.
+// src/kernels/mega/mega_layer.cpp: the one-kernel backend's factory (`comm` and `device_weights` as
+// for routed) and its static rules (formats, options, shapes the kernel runs); no device access.
 Status create_mega_layer(const MoeGeometry& geometry, const MoeConfig& config, BackendSelection selection,
-                         PreparedWeights weights, std::shared_ptr<Communicator> comm, std::unique_ptr<MoeLayer>* out);
+                         PreparedWeights weights, std::shared_ptr<Communicator> comm, std::unique_ptr<MoeLayer>* out,
+                         const MoeWeights* device_weights = nullptr);
 Status mega_format_gate(const MoeGeometry& geometry, const MoeConfig& config);
 
 }  // namespace megamoe

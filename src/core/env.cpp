@@ -48,6 +48,11 @@ EnvKnobs read_env() {
     if (s == "1") k.gpu_nvfp4 = true;
     else if (s != "0") log_warn("ignoring MEGAMOE_GPU_NVFP4=%s: must be 0 or 1", v);
   }
+  if (const char* v = std::getenv("MEGAMOE_GPU_DEVICE_WEIGHTS"); v && *v) {
+    const std::string s(v);
+    if (s == "1") k.gpu_device_weights = true;
+    else if (s != "0") log_warn("ignoring MEGAMOE_GPU_DEVICE_WEIGHTS=%s: must be 0 or 1", v);
+  }
   if (const char* v = std::getenv("MEGAMOE_TILE_BUCKET"); v && *v) {
     const std::string b(v);
     if (b == "received") k.tile_bucket_received = true;

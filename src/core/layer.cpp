@@ -195,11 +195,13 @@ namespace {
 // weight preparation, the backend's factory.
 Status create_layer(const MoeGeometry& g, const MoeConfig& c, const MoeWeights& weights,
                     std::shared_ptr<Communicator> comm, std::unique_ptr<MoeLayer>* out) {
-  if (on_device(weights)) {
+  const bool device_source = on_device(weights);
+  if (device_source) {
     MEGAMOE_RETURN_IF_ERROR(check_device_weights(g, c, weights));
-    return invalid_argument("weights", "w13.device", weights.w13.device.to_string(),
-                            "this build prepares weights from host memory only (device-resident weights are "
-                            "checked, not prepared on the device); copy the weights to the host first");
+    if (!env_knobs().gpu_device_weights)
+      return invalid_argument("weights", "w13.device", weights.w13.device.to_string(),
+                              "preparing device-resident weights on the device has not run on a GPU yet: refused "
+                              "unless MEGAMOE_GPU_DEVICE_WEIGHTS=1; copy the weights to the host first");
   }
   BackendSelection selection = select_backend_for(g, c, comm.get());
   if (c.backend == Backend::kAuto) {
@@ -216,6 +218,31 @@ Status create_layer(const MoeGeometry& g, const MoeConfig& c, const MoeWeights& 
   }
 
   PreparedWeights prepared;
+  if (device_source) {
+    // Prepared on the layer's device by the GPU backend (prepare_device_expert_weights); the host
+    // keeps the format and shapes only.
+    if (selection.backend != Backend::kRouted && selection.backend != Backend::kMega)
+      return invalid_argument("weights", "w13.device", weights.w13.device.to_string(),
+                              std::string("the ") + to_string(selection.backend) +
+                                  " backend computes from host memory (" + selection.reason +
+                                  "); copy the weights to the host first");
+    // Before the backend builds anything (prepare_device_expert_weights checks it again).
+    const int device = layer_device_of(comm.get(), nullptr);
+    if (device >= 0 && weights.w13.device != Device::cuda(device))
+      return invalid_argument("weights", "w13.device", weights.w13.device.to_string(),
+                              "device-resident weights must be on the layer's device cuda:" + str(device) +
+                                  " (its communicator's); else copy the weights to the host first");
+    prepared.format = c.weight_format;
+    prepared.w13.format = prepared.w2.format = c.weight_format;
+    prepared.w13.num_experts = prepared.w2.num_experts = g.experts_per_rank();
+    prepared.w13.rows = 2 * g.intermediate;
+    prepared.w13.cols = g.hidden;
+    prepared.w2.rows = g.hidden;
+    prepared.w2.cols = g.intermediate;
+    if (selection.backend == Backend::kRouted)
+      return create_routed_layer(g, c, std::move(selection), std::move(prepared), std::move(comm), out, &weights);
+    return create_mega_layer(g, c, std::move(selection), std::move(prepared), std::move(comm), out, &weights);
+  }
   MEGAMOE_RETURN_IF_ERROR(prepare_weights(g, c, weights, &prepared));
 
   switch (selection.backend) {

@@ -218,30 +218,33 @@ Status validate_source(const SourceSpec& s) {
   return check_fp8_block_scale_values(scale_name, scale.ptr<const float>(), want_scale);
 }
 
-// A device-resident source stack: the dtype the layer's format takes as is, shapes, device, layout.
+// A device-resident source stack: a dtype the layer's format takes on the device (as it is, or bf16
+// quantised into fp8-block), shapes, device, layout.
 Status check_device_source(const SourceSpec& s, WeightFormat format, Device device) {
   const std::string name = s.name, scale_name = s.scale_name;
   const std::vector<int64_t> want = {s.num_experts, s.rows, s.cols};
   if (!s.data->present())
     return invalid_argument("weights", name, "absent",
                             std::string("must view this rank's experts ") + s.dims + " = " + shape_string(want));
-  const bool fp8 = format == WeightFormat::kFp8Block;
   if (format != WeightFormat::kFp8Block && format != WeightFormat::kBf16)
     return invalid_argument("weights", "config.weight_format", to_string(format),
-                            "device-resident weights are taken in the layer's format as they are, fp8-block or bf16 "
-                            "(the GPU backends' formats); for a conversion copy the weights to the host first");
-  const DType want_dtype = fp8 ? DType::kFloat8E4M3 : DType::kBFloat16;
-  if (s.data->dtype != want_dtype)
+                            "device-resident weights are prepared on the device for fp8-block or bf16 only "
+                            "(the GPU backends' formats); for another format copy the weights to the host first");
+  // fp8-block takes e4m3 + scales as they are, or bf16 quantised on the device; bf16 takes bf16.
+  const bool fp8 = s.data->dtype == DType::kFloat8E4M3;
+  if (!(s.data->dtype == DType::kBFloat16 || (fp8 && format == WeightFormat::kFp8Block)))
     return invalid_argument("weights", name + ".dtype", to_string(s.data->dtype),
-                            std::string("device-resident weights for weight_format ") + to_string(format) +
-                                " must be " + to_string(want_dtype) +
-                                (fp8 ? " with float32 128x128 scales" : " without scales") +
-                                " (taken as they are; for a conversion copy the weights to the host first)");
+                            format == WeightFormat::kFp8Block
+                                ? "device-resident weights for weight_format fp8-block must be float8_e4m3 with "
+                                  "float32 128x128 scales (kept as they are) or bfloat16 (quantised on the device); "
+                                  "for another conversion copy the weights to the host first"
+                                : "device-resident weights for weight_format bf16 must be bfloat16 without scales "
+                                  "(taken as they are; for a conversion copy the weights to the host first)");
   MEGAMOE_RETURN_IF_ERROR(check_view_basics(*s.data, name, want, s.dims, device));
   if (s.global->present())
     return invalid_argument("weights", name + "_global_scale", s.global->to_string(),
                             "only an nvfp4 (float4_e2m1x2) " + name + " has a global scale; leave it absent for " +
-                                to_string(want_dtype));
+                                to_string(s.data->dtype));
   const TensorView& scale = *s.scale;
   if (!fp8) {
     if (scale.present())

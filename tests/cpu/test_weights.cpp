@@ -5,7 +5,9 @@
 // - values: dequantize() is within the format's error bound of the source;
 // - a source prepared in its own format (e4m3 as fp8-block, nvfp4, mxfp4) keeps its bytes and
 //   scales bit for bit.
-// Bad sources must fail with messages that name the field, its value and the rule.
+// Bad sources must fail with messages that name the field, its value and the rule. At the end: the
+// rules for device-resident sources (check_device_weights, create()'s refusals) and the per-expert
+// regions expert_weight_views() gives.
 #include <gtest/gtest.h>
 
 #include <cctype>
@@ -17,6 +19,9 @@
 #include <string>
 #include <vector>
 
+#include "core/env.h"
+#include "kernels/common/layer_buffers.h"
+#include "kernels/gemm/gemm_weights.h"
 #include "megamoe/formats.h"
 #include "megamoe/layer.h"
 #include "megamoe/weights.h"
@@ -636,12 +641,30 @@ TEST_F(DeviceSourceFixture, Bf16TakenAsBf16) {
   EXPECT_TRUE(st.is_ok()) << st.to_string();
 }
 
-TEST_F(DeviceSourceFixture, ConversionsAreRefusedNamingTheRule) {
-  src.w13 = b13.data;  // bf16 into fp8-block would be a quantisation
+// bf16 into fp8-block is the one conversion the device path makes (sm90_weight_quant.h); a mixed
+// source (bf16 w13, e4m3 w2) is two stacks, each taken on its own.
+TEST_F(DeviceSourceFixture, Bf16QuantisedIntoFp8BlockOnTheDevice) {
+  src.w13 = b13.data;
+  src.w13_scale = TensorView();
   src.w13.device = Device::cuda(0);
+  Status st = check_device_weights(g, config, src);
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+  src.w2 = b2.data;
+  src.w2_scale = TensorView();
+  src.w2.device = Device::cuda(0);
+  st = check_device_weights(g, config, src);
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+  src.w2_scale = w2.scale;  // a bf16 stack has no scales
+  src.w2_scale.device = Device::cuda(0);
+  EXPECT_CONTAINS(fail(), "w2_scale=float32[3, 2, 3] on cuda:0, only a float8_e4m3 w2 has scales");
+}
+
+TEST_F(DeviceSourceFixture, OtherConversionsAreRefusedNamingTheRule) {
+  src.w13.dtype = DType::kFloat32;  // fp32 into fp8-block: a host conversion
   std::string m = fail();
-  EXPECT_CONTAINS(m, "w13.dtype=bfloat16");
-  EXPECT_CONTAINS(m, "weight_format fp8-block must be float8_e4m3 with float32 128x128 scales");
+  EXPECT_CONTAINS(m, "w13.dtype=float32");
+  EXPECT_CONTAINS(m, "weight_format fp8-block must be float8_e4m3 with float32 128x128 scales (kept as they are) "
+                     "or bfloat16 (quantised on the device)");
   EXPECT_CONTAINS(m, "copy the weights to the host first");
   use_bf16();
   src.w2 = w2.data;  // e4m3 into bf16
@@ -649,8 +672,14 @@ TEST_F(DeviceSourceFixture, ConversionsAreRefusedNamingTheRule) {
   m = fail();
   EXPECT_CONTAINS(m, "w2.dtype=float8_e4m3");
   EXPECT_CONTAINS(m, "must be bfloat16 without scales");
-  config.weight_format = WeightFormat::kMxfp8;
-  EXPECT_CONTAINS(fail(), "config.weight_format=mxfp8, device-resident weights are taken in the layer's format");
+  EXPECT_CONTAINS(m, "copy the weights to the host first");
+  for (WeightFormat f : {WeightFormat::kMxfp8, WeightFormat::kMxfp4, WeightFormat::kNvfp4}) {
+    config.weight_format = f;
+    m = fail();
+    EXPECT_CONTAINS(m, std::string("config.weight_format=") + to_string(f) +
+                           ", device-resident weights are prepared on the device for fp8-block or bf16 only");
+    EXPECT_CONTAINS(m, "copy the weights to the host first");
+  }
 }
 
 TEST_F(DeviceSourceFixture, EveryViewOnW13sDevice) {
@@ -681,9 +710,22 @@ TEST_F(DeviceSourceFixture, ShapesStridesAndScales) {
   EXPECT_CONTAINS(fail(), "w13.data=null");
 }
 
-// create() runs those checks first, whatever the backend, then refuses device weights (this build
-// prepares weights from host memory only) with the phrase megamoe.torch falls back on.
-TEST_F(DeviceSourceFixture, CreateChecksThenRefusesDeviceWeights) {
+// Sets MEGAMOE_GPU_DEVICE_WEIGHTS for one scope (the device preparation's opt-in), then unsets it.
+struct DeviceWeightsOptIn {
+  explicit DeviceWeightsOptIn(const char* value) {
+    setenv("MEGAMOE_GPU_DEVICE_WEIGHTS", value, 1);
+    reload_env_knobs();
+  }
+  ~DeviceWeightsOptIn() {
+    unsetenv("MEGAMOE_GPU_DEVICE_WEIGHTS");
+    reload_env_knobs();
+  }
+};
+
+// create() runs those checks first, whatever the backend. Without MEGAMOE_GPU_DEVICE_WEIGHTS=1 it
+// then refuses device weights before any device access (the path has not run on a GPU yet), naming
+// the variable and the phrase megamoe.torch falls back on.
+TEST_F(DeviceSourceFixture, CreateChecksThenRefusesDeviceWeightsWithoutTheOptIn) {
   g.ep_size = 1;
   g.ep_rank = 0;
   g.num_experts = 3;
@@ -694,14 +736,151 @@ TEST_F(DeviceSourceFixture, CreateChecksThenRefusesDeviceWeights) {
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
   EXPECT_CONTAINS(st.message(), "w13.dtype=float32");
   src.w13.dtype = DType::kFloat8E4M3;
-  for (Backend b : {Backend::kCpu, Backend::kRouted, Backend::kAuto}) {
-    config.backend = b;
-    st = MoeLayer::create(g, config, src, nullptr, &layer);
-    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
-    EXPECT_CONTAINS(st.message(), "w13.device=cuda:0, this build prepares weights from host memory only");
-    EXPECT_CONTAINS(st.message(), "copy the weights to the host first");
-    EXPECT_EQ(layer, nullptr);
+  for (const char* value : {"0", ""}) {
+    DeviceWeightsOptIn env(value);
+    for (Backend b : {Backend::kCpu, Backend::kRouted, Backend::kMega, Backend::kAuto}) {
+      config.backend = b;
+      st = MoeLayer::create(g, config, src, nullptr, &layer);
+      EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+      EXPECT_CONTAINS(st.message(), "w13.device=cuda:0, preparing device-resident weights on the device has not run "
+                                    "on a GPU yet: refused unless MEGAMOE_GPU_DEVICE_WEIGHTS=1");
+      EXPECT_CONTAINS(st.message(), "copy the weights to the host first");
+      EXPECT_EQ(layer, nullptr);
+    }
   }
+}
+
+// With the opt-in the cpu backend still refuses them (it computes from host memory), with the
+// fallback phrase; the GPU backends prepare them (tests/gpu/test_device_weights.cpp).
+TEST_F(DeviceSourceFixture, CpuBackendRefusesDeviceWeightsWithTheOptIn) {
+  g.ep_size = 1;
+  g.ep_rank = 0;
+  g.num_experts = 3;
+  config.backend = Backend::kCpu;
+  DeviceWeightsOptIn env("1");
+  std::unique_ptr<MoeLayer> layer;
+  const Status st = MoeLayer::create(g, config, src, nullptr, &layer);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_CONTAINS(st.message(), "w13.device=cuda:0, the cpu backend computes from host memory (backend=cpu requested)");
+  EXPECT_CONTAINS(st.message(), "copy the weights to the host first");
+  EXPECT_EQ(layer, nullptr);
+}
+
+}  // namespace
+}  // namespace megamoe
+
+// ---------------------------------------------------------------------------------------------
+// expert_weight_views(): each local expert's regions of the GPU backends' weight buffers (pointer
+// arithmetic only, checked here on made-up addresses; tests/gpu/test_device_weights.cpp reads them).
+
+
+namespace megamoe {
+namespace {
+
+// Buffers at made-up addresses, released (never freed) before they go.
+struct FakeBuffers {
+  ExpertWeightBuffers b;
+  FakeBuffers(bool scales) {
+    auto make = [](uintptr_t at) {
+      auto d = std::make_shared<DeviceBuffer>();
+      d->ptr = reinterpret_cast<void*>(at);
+      return d;
+    };
+    b.w13 = make(0x10000000);
+    b.w2 = make(0x20000000);
+    if (scales) {
+      b.w13_scales = make(0x30000000);
+      b.w2_scales = make(0x40000000);
+    }
+  }
+  ~FakeBuffers() {
+    for (auto* p : {&b.w13, &b.w2, &b.w13_scales, &b.w2_scales})
+      if (*p) (*p)->ptr = nullptr;
+  }
+};
+
+intptr_t at(const void* p) { return static_cast<intptr_t>(reinterpret_cast<uintptr_t>(p)); }
+
+TEST(ExpertWeightViews, Fp8BlockAndBf16RegionsPerExpert) {
+  MoeGeometry g = test_geometry();  // H 256, I 384, E_local 3
+  const int64_t El = g.experts_per_rank(), H = g.hidden, I = g.intermediate;
+  for (WeightFormat f : {WeightFormat::kFp8Block, WeightFormat::kBf16}) {
+    const bool fp8 = f == WeightFormat::kFp8Block;
+    const int64_t elem = fp8 ? 1 : 2;
+    FakeBuffers fake(fp8);
+    std::vector<ExpertWeightView> v;
+    ASSERT_TRUE(expert_weight_views_of(g, f, fake.b, &v).is_ok());
+    ASSERT_EQ(static_cast<int64_t>(v.size()), El);
+    for (int64_t e = 0; e < El; ++e) {
+      const ExpertWeightView& x = v[static_cast<size_t>(e)];
+      EXPECT_EQ(x.w13_bytes, 2 * I * H * elem);
+      EXPECT_EQ(at(x.w13), 0x10000000 + e * 2 * I * H * elem);
+      EXPECT_EQ(x.w2_bytes, H * I * elem);
+      EXPECT_EQ(at(x.w2), 0x20000000 + e * H * I * elem);
+      if (!fp8) {
+        EXPECT_EQ(x.w13_scale, nullptr);
+        EXPECT_EQ(x.w2_scale, nullptr);
+        EXPECT_EQ(x.w13_scale_bytes + x.w2_scale_bytes, 0);
+        continue;
+      }
+      EXPECT_EQ(x.w13_scale_bytes, (2 * I / 128) * (H / 128) * 4);
+      EXPECT_EQ(at(x.w13_scale), 0x30000000 + e * x.w13_scale_bytes);
+      EXPECT_EQ(x.w2_scale_bytes, (H / 128) * (I / 128) * 4);
+      EXPECT_EQ(at(x.w2_scale), 0x40000000 + e * x.w2_scale_bytes);
+    }
+  }
+}
+
+// mxfp4: each stack one image, [E] block scales, padding to 128 bytes, then [E] pieces
+// (gemm_weights.h): an expert's scales and pieces are contiguous, and the experts tile the image.
+TEST(ExpertWeightViews, Mxfp4RegionsInsideTheImages) {
+  MoeGeometry g = test_geometry();
+  const int64_t El = g.experts_per_rank(), H = g.hidden, I = g.intermediate;
+  FakeBuffers fake(false);
+  std::vector<ExpertWeightView> v;
+  ASSERT_TRUE(expert_weight_views_of(g, WeightFormat::kMxfp4, fake.b, &v).is_ok());
+  ASSERT_EQ(static_cast<int64_t>(v.size()), El);
+  const int64_t pieces13 = gemm::mxfp4_pieces_offset(El, 2 * I, H), pieces2 = gemm::mxfp4_pieces_offset(El, H, I);
+  const int64_t code13 = (H / 128) * (2 * I / gemm::kFp4SlabRows) * gemm::kFp4SlabBytes;
+  const int64_t code2 = (I / 128) * (H / gemm::kFp4SlabRows) * gemm::kFp4SlabBytes;
+  for (int64_t e = 0; e < El; ++e) {
+    const ExpertWeightView& x = v[static_cast<size_t>(e)];
+    EXPECT_EQ(x.w13_scale_bytes, (2 * I / 128) * (H / 128) * 4);
+    EXPECT_EQ(at(x.w13_scale), 0x10000000 + e * x.w13_scale_bytes);
+    EXPECT_EQ(x.w13_bytes, code13);
+    EXPECT_EQ(at(x.w13), 0x10000000 + pieces13 + e * code13);
+    EXPECT_EQ(x.w2_scale_bytes, (H / 128) * (I / 128) * 4);
+    EXPECT_EQ(at(x.w2_scale), 0x20000000 + e * x.w2_scale_bytes);
+    EXPECT_EQ(x.w2_bytes, code2);
+    EXPECT_EQ(at(x.w2), 0x20000000 + pieces2 + e * code2);
+  }
+  // The last expert's pieces end where the image does.
+  gemm::Mxfp4GemmWeights w13;
+  w13.num_experts = El, w13.n = 2 * I, w13.k = H;
+  w13.slabs.assign(static_cast<size_t>(El * code13), 0);
+  w13.block_scales.assign(static_cast<size_t>(El * (2 * I / 128) * (H / 128)), 0.f);
+  EXPECT_EQ(static_cast<int64_t>(gemm::device_image(w13).size()), pieces13 + El * code13);
+}
+
+TEST(ExpertWeightViews, RefusedWithoutBuffersAndOnTheCpuBackend) {
+  MoeGeometry g = test_geometry();
+  ExpertWeightBuffers none;
+  std::vector<ExpertWeightView> v;
+  EXPECT_EQ(expert_weight_views_of(g, WeightFormat::kFp8Block, none, &v).code(), StatusCode::kFailedPrecondition);
+  g.ep_size = 1;
+  g.ep_rank = 0;
+  g.num_experts = 3;
+  SourceStack w13 = make_stack(Source::kFp8, 3, 768, 256, 1u), w2 = make_stack(Source::kFp8, 3, 256, 384, 2u);
+  MoeWeights src;
+  src.w13 = w13.data;
+  src.w13_scale = w13.scale;
+  src.w2 = w2.data;
+  src.w2_scale = w2.scale;
+  MoeConfig c;
+  c.backend = Backend::kCpu;
+  std::unique_ptr<MoeLayer> layer;
+  ASSERT_TRUE(MoeLayer::create(g, c, src, nullptr, &layer).is_ok());
+  EXPECT_EQ(layer->expert_weight_views(&v).code(), StatusCode::kUnavailable);
 }
 
 }  // namespace

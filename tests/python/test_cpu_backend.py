@@ -235,3 +235,10 @@ def test_error_pending_is_false_on_the_cpu_backend():
         layer.check_error()
         layer.forward(p.x[0], p.ids[0], p.weights[0])
         assert layer.error_pending() is False
+
+
+def test_expert_weight_views_are_the_gpu_backends_only():
+    p = make_problem(seed=15, tokens=(4,))
+    with one_rank_layer(p) as layer:
+        with pytest.raises(megamoe.UnavailableError, match="no device expert weights"):
+            layer.expert_weight_views()

@@ -109,6 +109,30 @@ def _host_copy(t):
     return t if t.device.type == "cpu" else t.detach().to("cpu")
 
 
+def _sync_producers(w: "MoeWeights") -> None:
+    """Device-resident weights are read by create() on a private stream of their device, which waits
+    for no other stream: finish the current stream's work on them first (the engine's loading, the
+    .contiguous() copies above)."""
+    for t in _fields(w):
+        if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+            torch.cuda.current_stream(t.device).synchronize()
+            return
+
+
+class _DeviceRegion:
+    """A layer's device bytes as __cuda_array_interface__ (torch.as_tensor aliases it, no copy);
+    holds the layer so that the tensor keeps it alive."""
+
+    def __init__(self, ptr: int, nbytes: int, owner):
+        self._owner = owner
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "version": 3, "strides": None}
+
+
+def _alias(ptr: int, nbytes: int, device: torch.device, owner) -> torch.Tensor:
+    return torch.as_tensor(_DeviceRegion(ptr, nbytes, owner), device=device)
+
+
 def _fields(w: MoeWeights) -> tuple:
     return (w.w13, w.w2, w.w13_scale, w.w2_scale, w.w13_global_scale, w.w2_global_scale)
 
@@ -119,13 +143,19 @@ class MoeLayer:
     def __init__(self, geometry, weights: MoeWeights, config=None, comm=None):
         w = weights if isinstance(weights, MoeWeights) else MoeWeights(*weights)
         w = MoeWeights(*(t.contiguous() if isinstance(t, torch.Tensor) else t for t in _fields(w)))
+        _sync_producers(w)
         try:
+            # Device tensors go straight through: the GPU backends prepare them on the device
+            # (megamoe/weights.h: fp8-block e4m3 + fp32 scales, or bf16; MEGAMOE_GPU_DEVICE_WEIGHTS=1).
             self._layer = _HostLayer(geometry, w, config, comm)
+            self.weights_via_host = False
         except InvalidArgumentError as e:
             if "copy the weights to the host first" not in str(e):
                 raise
-            # Weights that this build prepares from host memory only: take device tensors through it.
+            # Refused on the device (another format or conversion, the cpu backend, the opt-in
+            # unset): take the device tensors through the host.
             self._layer = _HostLayer(geometry, MoeWeights(*(_host_copy(t) for t in _fields(w))), config, comm)
+            self.weights_via_host = any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in _fields(w))
         self._impl = self._layer._impl
         self._forward = self._impl.forward_tensors  # the tensors read in C++, not packed here
         g = self._layer.geometry
@@ -166,6 +196,18 @@ class MoeLayer:
         each local expert received to counts [experts_per_rank] (int64 or int32); None stops it."""
         self._expert_counts = counts  # kept alive while the layer writes it
         self._impl.set_expert_counts(None if counts is None else _tensor_view(counts))
+
+    def expert_weight_views(self) -> list:
+        """Per local expert, {"w13", "w13_scale", "w2", "w2_scale"} -> a flat uint8 tensor on the
+        layer's device that aliases the prepared weights the kernels read (megamoe/layer.h
+        ExpertWeightView; bf16 layers have no scale entries). EPLB moves an expert by copying its
+        tensors into another expert's (same geometry and format), stream-ordered between forwards.
+        Valid until release(); the cpu backend raises UnavailableError."""
+        out = []
+        for expert in self._impl.expert_weight_views():
+            out.append({name: _alias(ptr, nbytes, self.device, self)
+                        for name, (ptr, nbytes) in expert.items() if nbytes > 0})
+        return out
 
     # ---- forward ----
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

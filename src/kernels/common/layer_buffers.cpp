@@ -11,6 +11,8 @@
 #include "comm/nccl_comm.h"
 #include "megamoe/comm.h"
 #include "core/cuda_check.h"
+#include "core/weight_checks.h"
+#include "kernels/common/sm90_weight_quant.h"
 #include "kernels/gemm/gemm_weights.h"
 
 namespace megamoe {
@@ -116,6 +118,146 @@ Status upload_expert_weights(int device, const MoeGeometry& geometry, const Prep
     gemm::prepare_w13_scales_for_swiglu(reinterpret_cast<const float*>(w13.scales.data()), El, I, H, s13.data());
     MEGAMOE_RETURN_IF_ERROR(upload(device, s13.data(), static_cast<int64_t>(s13.size() * 4), &out->w13_scales));
     MEGAMOE_RETURN_IF_ERROR(upload(device, w2.scales.data(), static_cast<int64_t>(w2.scales.size()), &out->w2_scales));
+  }
+  return Status::ok();
+}
+
+namespace {
+
+// A private non-blocking stream of the current device, destroyed with the scope.
+struct PrivateStream {
+  cudaStream_t stream = nullptr;
+  ~PrivateStream() {
+    if (stream) cudaStreamDestroy(stream);
+  }
+};
+
+// w13's SwiGLU order on the device (gemm_weights.h): an expert's 2 * half units of unit_bytes (128
+// rows of codes, or one row of block scales) go gate unit j -> 2j, up unit half + j -> 2j + 1.
+Status copy_w13_swiglu_order(void* dst, const void* src, int64_t num_experts, int64_t half, int64_t unit_bytes,
+                             cudaStream_t stream) {
+  for (int64_t e = 0; e < num_experts; ++e) {
+    char* d = static_cast<char*>(dst) + e * 2 * half * unit_bytes;
+    const char* s = static_cast<const char*>(src) + e * 2 * half * unit_bytes;
+    const size_t unit = static_cast<size_t>(unit_bytes), rows = static_cast<size_t>(half);
+    MEGAMOE_CUDA_CHECK(cudaMemcpy2DAsync(d, 2 * unit, s, unit, unit, rows, cudaMemcpyDeviceToDevice, stream));
+    MEGAMOE_CUDA_CHECK(cudaMemcpy2DAsync(d + unit, 2 * unit, s + half * unit_bytes, unit, unit, rows,
+                                         cudaMemcpyDeviceToDevice, stream));
+  }
+  return Status::ok();
+}
+
+// One stack (w13 [E, 2I, H] when swiglu_intermediate = I > 0, else w2 [E, H, I]) into *data / *scales.
+Status prepare_device_stack(int device, const char* scale_name, const TensorView& data, const TensorView& scale,
+                            int64_t num_experts, int64_t rows, int64_t cols, int64_t swiglu_intermediate,
+                            const MoeConfig& config, cudaStream_t stream, std::shared_ptr<DeviceBuffer>* out_data,
+                            std::shared_ptr<DeviceBuffer>* out_scales) {
+  const bool fp8 = config.weight_format == WeightFormat::kFp8Block;
+  const int64_t elem = fp8 ? 1 : 2;
+  const int64_t data_bytes = num_experts * rows * cols * elem;
+  const int64_t block_rows = rows / 128, block_cols = cols / 128;
+  const int64_t scale_bytes = fp8 ? num_experts * block_rows * block_cols * 4 : 0;
+  MEGAMOE_RETURN_IF_ERROR(device_alloc(device, data_bytes, out_data));
+  if (fp8) MEGAMOE_RETURN_IF_ERROR(device_alloc(device, scale_bytes, out_scales));
+  if (fp8 && data.dtype == DType::kBFloat16) {  // quantised on the device
+    MEGAMOE_CUDA_CHECK(kernels::launch_quantize_bf16_fp8_block(
+        static_cast<const uint16_t*>(data.data), num_experts, rows, cols, swiglu_intermediate, config.pow2_scales,
+        static_cast<uint8_t*>((*out_data)->ptr), static_cast<float*>((*out_scales)->ptr), stream));
+    return Status::ok();
+  }
+  // Kept as they are (e4m3 codes + weight_scale_inv, or bf16): prepare_weights' value check of the
+  // scales on a host copy of them, then the layout copies.
+  if (fp8) {
+    std::vector<float> host(static_cast<size_t>(scale_bytes / 4));
+    MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(host.data(), scale.data, static_cast<size_t>(scale_bytes),
+                                       cudaMemcpyDeviceToHost, stream));
+    MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const std::vector<int64_t> shape = {num_experts, block_rows, block_cols};
+    MEGAMOE_RETURN_IF_ERROR(check_fp8_block_scale_values(scale_name, host.data(), shape));
+  }
+  if (swiglu_intermediate > 0) {
+    const int64_t half = swiglu_intermediate / 128;
+    MEGAMOE_RETURN_IF_ERROR(
+        copy_w13_swiglu_order((*out_data)->ptr, data.data, num_experts, half, 128 * cols * elem, stream));
+    if (fp8)
+      MEGAMOE_RETURN_IF_ERROR(
+          copy_w13_swiglu_order((*out_scales)->ptr, scale.data, num_experts, half, block_cols * 4, stream));
+    return Status::ok();
+  }
+  MEGAMOE_CUDA_CHECK(cudaMemcpyAsync((*out_data)->ptr, data.data, static_cast<size_t>(data_bytes),
+                                     cudaMemcpyDeviceToDevice, stream));
+  if (fp8)
+    MEGAMOE_CUDA_CHECK(cudaMemcpyAsync((*out_scales)->ptr, scale.data, static_cast<size_t>(scale_bytes),
+                                       cudaMemcpyDeviceToDevice, stream));
+  return Status::ok();
+}
+
+}  // namespace
+
+Status prepare_device_expert_weights(int device, const MoeGeometry& geometry, const MoeConfig& config,
+                                     const MoeWeights& source, ExpertWeightBuffers* out) {
+  MEGAMOE_RETURN_IF_ERROR(check_device_weights(geometry, config, source));
+  if (source.w13.device != Device::cuda(device))
+    return invalid_argument("weights", "w13.device", source.w13.device.to_string(),
+                            "device-resident weights must be on the layer's device cuda:" + std::to_string(device) +
+                                " (its communicator's); else copy the weights to the host first");
+  CudaDeviceGuard guard(device);
+  if (!guard.ok()) return Status(StatusCode::kCudaError, "cannot select cuda:" + std::to_string(device));
+  const int64_t El = geometry.experts_per_rank(), H = geometry.hidden, I = geometry.intermediate;
+  PrivateStream ps;
+  MEGAMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&ps.stream, cudaStreamNonBlocking));
+  ExpertWeightBuffers w;
+  MEGAMOE_RETURN_IF_ERROR(prepare_device_stack(device, "w13_scale", source.w13, source.w13_scale, El, 2 * I, H, I,
+                                               config, ps.stream, &w.w13, &w.w13_scales));
+  MEGAMOE_RETURN_IF_ERROR(prepare_device_stack(device, "w2_scale", source.w2, source.w2_scale, El, H, I, 0, config,
+                                               ps.stream, &w.w2, &w.w2_scales));
+  MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(ps.stream));
+  *out = std::move(w);
+  return Status::ok();
+}
+
+Status expert_weight_views_of(const MoeGeometry& geometry, WeightFormat format, const ExpertWeightBuffers& buffers,
+                              std::vector<ExpertWeightView>* out) {
+  if (!out) return invalid_argument("argument", "out", "null", "must point to a std::vector<ExpertWeightView>");
+  if (!buffers.w13 || !buffers.w2)
+    return Status(StatusCode::kFailedPrecondition, "expert_weight_views(): the layer holds no weights (released)");
+  const int64_t El = geometry.experts_per_rank(), H = geometry.hidden, I = geometry.intermediate;
+  auto at = [](const std::shared_ptr<DeviceBuffer>& b, int64_t offset) {
+    return static_cast<void*>(static_cast<char*>(b->ptr) + offset);
+  };
+  out->assign(static_cast<size_t>(El), ExpertWeightView());
+  if (format == WeightFormat::kMxfp4) {  // one image per stack: [E] block scales, padding, [E] pieces
+    auto piece = [&](const std::shared_ptr<DeviceBuffer>& image, int64_t n, int64_t k, int64_t e, void** codes,
+                     int64_t* codes_bytes, void** scales, int64_t* scales_bytes) {
+      *scales_bytes = (n / 128) * (k / 128) * 4;
+      *scales = at(image, e * *scales_bytes);
+      *codes_bytes = (k / 128) * (n / gemm::kFp4SlabRows) * gemm::kFp4SlabBytes;
+      *codes = at(image, gemm::mxfp4_pieces_offset(El, n, k) + e * *codes_bytes);
+    };
+    for (int64_t e = 0; e < El; ++e) {
+      ExpertWeightView& v = (*out)[static_cast<size_t>(e)];
+      piece(buffers.w13, 2 * I, H, e, &v.w13, &v.w13_bytes, &v.w13_scale, &v.w13_scale_bytes);
+      piece(buffers.w2, H, I, e, &v.w2, &v.w2_bytes, &v.w2_scale, &v.w2_scale_bytes);
+    }
+    return Status::ok();
+  }
+  const bool fp8 = format == WeightFormat::kFp8Block;
+  if (!fp8 && format != WeightFormat::kBf16)
+    return Status(StatusCode::kInternal, std::string("expert_weight_views(): no GPU layout for weight format ") +
+                                             to_string(format));
+  const int64_t elem = fp8 ? 1 : 2;
+  for (int64_t e = 0; e < El; ++e) {
+    ExpertWeightView& v = (*out)[static_cast<size_t>(e)];
+    v.w13_bytes = 2 * I * H * elem;
+    v.w13 = at(buffers.w13, e * v.w13_bytes);
+    v.w2_bytes = H * I * elem;
+    v.w2 = at(buffers.w2, e * v.w2_bytes);
+    if (fp8) {
+      v.w13_scale_bytes = (2 * I / 128) * (H / 128) * 4;
+      v.w13_scale = at(buffers.w13_scales, e * v.w13_scale_bytes);
+      v.w2_scale_bytes = (H / 128) * (I / 128) * 4;
+      v.w2_scale = at(buffers.w2_scales, e * v.w2_scale_bytes);
+    }
   }
   return Status::ok();
 }

@@ -5,9 +5,11 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "megamoe/comm.h"
 #include "megamoe/config.h"
+#include "megamoe/layer.h"
 #include "megamoe/status.h"
 #include "megamoe/weights.h"
 
@@ -55,5 +57,21 @@ struct ExpertWeightBuffers {
 };
 Status upload_expert_weights(int device, const MoeGeometry& geometry, const PreparedWeights& weights,
                              ExpertWeightBuffers* out);
+
+// The same buffers, bit for bit what upload_expert_weights makes of prepare_weights(source), made on
+// `device` from a device-resident source that check_device_weights() accepted (config.weight_format
+// fp8-block or bf16; weights.h): device-to-device copies that put w13's rows (and scale rows) in the
+// SwiGLU order, w2 as it is, and for a bf16 stack into fp8-block the quantiser kernel of
+// sm90_weight_quant.h. Every view must be on `device`. The fp8 scales (1/16384 of the codes' bytes)
+// are read back to the host for prepare_weights' value check (finite, >= 0; the same message). Runs on
+// a private stream of `device` and returns once it is done: the source must be complete on the
+// device before the call (no other stream is waited for), and may be freed after it.
+Status prepare_device_expert_weights(int device, const MoeGeometry& geometry, const MoeConfig& config,
+                                     const MoeWeights& source, ExpertWeightBuffers* out);
+
+// Per local expert, the regions of `buffers` (made by one of the two above for `format`) that hold
+// it (megamoe/layer.h ExpertWeightView).
+Status expert_weight_views_of(const MoeGeometry& geometry, WeightFormat format, const ExpertWeightBuffers& buffers,
+                              std::vector<ExpertWeightView>* out);
 
 }  // namespace megamoe

@@ -36,7 +36,7 @@ class MegaMoeLayer final : public MoeLayer {
   MegaMoeLayer(const MoeGeometry& g, const MoeConfig& c, BackendSelection s, PreparedWeights w)
       : MoeLayer(g, c, std::move(s), std::move(w)) {}
 
-  Status init(std::shared_ptr<Communicator> comm) {
+  Status init(std::shared_ptr<Communicator> comm, const MoeWeights* device_weights) {
     if (!comm) {  // EP1 without a communicator: the current device's one-rank NCCL group
       int dev = 0;
       MEGAMOE_CUDA_CHECK(cudaGetDevice(&dev));
@@ -61,10 +61,19 @@ class MegaMoeLayer final : public MoeLayer {
     opt.pow2_scales = config_.pow2_scales;
     opt.num_sms = config_.knobs.num_sms;
     MEGAMOE_RETURN_IF_ERROR(EpTransport::create(std::move(comm), opt, &transport_));
+    // From the host's prepared weights, or prepared on the device from device-resident views (bit
+    // for bit the same buffers).
     ExpertWeightBuffers w;
-    MEGAMOE_RETURN_IF_ERROR(upload_expert_weights(device_, geometry_, weights_, &w));
+    if (device_weights)
+      MEGAMOE_RETURN_IF_ERROR(prepare_device_expert_weights(device_, geometry_, config_, *device_weights, &w));
+    else
+      MEGAMOE_RETURN_IF_ERROR(upload_expert_weights(device_, geometry_, weights_, &w));
     weights_dev_ = std::move(w);
     return Status::ok();
+  }
+
+  Status expert_weight_views(std::vector<ExpertWeightView>* out) override {
+    return expert_weight_views_of(geometry_, config_.weight_format, weights_dev_, out);
   }
 
   Status warmup() override {
@@ -280,9 +289,10 @@ Status mega_format_gate(const MoeGeometry& g, const MoeConfig& c) {
 }
 
 Status create_mega_layer(const MoeGeometry& g, const MoeConfig& c, BackendSelection selection, PreparedWeights weights,
-                         std::shared_ptr<Communicator> comm, std::unique_ptr<MoeLayer>* out) {
+                         std::shared_ptr<Communicator> comm, std::unique_ptr<MoeLayer>* out,
+                         const MoeWeights* device_weights) {
   auto layer = std::make_unique<MegaMoeLayer>(g, c, std::move(selection), std::move(weights));
-  MEGAMOE_RETURN_IF_ERROR(layer->init(std::move(comm)));
+  MEGAMOE_RETURN_IF_ERROR(layer->init(std::move(comm), device_weights));
   *out = std::move(layer);
   return Status::ok();
 }

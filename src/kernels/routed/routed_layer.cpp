@@ -88,7 +88,7 @@ class RoutedMoeLayer final : public MoeLayer {
   RoutedMoeLayer(const MoeGeometry& g, const MoeConfig& c, BackendSelection s, PreparedWeights w)
       : MoeLayer(g, c, std::move(s), std::move(w)) {}
 
-  Status init(std::shared_ptr<Communicator> comm) {
+  Status init(std::shared_ptr<Communicator> comm, const MoeWeights* device_weights) {
     if (!comm) {  // EP1 without a communicator: the current device's one-rank NCCL group
       int dev = 0;
       MEGAMOE_CUDA_CHECK(cudaGetDevice(&dev));
@@ -118,7 +118,7 @@ class RoutedMoeLayer final : public MoeLayer {
     key_.device = Device::cuda(device_);
     key_.lane = config_.workspace_lane;
     MEGAMOE_RETURN_IF_ERROR(EpTransport::create(std::move(comm), opt, &transport_));
-    return upload_weights();
+    return upload_weights(device_weights);
   }
 
   // Collective; retryable: a failure keeps nothing of the attempt but what the transport kept (the
@@ -467,11 +467,22 @@ class RoutedMoeLayer final : public MoeLayer {
     return Status::ok();
   }
 
+  Status expert_weight_views(std::vector<ExpertWeightView>* out) override {
+    if (released_) return Status(StatusCode::kFailedPrecondition, "expert_weight_views() after release()");
+    ExpertWeightBuffers w{w13_, w13_scales_, w2_, w2_scales_};
+    return expert_weight_views_of(geometry_, config_.weight_format, w, out);
+  }
+
   // w13 reordered for the SwiGLU epilogue (gemm_weights.h), w2 as prepared; fp32 block scales
-  // (mxfp4: the GEMM's device images, block scales inside; nvfp4: bf16 and the global scales).
-  Status upload_weights() {
+  // (mxfp4: the GEMM's device images, block scales inside; nvfp4: bf16 and the global scales). From
+  // the host's prepared weights, or prepared on the device from device-resident views (bit for bit
+  // the same).
+  Status upload_weights(const MoeWeights* device_weights) {
     ExpertWeightBuffers w;
-    MEGAMOE_RETURN_IF_ERROR(upload_expert_weights(device_, geometry_, weights_, &w));
+    if (device_weights)
+      MEGAMOE_RETURN_IF_ERROR(prepare_device_expert_weights(device_, geometry_, config_, *device_weights, &w));
+    else
+      MEGAMOE_RETURN_IF_ERROR(upload_expert_weights(device_, geometry_, weights_, &w));
     w13_ = std::move(w.w13);
     w13_scales_ = std::move(w.w13_scales);
     w2_ = std::move(w.w2);
@@ -670,9 +681,10 @@ Status routed_format_gate(const MoeGeometry& g, const MoeConfig& c) {
 }
 
 Status create_routed_layer(const MoeGeometry& g, const MoeConfig& c, BackendSelection selection,
-                           PreparedWeights weights, std::shared_ptr<Communicator> comm, std::unique_ptr<MoeLayer>* out) {
+                           PreparedWeights weights, std::shared_ptr<Communicator> comm, std::unique_ptr<MoeLayer>* out,
+                           const MoeWeights* device_weights) {
   auto layer = std::make_unique<RoutedMoeLayer>(g, c, std::move(selection), std::move(weights));
-  MEGAMOE_RETURN_IF_ERROR(layer->init(std::move(comm)));
+  MEGAMOE_RETURN_IF_ERROR(layer->init(std::move(comm), device_weights));
   *out = std::move(layer);
   return Status::ok();
 }

@@ -7,6 +7,7 @@
 #include "comm/gpu_comm.h"
 #include "core/backends.h"
 #include "core/device.h"
+#include "core/env.h"
 #include "core/log.h"
 #include "megamoe/knobs.h"
 

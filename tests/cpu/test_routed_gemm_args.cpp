@@ -5,9 +5,11 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "core/backends.h"
+#include "core/env.h"
 #include "kernels/routed/routed_gemm_args.h"
 #include "megamoe/workspace.h"
 

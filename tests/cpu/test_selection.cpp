@@ -1,10 +1,12 @@
 // Backend selection: `auto` resolves once, at construction, with TensorRT-LLM's MEGAMOE_AUTO rule.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <string>
 
 #include "core/backends.h"
 #include "core/device.h"
+#include "core/env.h"
 #include "megamoe/layer.h"
 
 namespace megamoe {

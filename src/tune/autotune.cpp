@@ -216,6 +216,21 @@ Status run_search(const TuneContext& ctx, const std::vector<std::vector<const Kn
     out->best_us = r.scores[r.winner];
     out->stages.push_back(std::move(r));
   }
+  // The head-to-head: the stages each compare against their own base, timed in their own runs, so
+  // a chain of noise-sized wins can end slower than the heuristic. The winner is kept only if it
+  // beats the heuristic by min_gain when both are timed together (interleaved, as a stage).
+  const Candidate h = heuristic(ctx.backend);
+  if (!out->stages.empty() && !(out->best == h)) {
+    StageResult r;
+    r.candidates = {h, out->best};
+    MEGAMOE_RETURN_IF_ERROR(measure(r.candidates, &r.scores));
+    if (r.scores.size() != r.candidates.size())
+      return Status(StatusCode::kInternal, "tune: " + std::to_string(r.scores.size()) + " scores for 2 candidates");
+    r.winner = pick_winner(r.scores, min_gain);
+    out->best = r.candidates[r.winner];
+    out->best_us = r.scores[r.winner];
+    out->stages.push_back(std::move(r));
+  }
   if (stages.empty()) {  // a backend without knobs: the heuristic, timed
     StageResult r;
     r.candidates = {out->best};

@@ -103,6 +103,8 @@ using MeasureFn = std::function<Status(const std::vector<Candidate>&, std::vecto
 
 // The staged search of one backend at one bucket: each stage's candidates from the previous
 // stage's winner, measured, the winner kept. A stage whose knobs have no legal values is skipped.
+// Last, a winner other than the heuristic is timed beside it (one more stage of two candidates) and
+// kept only if it is min_gain faster there; else the heuristic is the result.
 Status run_search(const TuneContext& ctx, const std::vector<std::vector<const KnobSpace*>>& stages, double min_gain,
                   const MeasureFn& measure, SearchResult* out);
 

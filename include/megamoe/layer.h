@@ -183,8 +183,9 @@ class MoeLayer {
 
   // The prepared weights of local expert e (global expert ep_rank * experts_per_rank + e) at
   // (*out)[e], experts_per_rank entries, on device() (see ExpertWeightView). The routed and mega
-  // backends answer them; the cpu backend answers kUnavailable (its weights are prepared_weights()),
-  // as does a released layer (kFailedPrecondition).
+  // backends answer them (kUnavailable for weight_format=nvfp4, whose per-expert global scales are
+  // not in the views); the cpu backend answers kUnavailable (its weights are prepared_weights()); a
+  // released layer kFailedPrecondition.
   virtual Status expert_weight_views(std::vector<ExpertWeightView>* out) {
     (void)out;
     return Status(StatusCode::kUnavailable, "this backend has no device expert weights (see prepared_weights())");

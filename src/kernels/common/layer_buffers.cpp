@@ -241,6 +241,12 @@ Status expert_weight_views_of(const MoeGeometry& geometry, WeightFormat format, 
     }
     return Status::ok();
   }
+  // nvfp4 runs as bf16 images with a per-expert global scale beside them (upload_expert_weights): a
+  // permutation through views of the images alone would leave the scales behind.
+  if (format == WeightFormat::kNvfp4)
+    return Status(StatusCode::kUnavailable,
+                  "expert_weight_views(): not available with weight_format=nvfp4 (each expert's global scales live "
+                  "outside its bf16 images, so moving an expert through the views would not move them)");
   const bool fp8 = format == WeightFormat::kFp8Block;
   if (!fp8 && format != WeightFormat::kBf16)
     return Status(StatusCode::kInternal, std::string("expert_weight_views(): no GPU layout for weight format ") +

@@ -80,15 +80,6 @@ Status weight_dispatch_pairing_gate(const char* backend, const MoeConfig& c) {
   return Status::ok();
 }
 
-Status nvfp4_opt_in_gate(const char* backend, const MoeConfig& c) {
-  if (c.weight_format != WeightFormat::kNvfp4) return Status::ok();
-  if (!env_knobs().gpu_nvfp4)
-    return Status(StatusCode::kUnavailable, std::string("the ") + backend +
-                                                " backend's weight_format=nvfp4 path has not run on a GPU yet: "
-                                                "refused unless MEGAMOE_GPU_NVFP4=1 (the cpu backend runs nvfp4)");
-  return Status::ok();
-}
-
 Status mxfp4_shape_gate(const char* backend, const MoeGeometry& g, const MoeConfig& c) {
   if (c.weight_format != WeightFormat::kMxfp4) return Status::ok();
   if (g.hidden % 256 != 0)

@@ -7,7 +7,6 @@
 #include "comm/gpu_comm.h"
 #include "core/backends.h"
 #include "core/device.h"
-#include "core/env.h"
 #include "core/log.h"
 #include "megamoe/knobs.h"
 
@@ -188,13 +187,7 @@ namespace {
 Status create_layer(const MoeGeometry& g, const MoeConfig& c, const MoeWeights& weights,
                     std::shared_ptr<Communicator> comm, std::unique_ptr<MoeLayer>* out) {
   const bool device_source = on_device(weights);
-  if (device_source) {
-    MEGAMOE_RETURN_IF_ERROR(check_device_weights(g, c, weights));
-    if (!env_knobs().gpu_device_weights)
-      return invalid_argument("weights", "w13.device", weights.w13.device.to_string(),
-                              "preparing device-resident weights on the device has not run on a GPU yet: refused "
-                              "unless MEGAMOE_GPU_DEVICE_WEIGHTS=1; copy the weights to the host first");
-  }
+  if (device_source) MEGAMOE_RETURN_IF_ERROR(check_device_weights(g, c, weights));
   BackendSelection selection = select_backend_for(g, c, comm.get());
   if (c.backend == Backend::kAuto) {
     if (selection.backend != Backend::kMega) log_info("backend selection: %s", selection.reason.c_str());

@@ -36,9 +36,8 @@
 //   wrote them); the caller may free them once create() returns. Refused, each with "copy the weights
 //   to the host first" (the phrase megamoe.torch falls back on): fp32 or fp4 sources and the other
 //   formats (mxfp8, nvfp4, mxfp4), e4m3 into bf16, the cpu backend (it computes from host memory),
-//   views on another device than the layer's, and until the path has run on a GPU any device view
-//   unless MEGAMOE_GPU_DEVICE_WEIGHTS=1. The layer's prepared_weights() then holds the format and
-//   shapes only; MoeLayer::expert_weight_views() has the prepared weights per expert.
+//   and views on another device than the layer's. The layer's prepared_weights() then holds the
+//   format and shapes only; MoeLayer::expert_weight_views() has the prepared weights per expert.
 // - A QuantizedTensor holds [E_local, N, K] with K the reduction dimension; its scales follow the
 //   format's block shape along (N, K).
 #pragma once

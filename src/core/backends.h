@@ -46,9 +46,6 @@ Status routed_format_gate(const MoeGeometry& geometry, const MoeConfig& config);
 // bf16 at upload; routed only, the mega gate refuses nvfp4 after this) (`backend` names the backend
 // in the message).
 Status weight_dispatch_pairing_gate(const char* backend, const MoeConfig& config);
-// nvfp4 weights on a GPU backend: MEGAMOE_GPU_NVFP4=1 (the layer path has not run on a GPU yet).
-// Ok for any other weight format.
-Status nvfp4_opt_in_gate(const char* backend, const MoeConfig& config);
 // mxfp4 weights' shape rule on both GPU backends (the GEMM's mxfp4 tiles are 256 wide, so hidden, FC2's
 // N, is a multiple of 256; 2I is by the geometry's 128 alignment). Ok for any other weight format.
 Status mxfp4_shape_gate(const char* backend, const MoeGeometry& geometry, const MoeConfig& config);

@@ -43,16 +43,6 @@ EnvKnobs read_env() {
     if (s == "plain") k.mega_plain_launch = true;
     else if (s != "cooperative") log_warn("ignoring MEGAMOE_MEGA_LAUNCH=%s: must be cooperative or plain", v);
   }
-  if (const char* v = std::getenv("MEGAMOE_GPU_NVFP4"); v && *v) {
-    const std::string s(v);
-    if (s == "1") k.gpu_nvfp4 = true;
-    else if (s != "0") log_warn("ignoring MEGAMOE_GPU_NVFP4=%s: must be 0 or 1", v);
-  }
-  if (const char* v = std::getenv("MEGAMOE_GPU_DEVICE_WEIGHTS"); v && *v) {
-    const std::string s(v);
-    if (s == "1") k.gpu_device_weights = true;
-    else if (s != "0") log_warn("ignoring MEGAMOE_GPU_DEVICE_WEIGHTS=%s: must be 0 or 1", v);
-  }
   if (const char* v = std::getenv("MEGAMOE_TILE_BUCKET"); v && *v) {
     const std::string b(v);
     if (b == "received") k.tile_bucket_received = true;

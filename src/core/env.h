@@ -25,13 +25,6 @@ struct EnvKnobs {
   // T, host-known) or "received" (the rows this rank received, decided on the device: two launches
   // per GEMM where the two buckets differ). "received" is off by default until measured on a GPU.
   bool tile_bucket_received = false;
-  // MEGAMOE_GPU_NVFP4: "1" lets the routed backend take weight_format=nvfp4 (expanded to bf16 at
-  // upload, docs/GEMM.md), whose layer path has not run on a GPU yet; "0" or unset: refused.
-  bool gpu_nvfp4 = false;
-  // MEGAMOE_GPU_DEVICE_WEIGHTS: "1" lets the GPU backends prepare device-resident weights on the
-  // device (weights.h), a path that has not run on a GPU yet (MoeLayer::create() refuses device views
-  // otherwise, naming this variable, and callers copy them to the host); "0" or unset: refused.
-  bool gpu_device_weights = false;
   // MEGAMOE_LOG: 0 quiet, 1 warnings and selection (default), 2 verbose.
   int log_level = 1;
   // One process per GPU (comm.h NcclBootstrap::from_env, set by `megamoe launch` or an engine's

@@ -7,7 +7,6 @@
 #include "comm/gpu_comm.h"
 #include "core/backends.h"
 #include "core/device.h"
-#include "core/env.h"
 #include "core/log.h"
 #include "megamoe/knobs.h"
 
@@ -77,15 +76,6 @@ Status weight_dispatch_pairing_gate(const char* backend, const MoeConfig& c) {
                                                 " backend runs nvfp4 weights with dispatch_format=bf16 (the codes "
                                                 "expanded to bf16 for the bf16 GEMM; got dispatch_format=" +
                                                 to_string(c.dispatch_format) + ")");
-  return Status::ok();
-}
-
-Status nvfp4_opt_in_gate(const char* backend, const MoeConfig& c) {
-  if (c.weight_format != WeightFormat::kNvfp4) return Status::ok();
-  if (!env_knobs().gpu_nvfp4)
-    return Status(StatusCode::kUnavailable, std::string("the ") + backend +
-                                                " backend's weight_format=nvfp4 path has not run on a GPU yet: "
-                                                "refused unless MEGAMOE_GPU_NVFP4=1 (the cpu backend runs nvfp4)");
   return Status::ok();
 }
 
@@ -197,13 +187,7 @@ namespace {
 Status create_layer(const MoeGeometry& g, const MoeConfig& c, const MoeWeights& weights,
                     std::shared_ptr<Communicator> comm, std::unique_ptr<MoeLayer>* out) {
   const bool device_source = on_device(weights);
-  if (device_source) {
-    MEGAMOE_RETURN_IF_ERROR(check_device_weights(g, c, weights));
-    if (!env_knobs().gpu_device_weights)
-      return invalid_argument("weights", "w13.device", weights.w13.device.to_string(),
-                              "preparing device-resident weights on the device has not run on a GPU yet: refused "
-                              "unless MEGAMOE_GPU_DEVICE_WEIGHTS=1; copy the weights to the host first");
-  }
+  if (device_source) MEGAMOE_RETURN_IF_ERROR(check_device_weights(g, c, weights));
   BackendSelection selection = select_backend_for(g, c, comm.get());
   if (c.backend == Backend::kAuto) {
     if (selection.backend != Backend::kMega) log_info("backend selection: %s", selection.reason.c_str());

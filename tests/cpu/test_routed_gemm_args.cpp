@@ -5,11 +5,9 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 
 #include "core/backends.h"
-#include "core/env.h"
 #include "kernels/routed/routed_gemm_args.h"
 #include "megamoe/workspace.h"
 
@@ -125,8 +123,6 @@ TEST(RoutedGemmArgs, Mxfp4WeightsRunTheGemmsMxfp4Mode) {
 // pool's row weights (into which the pool build folds w2's global scales), no scales anywhere else;
 // the bf16 intermediate; for every preset and tile knob. Without the global scales FC1 is refused.
 TEST(RoutedGemmArgs, Nvfp4WeightsRunTheBf16GemmsWithTheGlobalScalesInFp32) {
-  setenv("MEGAMOE_GPU_NVFP4", "1", 1);  // the gate's opt-in (the layer path has not run on a GPU yet)
-  reload_env_knobs();
   int checked = 0;
   for (const Preset& p : kPresets) {
     for (int64_t ep : {1, 8}) {
@@ -176,8 +172,6 @@ TEST(RoutedGemmArgs, Nvfp4WeightsRunTheBf16GemmsWithTheGlobalScalesInFp32) {
     }
   }
   EXPECT_GT(checked, 30);
-  unsetenv("MEGAMOE_GPU_NVFP4");
-  reload_env_knobs();
 }
 
 TEST(RoutedGemmArgs, TheBucketHintFollowsTheRowsReceived) {

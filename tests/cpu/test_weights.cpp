@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "core/env.h"
+#include "core/device.h"
 #include "kernels/common/layer_buffers.h"
 #include "kernels/gemm/gemm_weights.h"
 #include "megamoe/formats.h"
@@ -710,60 +710,44 @@ TEST_F(DeviceSourceFixture, ShapesStridesAndScales) {
   EXPECT_CONTAINS(fail(), "w13.data=null");
 }
 
-// Sets MEGAMOE_GPU_DEVICE_WEIGHTS for one scope (the device preparation's opt-in), then unsets it.
-struct DeviceWeightsOptIn {
-  explicit DeviceWeightsOptIn(const char* value) {
-    setenv("MEGAMOE_GPU_DEVICE_WEIGHTS", value, 1);
-    reload_env_knobs();
-  }
-  ~DeviceWeightsOptIn() {
-    unsetenv("MEGAMOE_GPU_DEVICE_WEIGHTS");
-    reload_env_knobs();
-  }
-};
-
-// create() runs those checks first, whatever the backend. Without MEGAMOE_GPU_DEVICE_WEIGHTS=1 it
-// then refuses device weights before any device access (the path has not run on a GPU yet), naming
-// the variable and the phrase megamoe.torch falls back on.
-TEST_F(DeviceSourceFixture, CreateChecksThenRefusesDeviceWeightsWithoutTheOptIn) {
+// create() runs those checks first, whatever the backend, before any device access. The cpu backend
+// then refuses device weights (it computes from host memory), with the phrase megamoe.torch falls back
+// on; the GPU backends prepare them (tests/gpu/test_device_weights.cpp). Without a CUDA device (CI)
+// `auto` resolves to cpu and refuses them the same way, and routed and mega are unavailable.
+TEST_F(DeviceSourceFixture, CreateChecksThenTheCpuBackendRefusesDeviceWeights) {
   g.ep_size = 1;
   g.ep_rank = 0;
   g.num_experts = 3;
-  config.backend = Backend::kRouted;
+  std::unique_ptr<MoeLayer> layer;
   src.w13.dtype = DType::kFloat32;
-  std::unique_ptr<MoeLayer> layer;
-  Status st = MoeLayer::create(g, config, src, nullptr, &layer);
-  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
-  EXPECT_CONTAINS(st.message(), "w13.dtype=float32");
-  src.w13.dtype = DType::kFloat8E4M3;
-  for (const char* value : {"0", ""}) {
-    DeviceWeightsOptIn env(value);
-    for (Backend b : {Backend::kCpu, Backend::kRouted, Backend::kMega, Backend::kAuto}) {
-      config.backend = b;
-      st = MoeLayer::create(g, config, src, nullptr, &layer);
-      EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
-      EXPECT_CONTAINS(st.message(), "w13.device=cuda:0, preparing device-resident weights on the device has not run "
-                                    "on a GPU yet: refused unless MEGAMOE_GPU_DEVICE_WEIGHTS=1");
-      EXPECT_CONTAINS(st.message(), "copy the weights to the host first");
-      EXPECT_EQ(layer, nullptr);
-    }
+  for (Backend b : {Backend::kCpu, Backend::kRouted, Backend::kMega, Backend::kAuto}) {
+    config.backend = b;
+    const Status st = MoeLayer::create(g, config, src, nullptr, &layer);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << to_string(b);
+    EXPECT_CONTAINS(st.message(), "w13.dtype=float32");
+    EXPECT_EQ(layer, nullptr);
   }
-}
-
-// With the opt-in the cpu backend still refuses them (it computes from host memory), with the
-// fallback phrase; the GPU backends prepare them (tests/gpu/test_device_weights.cpp).
-TEST_F(DeviceSourceFixture, CpuBackendRefusesDeviceWeightsWithTheOptIn) {
-  g.ep_size = 1;
-  g.ep_rank = 0;
-  g.num_experts = 3;
+  src.w13.dtype = DType::kFloat8E4M3;
   config.backend = Backend::kCpu;
-  DeviceWeightsOptIn env("1");
-  std::unique_ptr<MoeLayer> layer;
-  const Status st = MoeLayer::create(g, config, src, nullptr, &layer);
+  Status st = MoeLayer::create(g, config, src, nullptr, &layer);
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
   EXPECT_CONTAINS(st.message(), "w13.device=cuda:0, the cpu backend computes from host memory (backend=cpu requested)");
   EXPECT_CONTAINS(st.message(), "copy the weights to the host first");
   EXPECT_EQ(layer, nullptr);
+  if (cuda_device_count() > 0) return;  // the fixture's views are host memory labelled cuda:0
+  config.backend = Backend::kAuto;
+  st = MoeLayer::create(g, config, src, nullptr, &layer);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_CONTAINS(st.message(), "w13.device=cuda:0, the cpu backend computes from host memory");
+  EXPECT_CONTAINS(st.message(), "copy the weights to the host first");
+  EXPECT_EQ(layer, nullptr);
+  for (Backend b : {Backend::kRouted, Backend::kMega}) {
+    config.backend = b;
+    st = MoeLayer::create(g, config, src, nullptr, &layer);
+    EXPECT_EQ(st.code(), StatusCode::kUnavailable) << to_string(b);
+    EXPECT_CONTAINS(st.message(), std::string("backend=") + to_string(b) + " is unavailable");
+    EXPECT_EQ(layer, nullptr);
+  }
 }
 
 }  // namespace

@@ -5,20 +5,17 @@
 // the host preparation's images (prepare_weights, then gemm_weights.h's SwiGLU row order) on both
 // layers; swapping two experts' regions through the views computes bitwise as a layer built from host
 // weights with those experts swapped (what EPLB does); a view on another device or a bad scale is
-// refused by name. The device path is opted into with MEGAMOE_GPU_DEVICE_WEIGHTS=1 here (it has not
-// run on a GPU before these tests). Skips without an sm_90 GPU.
+// refused by name. Skips without an sm_90 GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "core/env.h"
 #include "gpu/gpu_skip.h"
 #include "kernels/gemm/gemm_weights.h"
 #include "megamoe/formats.h"
@@ -59,11 +56,6 @@ MoeConfig config_for(const DeviceWeightsCase& c) {
   }
   cfg.pow2_scales = c.source == SourceCase::kBf16IntoFp8Pow2;
   return cfg;
-}
-
-void opt_in_device_weights() {
-  setenv("MEGAMOE_GPU_DEVICE_WEIGHTS", "1", 1);
-  reload_env_knobs();
 }
 
 // One device copy of a host view (absent stays absent).
@@ -121,7 +113,6 @@ class Sm90DeviceWeights : public ::testing::TestWithParam<DeviceWeightsCase> {
   void SetUp() override {
     MEGAMOE_REQUIRE_SM90_GPUS(1);
     cudaSetDevice(0);
-    opt_in_device_weights();
     p_ = reference::make_random_problem(geometry(), 97, {53}, reference::Routing::kWithDropped);
     T_ = p_.ranks[0].num_tokens;
     CUDA_OK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
@@ -137,8 +128,6 @@ class Sm90DeviceWeights : public ::testing::TestWithParam<DeviceWeightsCase> {
   }
   void TearDown() override {
     if (stream_) cudaStreamDestroy(stream_);
-    unsetenv("MEGAMOE_GPU_DEVICE_WEIGHTS");
-    reload_env_knobs();
   }
 
   std::unique_ptr<MoeLayer> make(const MoeWeights& w) {

@@ -17,13 +17,11 @@
 #include "gpu/layer_harness.h"
 
 #include <cstdio>
-#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "core/backends.h"
-#include "core/env.h"
 #include "megamoe/formats.h"
 #include "megamoe/layer.h"
 #include "reference/error_model.h"
@@ -61,13 +59,6 @@ MoeGeometry geometry(const Nvfp4LayerCase& p) {
   return g;
 }
 
-// The routed backend takes nvfp4 weights only with MEGAMOE_GPU_NVFP4=1 until these tests have
-// passed on a GPU: every test of this file opts in (the gate test checks the refusal first).
-void opt_in_gpu_nvfp4() {
-  setenv("MEGAMOE_GPU_NVFP4", "1", 1);
-  reload_env_knobs();
-}
-
 MoeConfig nvfp4_config(Backend backend) {
   MoeConfig c;
   c.weight_format = WeightFormat::kNvfp4;
@@ -82,7 +73,6 @@ class Sm90Nvfp4Layer : public ::testing::TestWithParam<Nvfp4LayerCase> {};
 TEST_P(Sm90Nvfp4Layer, MatchesCpuBackendOnTheSameNvfp4Weights) {
   const Nvfp4LayerCase& p = GetParam();
   MEGAMOE_REQUIRE_SM90_GPUS(1);
-  opt_in_gpu_nvfp4();
   std::vector<int64_t> tokens(p.R, p.T);
   if (p.R > 1) tokens[0] = p.T > 1 ? p.T / 2 : 0;  // uneven; T = 1: a rank with no tokens
   MoeProblem problem = reference::make_random_problem(geometry(p), 4321, tokens, p.routing);
@@ -143,34 +133,31 @@ std::vector<Nvfp4LayerCase> routed_cases() {
 INSTANTIATE_TEST_SUITE_P(Sm90, Sm90Nvfp4Layer, ::testing::ValuesIn(routed_cases()),
                          [](const ::testing::TestParamInfo<Nvfp4LayerCase>& info) { return info.param.test_name(); });
 
-// Without the opt-in the routed backend refuses nvfp4 (naming MEGAMOE_GPU_NVFP4=1) and `auto` builds
-// the cpu backend; the mega backend refuses nvfp4 whatever the opt-in (not built there).
-TEST(Sm90Nvfp4Gate, RefusedWithoutTheOptInAndOnMega) {
+// The routed backend takes nvfp4 weights with a bf16 dispatch (and refuses an fp8-block one, naming
+// the pairing); the mega backend refuses nvfp4 (not built there), naming the rule; `auto` builds routed.
+TEST(Sm90Nvfp4Gate, RoutedTakesItMegaRefusesItAutoPicksRouted) {
   MEGAMOE_REQUIRE_SM90_GPUS(1);
   Nvfp4LayerCase p{"EP1_Tiny_T8", Backend::kRouted, 512, 256, 16, 4, 1, 8, Routing::kUniform};
   MoeProblem problem = reference::make_random_problem(geometry(p), 5, {8});
-  unsetenv("MEGAMOE_GPU_NVFP4");
-  reload_env_knobs();
   std::unique_ptr<MoeLayer> layer;
   Status st = MoeLayer::create(problem.geometry, nvfp4_config(Backend::kRouted), reference::local_weights(problem, 0),
                                nullptr, &layer);
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  EXPECT_EQ(layer->backend(), Backend::kRouted);
+  MoeConfig fp8_dispatch = nvfp4_config(Backend::kRouted);
+  fp8_dispatch.dispatch_format = DispatchFormat::kFp8Block;
+  st = MoeLayer::create(problem.geometry, fp8_dispatch, reference::local_weights(problem, 0), nullptr, &layer);
   ASSERT_FALSE(st.is_ok());
-  EXPECT_NE(st.message().find("MEGAMOE_GPU_NVFP4=1"), std::string::npos) << st.message();
-  ASSERT_TRUE(MoeLayer::create(problem.geometry, nvfp4_config(Backend::kAuto), reference::local_weights(problem, 0),
-                               nullptr, &layer)
-                  .is_ok());
-  EXPECT_EQ(layer->backend(), Backend::kCpu);
-  opt_in_gpu_nvfp4();
+  EXPECT_NE(st.message().find("the routed backend runs nvfp4 weights with dispatch_format=bf16"), std::string::npos)
+      << st.message();
   st = MoeLayer::create(problem.geometry, nvfp4_config(Backend::kMega), reference::local_weights(problem, 0), nullptr,
                         &layer);
   ASSERT_FALSE(st.is_ok());
-  EXPECT_NE(st.message().find("nvfp4"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("the mega backend has no nvfp4 weights"), std::string::npos) << st.message();
   ASSERT_TRUE(MoeLayer::create(problem.geometry, nvfp4_config(Backend::kAuto), reference::local_weights(problem, 0),
                                nullptr, &layer)
                   .is_ok());
   EXPECT_EQ(layer->backend(), Backend::kRouted) << layer->selection().reason;
-  unsetenv("MEGAMOE_GPU_NVFP4");
-  reload_env_knobs();
 }
 
 }  // namespace

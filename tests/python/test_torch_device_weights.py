@@ -1,12 +1,12 @@
 """megamoe.torch with device-resident weights (torch tier, Hopper GPU; skipped without torch or one).
 
-With MEGAMOE_GPU_DEVICE_WEIGHTS=1 the layer hands CUDA weight tensors straight to the C++ layer, which
-prepares them on the device (no host copy: the fallback is made to fail here): fp8-block (e4m3 +
-fp32 128x128 scales), bf16, and bf16 quantised into fp8-block, each BITWISE the output of the layer
-built from the same tensors on the host, and expert_weight_views() alias the same prepared bytes on
-both (an expert swap through them keeps the outputs equal). Without the opt-in, and for a refused
-format, the device tensors go through the host (the fallback) with the same output. Each case runs
-in a fresh Python process, since the C++ side reads MEGAMOE_* variables once per process.
+The layer hands CUDA weight tensors straight to the C++ layer, which prepares them on the device (no
+host copy: the fallback is made to fail here): fp8-block (e4m3 + fp32 128x128 scales), bf16, and
+bf16 quantised into fp8-block, each BITWISE the output of the layer built from the same tensors on
+the host, and expert_weight_views() alias the same prepared bytes on both (an expert swap through
+them keeps the outputs equal). For a format the device path refuses, the device tensors go through
+the host (the fallback) with the same output. Each case runs in a fresh Python process (check()
+replaces megamoe.torch's host copy to make the fallback fail, and leaves it replaced).
 """
 import os
 import subprocess
@@ -100,8 +100,8 @@ def check(backend: str, source: str, weight_format: str, expect_via_host: bool) 
     mt.destroy_all()
 
 
-def _run(opt_in: str, *args) -> None:
-    env = dict(os.environ, MEGAMOE_GPU_DEVICE_WEIGHTS=opt_in)
+def _run(*args) -> None:
+    env = dict(os.environ)
     here = os.path.dirname(os.path.abspath(__file__))
     env["PYTHONPATH"] = here + os.pathsep + env.get("PYTHONPATH", "")
     code = f"import test_torch_device_weights as t; t.check{args!r}"
@@ -114,15 +114,10 @@ def _run(opt_in: str, *args) -> None:
 @pytest.mark.parametrize("backend", ["routed", "mega"])
 @pytest.mark.parametrize("source,weight_format", [("fp8", "fp8-block"), ("bf16", "bf16"), ("bf16", "fp8-block")])
 def test_device_weights_pass_straight_through(backend, source, weight_format):
-    _run("1", backend, source, weight_format, False)
-
-
-@gpu
-def test_device_weights_go_through_the_host_without_the_opt_in():
-    _run("0", "routed", "fp8", "fp8-block", True)
+    _run(backend, source, weight_format, False)
 
 
 @gpu
 def test_a_format_the_device_path_refuses_goes_through_the_host():
     # fp32 tensors are a host conversion (weights.h): refused on the device, copied to the host.
-    _run("1", "routed", "fp32", "fp8-block", True)
+    _run("routed", "fp32", "fp8-block", True)

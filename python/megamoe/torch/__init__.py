@@ -146,14 +146,14 @@ class MoeLayer:
         _sync_producers(w)
         try:
             # Device tensors go straight through: the GPU backends prepare them on the device
-            # (megamoe/weights.h: fp8-block e4m3 + fp32 scales, or bf16; MEGAMOE_GPU_DEVICE_WEIGHTS=1).
+            # (megamoe/weights.h: fp8-block e4m3 + fp32 scales, or bf16).
             self._layer = _HostLayer(geometry, w, config, comm)
             self.weights_via_host = False
         except InvalidArgumentError as e:
             if "copy the weights to the host first" not in str(e):
                 raise
-            # Refused on the device (another format or conversion, the cpu backend, the opt-in
-            # unset): take the device tensors through the host.
+            # Refused on the device (another format or conversion, the cpu backend, another GPU
+            # than the layer's): take the device tensors through the host.
             self._layer = _HostLayer(geometry, MoeWeights(*(_host_copy(t) for t in _fields(w))), config, comm)
             self.weights_via_host = any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in _fields(w))
         self._impl = self._layer._impl

@@ -13,7 +13,7 @@
 // bf16 dispatch run as bf16 weights (e2m1 x e4m3 block scale expanded to bf16 exactly at upload),
 // each expert's global scales in fp32: w13's on FC1's accumulators (the scaled SwiGLU epilogue),
 // w2's folded into FC2's row weights by the pool build; so only with the bf16 wire written by FC2
-// (no owner reduce), where FC2 applies those row weights. Not yet run on a GPU (MEGAMOE_GPU_NVFP4).
+// (no owner reduce), where FC2 applies those row weights.
 //
 // Buffers and who shares them (layer.h states the rules for callers):
 // - the symmetric workspace (EpTransport, WorkspacePool): every layer of one WorkspaceKey (geometry,
@@ -638,7 +638,6 @@ Status routed_format_gate(const MoeGeometry& g, const MoeConfig& c) {
     return Status(StatusCode::kUnavailable, std::string("the routed backend has no ") + to_string(c.weight_format) +
                                                 " grouped GEMM yet (fp8-block, mxfp4, nvfp4 or bf16 weights)");
   MEGAMOE_RETURN_IF_ERROR(mxfp4_shape_gate("routed", g, c));
-  MEGAMOE_RETURN_IF_ERROR(nvfp4_opt_in_gate("routed", c));
   if (c.weight_format == WeightFormat::kNvfp4 && !routed_fc2_writes_combine(c))
     return Status(StatusCode::kUnavailable,
                   std::string("the routed backend runs weight_format=nvfp4 with combine_dtype=bf16 and no owner "

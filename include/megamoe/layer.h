@@ -80,7 +80,7 @@ BackendSelection select_backend(const MoeGeometry& geometry, const MoeConfig& co
 //   [128 j, 128 j + 128), rows [256 j + 128, 256 j + 256) = up rows [I + 128 j, I + 128 j + 128)),
 //   e4m3 (fp8-block) or bf16; w13_scale: fp32 [2I/128, H/128] in the same block-row order (fp8-block).
 // - w2: [H, I] as the source, e4m3 or bf16; w2_scale: fp32 [H/128, I/128] (fp8-block).
-// - mxfp4 (MEGAMOE_GPU_MXFP4=1): w13 / w2 are the expert's fragment-ordered pieces and w13_scale /
+// - mxfp4: w13 / w2 are the expert's fragment-ordered pieces and w13_scale /
 //   w2_scale its fp32 128x128 block scales inside the GEMM's image (kernels/gemm/gemm_weights.h).
 // - bf16: the scale pointers are null, their bytes 0.
 // The layout is the same for every expert of every layer of equal geometry (hidden, intermediate)

@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include "gpu/gpu_skip.h"
+#include "gpu/fp4_layer_check.h"
 #include "gpu/layer_harness.h"
 
 #include <cstdio>
@@ -27,6 +28,7 @@ namespace megamoe {
 namespace {
 
 using gpu_test::GroupKind;
+using gpu_test::check_fp4_layer;
 using gpu_test::Harness;
 using gpu_test::rel_l2_bf16;
 using reference::MoeProblem;
@@ -74,35 +76,7 @@ TEST_P(Sm90Mxfp4Layer, MatchesCpuBackendOnTheSameMxfp4Weights) {
   Harness h(problem, c, p.R > 1 ? GroupKind::kSharedGpu : GroupKind::kNcclGpus, p.backend);
   ASSERT_TRUE(h.build());
   ASSERT_EQ(h.gpu_layer(0)->backend(), p.backend);
-  std::vector<std::vector<uint16_t>> y_gpu, y_cpu, y_again, y_graph, unused;
-  ASSERT_TRUE(h.run(problem.ranks, &y_gpu, &y_cpu));
-  for (int r = 0; r < p.R; ++r) {
-    ASSERT_EQ(y_gpu[r].size(), y_cpu[r].size());
-    if (y_gpu[r].empty()) continue;
-    const reference::ErrorBound bound =
-        reference::same_points_bound_one_forward(p.combine, static_cast<int64_t>(y_gpu[r].size()) / p.H);
-    const double err = rel_l2_bf16(y_gpu[r], y_cpu[r]);
-    std::printf("[mxfp4] %s rank %d: rel-L2 vs cpu backend = %.3e (bound %.2e: %s)\n", p.test_name().c_str(), r, err,
-                bound.rel_l2, bound.derivation.c_str());
-    EXPECT_LE(err, bound.rel_l2) << p.test_name() << " rank " << r;
-  }
-  ASSERT_TRUE(h.run(problem.ranks, &y_again, &unused));
-  EXPECT_EQ(y_gpu, y_again) << "repeated forwards differ: a race";
-  ASSERT_TRUE(h.run(problem.ranks, &y_graph, &unused, /*graph=*/true));
-  EXPECT_EQ(y_gpu, y_graph) << "CUDA-graph replay differs from eager";
-  // The float64 reference on the unquantised fp32 weights, reported: mxfp4's own rounding of them.
-  for (int r = 0; r < p.R; ++r) {
-    const RankInputs& in = problem.ranks[r];
-    if (in.num_tokens == 0) continue;
-    std::vector<float> x(in.x_bf16.size()), y(y_gpu[r].size());
-    for (size_t i = 0; i < x.size(); ++i) x[i] = fmt::bf16_to_float(in.x_bf16[i]);
-    for (size_t i = 0; i < y.size(); ++i) y[i] = fmt::bf16_to_float(y_gpu[r][i]);
-    std::vector<double> ref(y.size());
-    reference::reference_moe(problem.geometry, in.num_tokens, x.data(), in.topk_ids.data(), in.topk_weights.data(),
-                             problem.w13.data(), problem.w2.data(), ref.data());
-    std::printf("[mxfp4] %s rank %d: rel-L2 vs float64 on the unquantised weights = %.3e\n", p.test_name().c_str(), r,
-                reference::rel_l2(y.data(), ref.data(), static_cast<int64_t>(y.size())));
-  }
+  check_fp4_layer(h, problem, p.combine, "mxfp4", p.test_name());
 }
 
 std::vector<Mxfp4LayerCase> cases_for(Backend b) {

@@ -469,7 +469,7 @@ class RoutedMoeLayer final : public MoeLayer {
 
   Status expert_weight_views(std::vector<ExpertWeightView>* out) override {
     if (released_) return Status(StatusCode::kFailedPrecondition, "expert_weight_views() after release()");
-    ExpertWeightBuffers w{w13_, w13_scales_, w2_, w2_scales_};
+    ExpertWeightBuffers w{w13_, w13_scales_, w2_, w2_scales_, w13_expert_scale_, w2_expert_scale_};
     return expert_weight_views_of(geometry_, config_.weight_format, w, out);
   }
 

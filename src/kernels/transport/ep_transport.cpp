@@ -551,14 +551,18 @@ Status EpTransport::check_error(cudaStream_t stream) {
   snapshot_in_flight_ = false;
   error_seen_ = false;
   // Copies on the caller's stream (not the legacy default stream, which would order against, or
-  // break the capture of, other threads' work in a one-process multi-rank driver).
+  // break the capture of, other threads' work in a one-process multi-rank driver), into the pinned
+  // snapshot: a copy to pageable memory is staged by the driver, and on a shared GPU a rank's staged
+  // copy waiting for its stream must not be able to hold up a peer's launches.
   WaitError err{};
   const char* base = static_cast<const char*>(base_);
-  MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(&err, base + layout_.error_cell.offset, sizeof(err), cudaMemcpyDeviceToHost, stream));
+  MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(snapshot_, base + layout_.error_cell.offset, sizeof(err), cudaMemcpyDeviceToHost, stream));
   std::vector<uint64_t> signals(static_cast<size_t>(layout_.signals.bytes / 8));
-  MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(signals.data(), base + layout_.signals.offset, signals.size() * 8,
+  MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(snapshot_ + kSnapshotSignals, base + layout_.signals.offset, signals.size() * 8,
                                      cudaMemcpyDeviceToHost, stream));
   MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::memcpy(&err, snapshot_, sizeof(err));
+  std::memcpy(signals.data(), snapshot_ + kSnapshotSignals, signals.size() * 8);
   if (err.flag != 0) {
     const int64_t ms = options_.wait_timeout_ms > 0 ? options_.wait_timeout_ms : env_knobs().wait_timeout_ms;
     std::ostringstream os;
@@ -592,8 +596,10 @@ Status EpTransport::check_error(cudaStream_t stream) {
   const ScratchLayout sl = ScratchLayout::make(options_.params);
   InputStatus in{};
   char* status_ptr = static_cast<char*>(scratch_) + sl.input_status;
-  MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(&in, status_ptr, sizeof(in), cudaMemcpyDeviceToHost, stream));
+  MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(snapshot_ + snapshot_status_offset(layout_), status_ptr, sizeof(in),
+                                     cudaMemcpyDeviceToHost, stream));
   MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::memcpy(&in, snapshot_ + snapshot_status_offset(layout_), sizeof(in));
   if (in.bad_count != 0 || in.pool_overflow != 0) {
     MEGAMOE_CUDA_CHECK(cudaMemsetAsync(status_ptr, 0, sizeof(in), stream));
     // Cleared before any later error_pending() snapshot (another stream) can read the counters.

@@ -184,9 +184,33 @@ EpTransport::~EpTransport() {
 }
 
 namespace {
-// error_pending()'s snapshot: [WaitError][signals region][InputStatus], each 8-byte aligned.
+// The pinned snapshot error_pending() and check_error() read: [WaitError][signals region]
+// [InputStatus], each 8-byte aligned.
 constexpr size_t kSnapshotSignals = (sizeof(WaitError) + 7) / 8 * 8;
 size_t snapshot_status_offset(const WorkspaceLayout& l) { return kSnapshotSignals + static_cast<size_t>(l.signals.bytes); }
+
+// The snapshot's three copies on `stream`: error cell, signals region, this rank's input status.
+cudaError_t copy_snapshot(char* snapshot, const void* base, const WorkspaceLayout& l, const void* input_status,
+                          cudaStream_t stream) {
+  const char* b = static_cast<const char*>(base);
+  cudaError_t err = cudaMemcpyAsync(snapshot, b + l.error_cell.offset, sizeof(WaitError), cudaMemcpyDeviceToHost, stream);
+  if (err == cudaSuccess)
+    err = cudaMemcpyAsync(snapshot + kSnapshotSignals, b + l.signals.offset, static_cast<size_t>(l.signals.bytes),
+                          cudaMemcpyDeviceToHost, stream);
+  if (err == cudaSuccess)
+    err = cudaMemcpyAsync(snapshot + snapshot_status_offset(l), input_status, sizeof(InputStatus),
+                          cudaMemcpyDeviceToHost, stream);
+  return err;
+}
+
+// Rank s's abort word in a completed snapshot (0: it did not abort; else the stage + 1).
+uint64_t snapshot_abort(const char* snapshot, int s) {
+  uint64_t abort = 0;
+  std::memcpy(&abort,
+              snapshot + kSnapshotSignals + (static_cast<size_t>(s) * WorkspaceLayout::kSignalSlots + kernels::kSlotAbort) * 8,
+              sizeof(abort));
+  return abort;
+}
 }  // namespace
 
 Status EpTransport::make_error_snapshot() {
@@ -510,28 +534,15 @@ Status EpTransport::error_pending(bool* pending) {
         WaitError err{};
         std::memcpy(&err, snapshot_, sizeof(err));
         bool aborted = false;
-        for (int s = 0; s < size_; ++s) {
-          uint64_t abort = 0;
-          std::memcpy(&abort, snapshot_ + kSnapshotSignals +
-                                  (static_cast<size_t>(s) * WorkspaceLayout::kSignalSlots + kernels::kSlotAbort) * 8,
-                      sizeof(abort));
-          aborted = aborted || abort != 0;
-        }
+        for (int s = 0; s < size_; ++s) aborted = aborted || snapshot_abort(snapshot_, s) != 0;
         InputStatus in{};
         std::memcpy(&in, snapshot_ + snapshot_status_offset(layout_), sizeof(in));
         error_seen_ = err.flag != 0 || aborted || in.bad_count != 0 || in.pool_overflow != 0;
         if (error_seen_) return Status::ok();
       }
-      const char* base = static_cast<const char*>(base_);
       const ScratchLayout sl = ScratchLayout::make(options_.params);
-      MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(snapshot_, base + layout_.error_cell.offset, sizeof(WaitError),
-                                         cudaMemcpyDeviceToHost, snapshot_stream_));
-      MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(snapshot_ + kSnapshotSignals, base + layout_.signals.offset,
-                                         static_cast<size_t>(layout_.signals.bytes), cudaMemcpyDeviceToHost,
-                                         snapshot_stream_));
-      MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(snapshot_ + snapshot_status_offset(layout_),
-                                         static_cast<const char*>(scratch_) + sl.input_status, sizeof(InputStatus),
-                                         cudaMemcpyDeviceToHost, snapshot_stream_));
+      MEGAMOE_CUDA_CHECK(copy_snapshot(snapshot_, base_, layout_, static_cast<const char*>(scratch_) + sl.input_status,
+                                       snapshot_stream_));
       MEGAMOE_CUDA_CHECK(cudaEventRecord(snapshot_done_, snapshot_stream_));
       snapshot_in_flight_ = true;
       return Status::ok();
@@ -554,15 +565,12 @@ Status EpTransport::check_error(cudaStream_t stream) {
   // break the capture of, other threads' work in a one-process multi-rank driver), into the pinned
   // snapshot: a copy to pageable memory is staged by the driver, and on a shared GPU a rank's staged
   // copy waiting for its stream must not be able to hold up a peer's launches.
-  WaitError err{};
-  const char* base = static_cast<const char*>(base_);
-  MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(snapshot_, base + layout_.error_cell.offset, sizeof(err), cudaMemcpyDeviceToHost, stream));
-  std::vector<uint64_t> signals(static_cast<size_t>(layout_.signals.bytes / 8));
-  MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(snapshot_ + kSnapshotSignals, base + layout_.signals.offset, signals.size() * 8,
-                                     cudaMemcpyDeviceToHost, stream));
+  const ScratchLayout sl = ScratchLayout::make(options_.params);
+  char* status_ptr = static_cast<char*>(scratch_) + sl.input_status;
+  MEGAMOE_CUDA_CHECK(copy_snapshot(snapshot_, base_, layout_, status_ptr, stream));
   MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  WaitError err{};
   std::memcpy(&err, snapshot_, sizeof(err));
-  std::memcpy(signals.data(), snapshot_ + kSnapshotSignals, signals.size() * 8);
   if (err.flag != 0) {
     const int64_t ms = options_.wait_timeout_ms > 0 ? options_.wait_timeout_ms : env_knobs().wait_timeout_ms;
     std::ostringstream os;
@@ -586,19 +594,14 @@ Status EpTransport::check_error(cudaStream_t stream) {
   }
   // A peer may have aborted while none of this rank's waits noticed (they passed before it).
   for (int s = 0; s < size_; ++s) {
-    const uint64_t abort = signals[static_cast<size_t>(s) * WorkspaceLayout::kSignalSlots + kernels::kSlotAbort];
+    const uint64_t abort = snapshot_abort(snapshot_, s);
     if (abort != 0)
       return Status(StatusCode::kTimeout, "EP transport aborted: rank " + std::to_string(s) +
                                               " gave up waiting at stage " +
                                               transport_stage_name(static_cast<int32_t>(abort - 1)) +
                                               " and aborted the group; rebuild it");
   }
-  const ScratchLayout sl = ScratchLayout::make(options_.params);
   InputStatus in{};
-  char* status_ptr = static_cast<char*>(scratch_) + sl.input_status;
-  MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(snapshot_ + snapshot_status_offset(layout_), status_ptr, sizeof(in),
-                                     cudaMemcpyDeviceToHost, stream));
-  MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   std::memcpy(&in, snapshot_ + snapshot_status_offset(layout_), sizeof(in));
   if (in.bad_count != 0 || in.pool_overflow != 0) {
     MEGAMOE_CUDA_CHECK(cudaMemsetAsync(status_ptr, 0, sizeof(in), stream));

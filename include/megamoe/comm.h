@@ -63,7 +63,18 @@ Status create_host_group(int size, std::vector<std::shared_ptr<Communicator>>* r
 // a lazy load can wait for a peer's running kernel), and no rank may call a device-synchronising API
 // (cudaFree, cudaDeviceSynchronize, a synchronous cudaMemcpy) while a peer's forward may be waiting
 // for its launch.
+// The group also needs the ranks' kernels to reach the GPU independently: CUDA feeds streams to the
+// device through CUDA_DEVICE_MAX_CONNECTIONS hardware work queues (default 8), handed to streams in
+// creation order, and two streams on one queue run their kernels one after the other, so a rank's
+// kernel queued behind a peer's waiting kernel cannot start until that wait gives up. The group
+// therefore creates one stream per rank, back to back, each on its own queue (shared_gpu_stream()),
+// and refuses CUDA_DEVICE_MAX_CONNECTIONS < size. Run each rank's forwards on its group stream.
 Status create_shared_gpu_group(int device, int size, std::vector<std::shared_ptr<Communicator>>* ranks);
+
+// The stream (a cudaStream_t) of rank `rank` of a shared-GPU group (see above): non-blocking, owned by
+// the group (never destroy it; it lives as long as any rank's handle). An error for any other
+// communicator.
+Status shared_gpu_stream(const Communicator& rank, void** stream);
 
 // ---- NCCL groups (GPU backends; NCCL >= 2.28 with its device API) ----
 

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <sstream>
 
 #include "core/cuda_check.h"
@@ -54,7 +55,12 @@ SharedGpuMemory SharedGpuMemory::cuda() {
 SharedGpuGroup::SharedGpuGroup(int device, int size, int num_sms, uint64_t id, SharedGpuMemory memory)
     : device_(device), num_sms_(num_sms), host_(size, id), memory_(std::move(memory)) {}
 
-SharedGpuGroup::~SharedGpuGroup() = default;  // records no rank took yet go with pending_
+// Records no rank took yet go with pending_.
+SharedGpuGroup::~SharedGpuGroup() {
+  if (destroy_stream_)
+    for (void* s : streams_)
+      if (s) destroy_stream_(s);
+}
 
 Status SharedGpuGroup::symmetric_alloc(int rank, int64_t bytes, void** base, std::function<void(void*)>* release) {
   if (rank < 0 || rank >= size())
@@ -205,6 +211,40 @@ Status check_eager_module_loading() {
 
 }  // namespace
 
+Status check_device_connections(const char* value, int size) {
+  int64_t n = 8;  // CUDA's default
+  if (value != nullptr && *value != '\0') {
+    char* end = nullptr;
+    n = std::strtoll(value, &end, 10);
+    if (end == value || *end != '\0' || n < 1)
+      return invalid_argument("shared-GPU group", "CUDA_DEVICE_MAX_CONNECTIONS", std::string("\"") + value + "\"",
+                              "must be a positive integer (CUDA's hardware work queues per device)");
+  }
+  if (n < size)
+    return Status(StatusCode::kFailedPrecondition,
+                  "shared-GPU group: CUDA_DEVICE_MAX_CONNECTIONS=" + std::to_string(n) + " (" +
+                      (value != nullptr && *value != '\0' ? "set" : "CUDA's default") + ") is below size=" +
+                      std::to_string(size) +
+                      ": each logical rank's stream needs its own hardware work queue, or a rank's kernel waits "
+                      "behind a peer's kernel that waits for it. Set CUDA_DEVICE_MAX_CONNECTIONS to at least " +
+                      std::to_string(size) + " before the process's first CUDA call");
+  return Status::ok();
+}
+
+Status shared_gpu_stream(const Communicator& rank, void** stream) {
+  if (!stream) return invalid_argument("argument", "stream", "null", "must point to where the stream goes");
+  *stream = nullptr;
+  const auto* shared = dynamic_cast<const SharedGpuRankComm*>(&rank);
+  if (!shared)
+    return invalid_argument("shared_gpu_stream", "rank", rank.to_string(),
+                            "must be a rank of create_shared_gpu_group()");
+  *stream = shared->group().stream(shared->rank());
+  if (!*stream)
+    return Status(StatusCode::kFailedPrecondition,
+                  "shared_gpu_stream: " + rank.to_string() + " has no stream (a group over injected memory)");
+  return Status::ok();
+}
+
 Status create_shared_gpu_group(int device, int size, std::vector<std::shared_ptr<Communicator>>* ranks) {
   int n = 0;
   const cudaError_t err = cudaGetDeviceCount(&n);
@@ -223,6 +263,30 @@ Status create_shared_gpu_group(int device, int size, std::vector<std::shared_ptr
                                                 ") is sm_" + std::to_string(prop.major * 10 + prop.minor) +
                                                 "; the EP transport kernels need sm_90a (Hopper)");
   MEGAMOE_RETURN_IF_ERROR(check_eager_module_loading());
-  return create_shared_gpu_group_with(device, size, prop.multiProcessorCount, SharedGpuMemory::cuda(), ranks);
+  MEGAMOE_RETURN_IF_ERROR(check_device_connections(std::getenv("CUDA_DEVICE_MAX_CONNECTIONS"), size));
+  std::vector<std::shared_ptr<Communicator>> made;
+  MEGAMOE_RETURN_IF_ERROR(create_shared_gpu_group_with(device, size, prop.multiProcessorCount, SharedGpuMemory::cuda(), &made));
+  // The ranks' streams back to back, nothing else created in between by this thread: consecutive
+  // streams take consecutive hardware queues (checked on the H200 with CUDA_DEVICE_MAX_CONNECTIONS=2).
+  CudaDeviceGuard guard(device);
+  if (!guard.ok()) return Status(StatusCode::kCudaError, "shared-GPU group: cannot select cuda:" + std::to_string(device));
+  std::vector<void*> streams(static_cast<size_t>(size), nullptr);
+  const auto destroy = [device](void* s) {
+    CudaDeviceGuard g(device);
+    cudaStreamDestroy(static_cast<cudaStream_t>(s));
+  };
+  for (int r = 0; r < size; ++r) {
+    cudaStream_t s = nullptr;
+    const cudaError_t err = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    if (err != cudaSuccess) {
+      for (void* t : streams)
+        if (t) destroy(t);
+      return cuda_status(err, "shared-GPU group: creating the ranks' streams", __FILE__, __LINE__);
+    }
+    streams[r] = s;
+  }
+  static_cast<SharedGpuRankComm&>(*made[0]).group().set_streams(std::move(streams), destroy);
+  *ranks = std::move(made);
+  return Status::ok();
 }
 }  // namespace megamoe

@@ -52,12 +52,21 @@ class SharedGpuGroup : public std::enable_shared_from_this<SharedGpuGroup> {
   Status peer_bases(int rank, const void* base, std::vector<void*>* out);
   // Collective allocations alive (records with at least one rank's part not released).
   int64_t num_live_allocations() const;
+  // The ranks' streams (create_shared_gpu_group creates them back to back; `destroy` frees each with
+  // the group). Empty for a group over injected memory.
+  void set_streams(std::vector<void*> streams, std::function<void(void*)> destroy) {
+    streams_ = std::move(streams);
+    destroy_stream_ = std::move(destroy);
+  }
+  void* stream(int rank) const { return rank >= 0 && rank < static_cast<int>(streams_.size()) ? streams_[rank] : nullptr; }
 
  private:
   struct Allocation;
   const int device_, num_sms_;
   HostGroup host_;
   SharedGpuMemory memory_;
+  std::vector<void*> streams_;
+  std::function<void(void*)> destroy_stream_;
   mutable std::mutex mutex_;
   // By rank 0's address (unique while alive): the record until every rank has taken its part.
   std::map<const void*, std::shared_ptr<Allocation>> pending_;
@@ -98,5 +107,9 @@ class SharedGpuRankComm final : public GpuRankComm {
 // the device's SM count.
 Status create_shared_gpu_group_with(int device, int size, int num_sms, SharedGpuMemory memory,
                                     std::vector<std::shared_ptr<Communicator>>* ranks);
+
+// CUDA_DEVICE_MAX_CONNECTIONS (`value`, null when unset: CUDA's 8) against a group of `size` logical
+// ranks: ok when every rank's stream can have its own hardware work queue (value >= size).
+Status check_device_connections(const char* value, int size);
 
 }  // namespace megamoe

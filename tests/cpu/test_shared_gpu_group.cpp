@@ -80,6 +80,36 @@ TEST(SharedGpuGroup, HandlesDescribeOneGroupOnOneDeviceWithAnSmBudget) {
   EXPECT_EQ(gpu(one[0])->sm_budget(), 132);
 }
 
+// Each logical rank's stream needs its own hardware work queue (CUDA_DEVICE_MAX_CONNECTIONS).
+TEST(SharedGpuGroup, DeviceConnectionsMustCoverEveryRank) {
+  EXPECT_TRUE(check_device_connections(nullptr, 8).is_ok());  // CUDA's default: 8
+  EXPECT_TRUE(check_device_connections("", 2).is_ok());
+  EXPECT_TRUE(check_device_connections("4", 4).is_ok());
+  EXPECT_TRUE(check_device_connections("32", 8).is_ok());
+  const Status few = check_device_connections("1", 2);
+  EXPECT_EQ(few.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(few.message().find("CUDA_DEVICE_MAX_CONNECTIONS=1"), std::string::npos) << few.message();
+  EXPECT_NE(few.message().find("size=2"), std::string::npos) << few.message();
+  for (const char* bad : {"x", "0", "-3", "4k"}) {
+    const Status st = check_device_connections(bad, 2);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(st.message().find("CUDA_DEVICE_MAX_CONNECTIONS"), std::string::npos) << st.message();
+  }
+}
+
+// A group over injected memory has no streams: shared_gpu_stream says so; other communicators are refused.
+TEST(SharedGpuGroup, StreamOfAGroupWithoutStreamsIsRefused) {
+  HostMemory mem;
+  std::vector<std::shared_ptr<Communicator>> ranks;
+  ASSERT_TRUE(create_shared_gpu_group_with(0, 2, 132, mem.memory(), &ranks).is_ok());
+  void* s = reinterpret_cast<void*>(1);
+  EXPECT_EQ(shared_gpu_stream(*ranks[1], &s).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(s, nullptr);
+  std::vector<std::shared_ptr<Communicator>> host;
+  ASSERT_TRUE(create_host_group(2, &host).is_ok());
+  EXPECT_EQ(shared_gpu_stream(*host[0], &s).code(), StatusCode::kInvalidArgument);
+}
+
 TEST(SharedGpuGroup, SymmetricAllocGathersEveryRanksBufferAndFreesWithTheLastRelease) {
   HostMemory mem;
   std::vector<std::shared_ptr<Communicator>> ranks;

@@ -19,6 +19,7 @@
 #include "megamoe/formats.h"
 #include "megamoe/layer.h"
 #include "reference/problem.h"
+#include "rank_stream.h"
 
 namespace megamoe::gpu_test {
 
@@ -100,6 +101,7 @@ class Harness {
       st = create_host_group(R_, &host);
       if (!st.is_ok()) return ::testing::AssertionFailure() << st.to_string();
     }
+    comms_ = nccl;
     gpu_.resize(R_ * num_layers());
     cpu_.resize(R_ * num_layers());
     streams_.resize(R_);
@@ -109,8 +111,8 @@ class Harness {
       threads.emplace_back([&, r] {
         cudaSetDevice(device_of(r));
         // non-blocking: the harness's own copies (legacy stream) must not wait for a logical peer's
-        // kernels on a shared GPU
-        cudaStreamCreateWithFlags(&streams_[r], cudaStreamNonBlocking);
+        // kernels on a shared GPU; there, the group's stream of the rank (its own hardware queue)
+        streams_[r] = make_rank_stream(R_ > 1 ? nccl[r].get() : nullptr);
         MoeConfig gc = config_, cc = config_;
         gc.backend = backend_;
         cc.backend = Backend::kCpu;
@@ -264,7 +266,8 @@ class Harness {
         cudaSetDevice(device_of(r));
         for (int L = 0; L < num_layers(); ++L)
           if (L * R_ + r < static_cast<int>(gpu_.size())) gpu_[L * R_ + r].reset();
-        if (r < static_cast<int>(streams_.size()) && streams_[r]) cudaStreamDestroy(streams_[r]);
+        if (r < static_cast<int>(streams_.size()) && streams_[r])
+          drop_rank_stream(r < static_cast<int>(comms_.size()) ? comms_[r].get() : nullptr, streams_[r]);
       });
     for (auto& t : threads) t.join();
   }
@@ -278,6 +281,7 @@ class Harness {
   std::vector<const MoeProblem*> problems_;  // [layers]; the layers of problem L are gpu_[L * R + r]
   std::vector<std::unique_ptr<MoeLayer>> gpu_, cpu_;
   std::vector<cudaStream_t> streams_;
+  std::vector<std::shared_ptr<Communicator>> comms_;  // the GPU group's ranks (R > 1)
 };
 
 }  // namespace megamoe::gpu_test

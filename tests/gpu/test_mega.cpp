@@ -533,8 +533,7 @@ TEST(Sm90MegaSharedGpuEdges, PeerThatSkipsALaunchTimesOut) {
       if (st.is_ok()) st = layers[r]->warmup();
       built[r] = st;
       if (!st.is_ok()) return;
-      cudaStream_t s;
-      cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+      const cudaStream_t s = gpu_test::make_rank_stream(ranks[r].get());
       if (r == 0) {
         DeviceInputs d(problem.ranks[0], 512, 4);
         const Status f = d.forward(*layers[0], s);
@@ -543,7 +542,7 @@ TEST(Sm90MegaSharedGpuEdges, PeerThatSkipsALaunchTimesOut) {
         std::this_thread::sleep_for(std::chrono::milliseconds(500));
         results[1] = layers[1]->check_error(s);
       }
-      cudaStreamDestroy(s);
+      gpu_test::drop_rank_stream(ranks[r].get(), s);
     });
   for (auto& t : threads) t.join();
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -7,11 +7,15 @@
 #include <utility>
 
 #include "comm/gpu_comm.h"
+#include "rank_stream.h"
 #include "test_transport_harness.h"
 
 namespace megamoe {
 namespace test {
 namespace {
+
+using gpu_test::drop_rank_stream;
+using gpu_test::make_rank_stream;
 
 constexpr int kRanks = 2;
 
@@ -22,6 +26,7 @@ constexpr int kRanks = 2;
 
 struct RankRun {
   std::unique_ptr<EpTransport> transport;
+  const Communicator* comm = nullptr;  // the rank's communicator (its stream's owner on a shared GPU)
   cudaStream_t stream = nullptr;
   RankInputs in;
   std::unique_ptr<DeviceBuffer> x, x_scale, ids, weights, y, expert_out;
@@ -35,7 +40,9 @@ void setup_rank(const Case& c, std::shared_ptr<Communicator> comm, int rank, Ran
   o.num_sms = c.num_sms;
   o.combine_groups = c.combine_groups;
   MEGAMOE_ASSERT_OK(EpTransport::create(comm, o, &run->transport));
-  MEGAMOE_CUDA_OK(cudaStreamCreateWithFlags(&run->stream, cudaStreamNonBlocking));
+  run->comm = comm.get();
+  run->stream = make_rank_stream(run->comm);
+  ASSERT_NE(run->stream, nullptr);
   MEGAMOE_ASSERT_OK(run->transport->warmup(run->stream));
   run->in = c.inputs(rank);
   const int64_t T = run->in.num_tokens, H = c.hidden, k = c.top_k;
@@ -69,7 +76,7 @@ void teardown_rank(RankRun* run) {
     EXPECT_TRUE(st.is_ok()) << st.to_string();
   }
   run->transport.reset();
-  if (run->stream) cudaStreamDestroy(run->stream);
+  drop_rank_stream(run->comm, run->stream);
 }
 
 TensorView view(DeviceBuffer* b, DType dt, std::initializer_list<int64_t> shape, int dev) {
@@ -607,7 +614,9 @@ TEST(Sm90Transport, SkippedLaunchTimesOut_EP2) {
     o.params = c.params();
     o.wait_timeout_ms = 1500;
     MEGAMOE_ASSERT_OK(EpTransport::create((*group)[rank], o, &run.transport));
-    MEGAMOE_CUDA_OK(cudaStreamCreateWithFlags(&run.stream, cudaStreamNonBlocking));
+    run.comm = (*group)[rank].get();
+    run.stream = make_rank_stream(run.comm);
+    ASSERT_NE(run.stream, nullptr);
     MEGAMOE_ASSERT_OK(run.transport->warmup(run.stream));
     run.in = c.inputs(rank);
     run.x.reset(new DeviceBuffer(16 * c.hidden * 2));

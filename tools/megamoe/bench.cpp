@@ -163,9 +163,8 @@ Status build_layer_stack(const MoeGeometry& g, const MoeConfig& c, uint64_t seed
   }
   if (!on_gpu) return Status::ok();
   return run_on_local_ranks(pr, [&](int64_t r) -> Status {
-    const Device dev = first.layers[r]->device();
     void* stream = nullptr;
-    MEGAMOE_RETURN_IF_ERROR(create_stream(dev, &stream));
+    MEGAMOE_RETURN_IF_ERROR(create_rank_stream(first, r, &stream));
     Status st;
     for (auto& set : io[r]) {
       cudaGraph_t graph = nullptr;
@@ -185,7 +184,7 @@ Status build_layer_stack(const MoeGeometry& g, const MoeConfig& c, uint64_t seed
       if (!st) break;
       s->graphs[r].push_back(exec);
     }
-    destroy_stream(dev, stream);
+    destroy_rank_stream(first, r, stream);
     if (!st) return Status(st.code(), "rank " + std::to_string(r) + " --layers: " + st.message());
     return st;
   });

@@ -225,11 +225,11 @@ std::vector<std::vector<uint16_t>> run_forwards(const ProcessRanks& pr, const Ch
   std::fprintf(stderr, "[check] forward on %lld rank(s)\n", static_cast<long long>(R));
   const Status st = run_on_local_ranks(pr, [&](int64_t r) -> Status {
     void* stream = nullptr;
-    MEGAMOE_RETURN_IF_ERROR(create_stream(group.layers[r]->device(), &stream));
+    MEGAMOE_RETURN_IF_ERROR(create_rank_stream(group, r, &stream));
     Status fst = io[r]->forward(group.layers[r].get(), stream);
     if (fst) fst = group.layers[r]->check_error(stream);  // synchronises; reports device-side failures
     if (fst) fst = io[r]->read_output(y[r].data());
-    destroy_stream(group.layers[r]->device(), stream);
+    destroy_rank_stream(group, r, stream);
     if (!fst) return Status(fst.code(), "rank " + std::to_string(r) + " forward: " + fst.message());
     return fst;
   });

@@ -87,7 +87,7 @@ Status time_lockstep_forwards(const ProcessRanks& pr, RankGroup& group, CaseIo& 
     const Device dev = layer->device();
     const int64_t sets = static_cast<int64_t>(io[r].size());
     void* stream = nullptr;
-    Status rst = create_stream(dev, &stream);
+    Status rst = create_rank_stream(group, r, &stream);
     EventTimer timer;
     if (rst) rst = timer.init(dev);
     for (int64_t it = 0; it < total; ++it) {
@@ -118,7 +118,7 @@ Status time_lockstep_forwards(const ProcessRanks& pr, RankGroup& group, CaseIo& 
       if (!rst) failed.store(true);
       if (r == pr.first() && o.progress) o.progress(it + 1, total);
     }
-    destroy_stream(dev, stream);
+    destroy_rank_stream(group, r, stream);
     if (!rst) return Status(rst.code(), "rank " + std::to_string(r) + " forward: " + rst.message());
     return rst;
   });

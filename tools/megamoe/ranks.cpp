@@ -404,18 +404,23 @@ Status RankIo::read_output(uint16_t* y) const {
   return Status::ok();
 }
 
-Status create_stream(Device device, void** stream) {
+Status create_rank_stream(const RankGroup& g, int64_t r, void** stream) {
   *stream = nullptr;
+  const Device device = g.layers[r]->device();
   if (!is_cuda(device)) return Status::ok();
   MEGAMOE_CUDA_CHECK(cudaSetDevice(device.index));
+  const Communicator* comm = r < static_cast<int64_t>(g.comms.size()) ? g.comms[r].get() : nullptr;
+  if (comm != nullptr && comm->kind() == CommKind::kSharedGpu) return shared_gpu_stream(*comm, stream);
   cudaStream_t s = nullptr;
   MEGAMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   *stream = s;
   return Status::ok();
 }
 
-void destroy_stream(Device device, void* stream) {
-  if (is_cuda(device) && stream) cudaStreamDestroy(static_cast<cudaStream_t>(stream));
+void destroy_rank_stream(const RankGroup& g, int64_t r, void* stream) {
+  const Communicator* comm = r < static_cast<int64_t>(g.comms.size()) ? g.comms[r].get() : nullptr;
+  if (comm != nullptr && comm->kind() == CommKind::kSharedGpu) return;  // the group's
+  if (is_cuda(g.layers[r]->device()) && stream) cudaStreamDestroy(static_cast<cudaStream_t>(stream));
 }
 
 Status synchronize(Device device, void* stream) {

@@ -203,10 +203,11 @@ class RankIo {
   void* chain_[2] = {nullptr, nullptr};
 };
 
-// Stream helpers: a stream on a CUDA device (null for the cpu) and its synchronisation. The L2
-// flush and the event timer are the bench harness's (bench_harness.h).
-Status create_stream(Device device, void** stream);
-void destroy_stream(Device device, void* stream);
+// Stream helpers: rank r's stream on its layer's CUDA device (null for the cpu; a shared-GPU rank's is
+// its group's, shared_gpu_stream), given back with destroy_rank_stream, and a stream's
+// synchronisation. The L2 flush and the event timer are the bench harness's (bench_harness.h).
+Status create_rank_stream(const RankGroup& g, int64_t r, void** stream);
+void destroy_rank_stream(const RankGroup& g, int64_t r, void* stream);
 Status synchronize(Device device, void* stream);
 
 }  // namespace megamoe::tool

@@ -35,6 +35,11 @@ Status mega_capability_on(const MoeGeometry& geometry, const MoeConfig& config, 
 Status routed_capability_on(const MoeGeometry& geometry, const MoeConfig& config, int device,
                             const std::string& why_not);
 BackendSelection select_backend_for(const MoeGeometry& geometry, const MoeConfig& config, const Communicator* comm);
+// src/core/layer.cpp: what `auto` asks of mega's weight format beyond its gate: ok for fp8-block and
+// bf16; unavailable, saying so, for mxfp4, and for nvfp4 where routed runs it (bf16 wire, no owner
+// reduce): built and gated on mega, not yet timed against routed, so `auto` keeps to routed there;
+// backend=mega runs them.
+Status mega_auto_format_gate(const MoeConfig& config);
 
 // src/kernels/routed/routed_layer.cpp: the routed backend's static rules (formats, options, local
 // expert count, the EP transport's limits, the grouped GEMMs' shape rules on the arguments warmup
@@ -43,8 +48,7 @@ BackendSelection select_backend_for(const MoeGeometry& geometry, const MoeConfig
 Status routed_format_gate(const MoeGeometry& geometry, const MoeConfig& config);
 // The weight / dispatch pairing the GPU backends run: fp8-block weights with an fp8-block dispatch,
 // mxfp4 weights with an fp8-block one, bf16 and nvfp4 weights with a bf16 one (nvfp4: expanded to
-// bf16 at upload; routed only, the mega gate refuses nvfp4 after this) (`backend` names the backend
-// in the message).
+// bf16 at upload, on both GPU backends) (`backend` names the backend in the message).
 Status weight_dispatch_pairing_gate(const char* backend, const MoeConfig& config);
 // mxfp4 weights' shape rule on both GPU backends (the GEMM's mxfp4 tiles are 256 wide, so hidden, FC2's
 // N, is a multiple of 256; 2I is by the geometry's 128 alignment). Ok for any other weight format.

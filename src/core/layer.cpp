@@ -94,17 +94,33 @@ Status mega_capability_on(const MoeGeometry& g, const MoeConfig& c, int device, 
   return mega_format_gate(g, c);
 }
 
-// What `auto` asks of mega: its gate, and a group of a kind the kernel has run on. Measured on one
-// H200 (docs/PERF.md, "Mega backend"): EP1 and logical ranks sharing a GPU, bitwise equal to routed
-// and faster at every measured size; a group of more than one NCCL rank (one GPU per rank) has not
-// run it yet, so `auto` keeps to routed there (backend=mega runs it on request).
-static Status mega_auto_capability(const MoeGeometry& g, const MoeConfig& c, int device, const std::string& why_not,
-                                   const Communicator* comm) {
-  MEGAMOE_RETURN_IF_ERROR(mega_capability_on(g, c, device, why_not));
+// The weight formats `auto` keeps off mega until mega's kernel for them is timed against routed's
+// (backend=mega runs them on request): mxfp4; nvfp4 wherever routed runs it (the bf16 wire FC2 writes
+// itself, no owner reduce: there mega is bitwise routed's and only its time is open). nvfp4 with a
+// quantised wire or the owner reduce runs on mega only, so `auto` takes mega there rather than fall
+// to cpu. The fp8-block and bf16 kernels are measured (docs/PERF.md, "Mega backend").
+Status mega_auto_format_gate(const MoeConfig& c) {
   if (c.weight_format == WeightFormat::kMxfp4)
     return Status(StatusCode::kUnavailable,
                   "the mega backend's mxfp4 kernel has not been measured against routed's yet (auto keeps to routed "
                   "with weight_format=mxfp4; backend=mega runs it on request)");
+  if (c.weight_format == WeightFormat::kNvfp4 && c.combine_dtype == CombineDtype::kBf16 && !c.uses_owner_reduce())
+    return Status(StatusCode::kUnavailable,
+                  "the mega backend's nvfp4 kernel has not been measured against routed's yet (auto keeps to routed "
+                  "with weight_format=nvfp4 where routed runs it: combine_dtype=bf16, no owner reduce; backend=mega "
+                  "runs it on request)");
+  return Status::ok();
+}
+
+// What `auto` asks of mega: its gate, a weight format whose mega kernel is measured
+// (mega_auto_format_gate), and a group of a kind the kernel has run on. Measured on one H200
+// (docs/PERF.md, "Mega backend"): EP1 and logical ranks sharing a GPU, bitwise equal to routed and
+// faster at every measured size; a group of more than one NCCL rank (one GPU per rank) has not run it
+// yet, so `auto` keeps to routed there (backend=mega runs it on request).
+static Status mega_auto_capability(const MoeGeometry& g, const MoeConfig& c, int device, const std::string& why_not,
+                                   const Communicator* comm) {
+  MEGAMOE_RETURN_IF_ERROR(mega_capability_on(g, c, device, why_not));
+  MEGAMOE_RETURN_IF_ERROR(mega_auto_format_gate(c));
   if (comm && comm->kind() == CommKind::kNccl && comm->size() > 1)
     return Status(StatusCode::kUnavailable,
                   "the mega backend has not run on a group of one GPU per rank yet (auto keeps to routed there; "

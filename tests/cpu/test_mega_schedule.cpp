@@ -248,6 +248,36 @@ TEST(MegaWorkspace, NoLargerThanRoutedAtTMax8192) {
   }
 }
 
+// nvfp4 weights run on the bf16 machinery (bf16 dispatch and intermediate), so a mega nvfp4 layer's
+// workspace is a mega bf16 layer's: the same parameters (one WorkspaceKey: the layers of a geometry
+// share it whatever their weight format), not the fp8 one's.
+TEST(MegaWorkspace, Nvfp4WeightsTakeTheBf16Layout) {
+  for (CombineDtype wire : {CombineDtype::kBf16, CombineDtype::kMxfp8, CombineDtype::kNvfp4}) {
+    const MoeGeometry g = geo(7168, 2048, 256, 8, 2, 512);
+    MoeConfig bf16, nvfp4, fp8;
+    bf16.backend = nvfp4.backend = fp8.backend = Backend::kMega;
+    bf16.combine_dtype = nvfp4.combine_dtype = fp8.combine_dtype = wire;
+    bf16.weight_format = WeightFormat::kBf16;
+    nvfp4.weight_format = WeightFormat::kNvfp4;
+    bf16.dispatch_format = nvfp4.dispatch_format = DispatchFormat::kBf16;
+    const WorkspaceParams pb = workspace_params(g, bf16), pn = workspace_params(g, nvfp4), pf = workspace_params(g, fp8);
+    EXPECT_EQ(pn.dispatch_format, kWsBf16);
+    EXPECT_EQ(pn.intermediate_format, kWsBf16);
+    WorkspaceKey kb, kn, kf;
+    kb.params = pb;
+    kn.params = pn;
+    kf.params = pf;
+    EXPECT_FALSE(kb < kn || kn < kb) << kn.to_string() << " vs " << kb.to_string();
+    EXPECT_TRUE(kf < kn || kn < kf) << "the fp8 layout is another key";
+    const WorkspaceLayout lb = WorkspaceLayout::make(pb), ln = WorkspaceLayout::make(pn);
+    EXPECT_EQ(ln.total_bytes, lb.total_bytes) << to_string(wire);
+    EXPECT_EQ(ln.pool_x.bytes, lb.pool_x.bytes);
+    EXPECT_EQ(ln.intermediate.bytes, lb.intermediate.bytes);
+    EXPECT_EQ(ln.pool_x_scales.bytes, 0);
+    EXPECT_EQ(ln.intermediate_scales.bytes, 0);
+  }
+}
+
 TEST(MegaGate, NamesTheRule) {
   const MoeGeometry g = geo(7168, 2048, 256, 8, 1, 128);
   EXPECT_TRUE(mega_format_gate(g, MoeConfig{}).is_ok());
@@ -272,6 +302,18 @@ TEST(MegaGate, NamesTheRule) {
   MoeConfig owner;
   owner.owner_reduce = OwnerReduce::kOn;
   EXPECT_TRUE(mega_format_gate(g, owner).is_ok());
+  // nvfp4 weights with a bf16 dispatch (the bf16 machinery): every wire, with and without the owner
+  // reduce (w2's global scale rides in the slot weights every wire applies).
+  for (CombineDtype wire : {CombineDtype::kBf16, CombineDtype::kMxfp8, CombineDtype::kNvfp4})
+    for (OwnerReduce o : {OwnerReduce::kAuto, OwnerReduce::kOn, OwnerReduce::kOff}) {
+      MoeConfig q;
+      q.weight_format = WeightFormat::kNvfp4;
+      q.dispatch_format = DispatchFormat::kBf16;
+      q.combine_dtype = wire;
+      q.owner_reduce = o;
+      ASSERT_TRUE(q.validate(g).is_ok()) << q.validate(g).to_string();
+      EXPECT_TRUE(mega_format_gate(g, q).is_ok()) << to_string(wire) << " " << mega_format_gate(g, q).message();
+    }
   c = MoeConfig{};
   c.in_kernel_fc2_reduce = true;
   cases.push_back({g, c, "in-kernel FC2 reduce"});
@@ -279,8 +321,13 @@ TEST(MegaGate, NamesTheRule) {
   cases.push_back({geo(7168, 2048, 1024, 8, 1, 128), MoeConfig{}, "512 local experts"});
   cases.push_back({geo(7168, 2048, 256, 8, 1, 0), MoeConfig{}, "max_tokens_per_rank"});
   c = MoeConfig{};
-  c.weight_format = WeightFormat::kNvfp4;
-  cases.push_back({g, c, "weights"});
+  c.weight_format = WeightFormat::kNvfp4;  // with the default fp8-block dispatch
+  cases.push_back({g, c, "the mega backend runs nvfp4 weights with dispatch_format=bf16"});
+  c.dispatch_format = DispatchFormat::kBf16;
+  c.in_kernel_fc2_reduce = true;
+  cases.push_back({g, c, "in-kernel FC2 reduce"});
+  c.in_kernel_fc2_reduce = false;
+  cases.push_back({geo(2944, 2048, 256, 8, 1, 128), c, "multiple of 256"});
   for (const Case& k : cases) {
     const Status st = mega_format_gate(k.g, k.c);
     EXPECT_FALSE(st.is_ok()) << k.needle;

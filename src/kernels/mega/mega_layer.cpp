@@ -2,9 +2,11 @@
 // FC1 + SwiGLU, FC2, combine) is one persistent kernel on the caller's stream
 // (src/kernels/mega/sm90_mega_kernel.cuh); no host synchronisation inside forward(); a captured
 // forward is one kernel node. Formats: fp8-block or mxfp4 weights with fp8-block dispatch (mxfp4:
-// the grouped GEMM's mxfp4 mode, 16-row tiles at every T), or bf16 weights with bf16 dispatch; every
-// combine wire (bf16 rows per slot written by FC2's epilogue; a quantised wire or the owner reduce
-// sent after FC2 from FC2's bf16 rows); hidden a multiple of 256.
+// the grouped GEMM's mxfp4 mode, 16-row tiles at every T), or bf16 weights with bf16 dispatch, or
+// nvfp4 weights with bf16 dispatch (as routed: expanded to bf16 at upload, the bf16 machinery with
+// FC1's scaled SwiGLU epilogue for w13's global scales and w2's folded into each slot's weight at
+// placement); every combine wire (bf16 rows per slot written by FC2's epilogue; a quantised wire or
+// the owner reduce sent after FC2 from FC2's bf16 rows); hidden a multiple of 256.
 //
 // Buffers: the symmetric workspace (EpTransport, mega layout, shared through WorkspacePool by every
 // layer of the same geometry); the prepared weights (per layer); the kernel's local counters
@@ -95,12 +97,19 @@ class MegaMoeLayer final : public MoeLayer {
     transport_->kernel_params(0, &pa.transport);
     pa.fp8 = fp8();
     pa.weight_fp4 = config_.weight_format == WeightFormat::kMxfp4;
+    pa.weight_nvfp4 = config_.weight_format == WeightFormat::kNvfp4;
     pa.intermediate = static_cast<int32_t>(geometry_.intermediate);
     pa.w13 = weights_dev_.w13->ptr;
     pa.w2 = weights_dev_.w2->ptr;
     if (config_.weight_format == WeightFormat::kFp8Block) {
       pa.w13_scales = static_cast<const float*>(weights_dev_.w13_scales->ptr);
       pa.w2_scales = static_cast<const float*>(weights_dev_.w2_scales->ptr);
+    }
+    if (pa.weight_nvfp4) {
+      if (!weights_dev_.w13_expert_scale || !weights_dev_.w2_expert_scale)
+        return Status(StatusCode::kInternal, "mega warmup: nvfp4 weights without their global scales on the device");
+      pa.w13_expert_scale = static_cast<const float*>(weights_dev_.w13_expert_scale->ptr);
+      pa.w2_expert_scale = static_cast<const float*>(weights_dev_.w2_expert_scale->ptr);
     }
     pa.pow2_scales = config_.pow2_scales;
     for (int r = 0; r < transport_->size(); ++r)
@@ -246,8 +255,11 @@ class MegaMoeLayer final : public MoeLayer {
 
  private:
   static constexpr int64_t kCountersBytes = 64;  // >= sizeof(mega::MegaCounters)
-  // e4m3 activations, wire and intermediate (fp8-block and mxfp4 weights).
-  bool fp8() const { return config_.weight_format != WeightFormat::kBf16; }
+  // e4m3 activations, wire and intermediate (fp8-block and mxfp4 weights); bf16 ones with bf16 and
+  // nvfp4 weights (the pairing gate holds nvfp4 to a bf16 dispatch).
+  bool fp8() const {
+    return config_.weight_format == WeightFormat::kFp8Block || config_.weight_format == WeightFormat::kMxfp4;
+  }
 
   int device_ = 0, rank_ = 0, sm_budget_ = 0;
   uint64_t group_id_ = 0;
@@ -267,9 +279,9 @@ class MegaMoeLayer final : public MoeLayer {
 Status mega_format_gate(const MoeGeometry& g, const MoeConfig& c) {
   MEGAMOE_RETURN_IF_ERROR(weight_dispatch_pairing_gate("mega", c));
   if (c.weight_format != WeightFormat::kFp8Block && c.weight_format != WeightFormat::kBf16 &&
-      c.weight_format != WeightFormat::kMxfp4)
+      c.weight_format != WeightFormat::kMxfp4 && c.weight_format != WeightFormat::kNvfp4)
     return Status(StatusCode::kUnavailable, std::string("the mega backend has no ") + to_string(c.weight_format) +
-                                                " weights yet (fp8-block, mxfp4 or bf16)");
+                                                " weights yet (fp8-block, mxfp4, nvfp4 or bf16)");
   MEGAMOE_RETURN_IF_ERROR(mxfp4_shape_gate("mega", g, c));
   if (c.in_kernel_fc2_reduce)
     return Status(StatusCode::kUnavailable, "the mega backend has no in-kernel FC2 reduce yet");

@@ -16,6 +16,7 @@ namespace megamoe::mega {
 
 MEGAMOE_MEGA_CONFIGS(MEGAMOE_MEGA_EXTERN)
 MEGAMOE_MEGA_CONFIGS_MXFP4(MEGAMOE_MEGA_EXTERN_MXFP4)
+MEGAMOE_MEGA_CONFIGS_NVFP4(MEGAMOE_MEGA_EXTERN_NVFP4)
 
 const char* mega_trace_word_name(int i) {
   static const char* const kNames[kMegaTraceWordsPerCta] = {"start",      "dispatched", "placed", "fc1_done",
@@ -45,18 +46,23 @@ Status bad(const std::string& field, const std::string& value, const std::string
   return Status(StatusCode::kInvalidArgument, "invalid mega plan: " + field + "=" + value + ", " + rule);
 }
 
-// How many CTAs of the configuration at (block_m, fp8, mxfp4 weights) an SM holds (raising its
-// shared-memory limit).
-cudaError_t occupancy(int bm, bool fp8, bool w4, int* ctas) {
+// How many CTAs of the configuration at (block_m, fp8, mxfp4 weights, nvfp4 weights) an SM holds
+// (raising its shared-memory limit).
+cudaError_t occupancy(int bm, bool fp8, bool w4, bool nv4, int* ctas) {
   cudaError_t err = cudaErrorInvalidConfiguration;
-#define MEGAMOE_MEGA_OCC(BM, FP8) \
-  if (!w4 && bm == BM && fp8 == FP8) err = mega_config_occupancy<MegaFc2Cfg<BM, FP8>, MegaFc1Cfg<BM, FP8>>(ctas);
+#define MEGAMOE_MEGA_OCC(BM, FP8)              \
+  if (!w4 && !nv4 && bm == BM && fp8 == FP8) \
+    err = mega_config_occupancy<MegaFc2Cfg<BM, FP8>, MegaFc1Cfg<BM, FP8>>(ctas);
 #define MEGAMOE_MEGA_OCC_FP4(BM) \
   if (w4 && bm == BM) err = mega_config_occupancy<MegaFc2CfgFp4<BM>, MegaFc1CfgFp4<BM>>(ctas);
+#define MEGAMOE_MEGA_OCC_NVFP4(BM) \
+  if (nv4 && bm == BM) err = mega_config_occupancy<MegaFc2Cfg<BM, false>, MegaFc1CfgNvfp4<BM>>(ctas);
   MEGAMOE_MEGA_CONFIGS(MEGAMOE_MEGA_OCC)
   MEGAMOE_MEGA_CONFIGS_MXFP4(MEGAMOE_MEGA_OCC_FP4)
+  MEGAMOE_MEGA_CONFIGS_NVFP4(MEGAMOE_MEGA_OCC_NVFP4)
 #undef MEGAMOE_MEGA_OCC
 #undef MEGAMOE_MEGA_OCC_FP4
+#undef MEGAMOE_MEGA_OCC_NVFP4
   return err;
 }
 
@@ -81,6 +87,12 @@ Status make_mega_plan(const MegaPlanArgs& args, MegaPlanPtr* out) {
     return bad("dispatch_format", std::to_string(wp.dispatch_format), "must match the weights (fp8-block or bf16)");
   if (args.weight_fp4 && !args.fp8)
     return bad("weight_fp4", "1", "mxfp4 weights run with the fp8 activations, wire and intermediate (fp8 = 1)");
+  if (args.weight_nvfp4 && args.fp8)
+    return bad("weight_nvfp4", "1", "nvfp4 weights run as bf16 with the bf16 activations, wire and intermediate (fp8 = 0)");
+  if (args.weight_nvfp4 && (args.w13_expert_scale == nullptr || args.w2_expert_scale == nullptr))
+    return bad("w13_expert_scale / w2_expert_scale", "null", "required with nvfp4 weights (fp32 [experts_per_rank] each)");
+  if (!args.weight_nvfp4 && (args.w13_expert_scale != nullptr || args.w2_expert_scale != nullptr))
+    return bad("w13_expert_scale / w2_expert_scale", "set", "only nvfp4 weights have global scales");
   if (args.grid < 1) return bad("grid", std::to_string(args.grid), "must be >= 1");
   // Every CTA ranks at most `threads` of this rank's tokens in the dispatch (the smallest is 256).
   if (wp.max_tokens_per_rank > int64_t(args.grid) * mega_threads(64))
@@ -106,7 +118,11 @@ Status make_mega_plan(const MegaPlanArgs& args, MegaPlanPtr* out) {
                 : args.fp8      ? gemm::GemmDtype::kFp8Block
                                 : gemm::GemmDtype::kBf16;
     fc1.layout = gemm::GroupedLayout::kContiguous;
-    fc1.epilogue = args.fp8 ? gemm::GemmEpilogue::kSwigluFp8 : gemm::GemmEpilogue::kSwigluBf16;
+    fc1.epilogue = args.fp8           ? gemm::GemmEpilogue::kSwigluFp8
+                   : args.weight_nvfp4 ? gemm::GemmEpilogue::kSwigluBf16Scaled
+                                       : gemm::GemmEpilogue::kSwigluBf16;
+    // nvfp4: w13's global scale on FC1's accumulators; w2's is in pool_weight (the placement's fold)
+    fc1.b_expert_scale = args.weight_nvfp4 ? args.w13_expert_scale : nullptr;
     fc1.num_experts = static_cast<int32_t>(El);
     fc1.n = static_cast<int32_t>(2 * I);
     fc1.k = static_cast<int32_t>(H);
@@ -132,6 +148,7 @@ Status make_mega_plan(const MegaPlanArgs& args, MegaPlanPtr* out) {
     }
     gemm::GroupedGemmArgs fc2 = fc1;
     fc2.epilogue = gemm::GemmEpilogue::kStoreBf16;
+    fc2.b_expert_scale = nullptr;
     fc2.n = static_cast<int32_t>(H);
     fc2.k = static_cast<int32_t>(I);
     fc2.a = base + l.intermediate.offset;
@@ -163,7 +180,7 @@ Status make_mega_plan(const MegaPlanArgs& args, MegaPlanPtr* out) {
         return Status(StatusCode::kInternal, "mega plan: the GEMM planner chose other tiles (" + gp->tiles.to_string() +
                                                  ") than the kernel's " + std::to_string(bm) + " x 256");
     int ctas = 0;
-    const cudaError_t err = occupancy(bm, args.fp8, args.weight_fp4, &ctas);
+    const cudaError_t err = occupancy(bm, args.fp8, args.weight_fp4, args.weight_nvfp4, &ctas);
     if (err != cudaSuccess)
       return Status(StatusCode::kCudaError, std::string("mega plan: occupancy query failed: ") + cudaGetErrorString(err));
     // invariant: all CTAs resident (the kernel's CTAs wait for each other): refuse a grid that may not be.
@@ -227,18 +244,24 @@ Status launch_mega(const MegaPlan& plan, const MegaForwardArgs& f, cudaStream_t 
   a.output_scale = pa.output_scale;
   a.expert_counts = f.expert_counts;
   a.counts_int64 = f.counts_int64 ? 1 : 0;
+  a.w2_expert_scale = pa.w2_expert_scale;
   const MegaGemms& g = plan.gemms[block_m_index(bm)];
   cudaError_t err = cudaErrorInvalidConfiguration;
-#define MEGAMOE_MEGA_LAUNCH(BM, FP8)              \
-  if (!pa.weight_fp4 && bm == BM && pa.fp8 == FP8) \
+#define MEGAMOE_MEGA_LAUNCH(BM, FP8)                                   \
+  if (!pa.weight_fp4 && !pa.weight_nvfp4 && bm == BM && pa.fp8 == FP8) \
     err = launch_mega_config<MegaFc2Cfg<BM, FP8>, MegaFc1Cfg<BM, FP8>>(g, a, pa.grid, pa.cooperative, stream);
 #define MEGAMOE_MEGA_LAUNCH_FP4(BM)   \
   if (pa.weight_fp4 && bm == BM) \
     err = launch_mega_config<MegaFc2CfgFp4<BM>, MegaFc1CfgFp4<BM>>(g, a, pa.grid, pa.cooperative, stream);
+#define MEGAMOE_MEGA_LAUNCH_NVFP4(BM) \
+  if (pa.weight_nvfp4 && bm == BM)    \
+    err = launch_mega_config<MegaFc2Cfg<BM, false>, MegaFc1CfgNvfp4<BM>>(g, a, pa.grid, pa.cooperative, stream);
   MEGAMOE_MEGA_CONFIGS(MEGAMOE_MEGA_LAUNCH)
   MEGAMOE_MEGA_CONFIGS_MXFP4(MEGAMOE_MEGA_LAUNCH_FP4)
+  MEGAMOE_MEGA_CONFIGS_NVFP4(MEGAMOE_MEGA_LAUNCH_NVFP4)
 #undef MEGAMOE_MEGA_LAUNCH
 #undef MEGAMOE_MEGA_LAUNCH_FP4
+#undef MEGAMOE_MEGA_LAUNCH_NVFP4
   if (err != cudaSuccess)
     return Status(StatusCode::kCudaError, std::string("mega kernel launch failed: ") + cudaGetErrorString(err) +
                                               " (BLOCK_M " + std::to_string(bm) + ", grid " + std::to_string(pa.grid) +

@@ -16,16 +16,22 @@ namespace megamoe::mega {
 // What every launch of a layer shares (fixed at warmup).
 struct MegaPlanArgs {
   kernels::TransportArgs transport;  // num_tokens: set per forward
-  bool fp8 = true;                     // fp8-block (or mxfp4) weights, fp8 wire and intermediate; else bf16
+  bool fp8 = true;                     // fp8-block (or mxfp4) weights, fp8 wire and intermediate; else bf16 (bf16 or nvfp4 weights)
   bool weight_fp4 = false;             // mxfp4 weights (with fp8): the grouped GEMM's mxfp4 mode, 16-row tiles
+  // nvfp4 weights (with bf16, not fp8): bf16 images, FC1 with the scaled SwiGLU epilogue
+  // (w13_expert_scale), w2_expert_scale folded into each pool row's weight at placement.
+  bool weight_nvfp4 = false;
   int32_t intermediate = 0;            // I
   // This rank's experts (device): w13 prepared for the SwiGLU epilogue [E_l, 2I, H], w2 [E_l, H, I],
   // fp32 128x128 block scales with fp8 (w13's prepared too); mxfp4: each the GEMM's device image
-  // (layer_buffers.h), the scales null.
+  // (layer_buffers.h), the scales null; nvfp4: bf16 (layer_buffers.h), the scales null.
   const void* w13 = nullptr;
   const float* w13_scales = nullptr;
   const void* w2 = nullptr;
   const float* w2_scales = nullptr;
+  // nvfp4: each matrix's fp32 global scale per local expert [E_l]; null otherwise.
+  const float* w13_expert_scale = nullptr;
+  const float* w2_expert_scale = nullptr;
   bool pow2_scales = false;            // FC1's requant scales
   void* peer_combine[kernels::kMaxTransportRanks] = {};  // every rank's combine region (FC2's rows)
   void* scratch = nullptr;             // MegaScratchLayout (mega_schedule.h), zero at rest

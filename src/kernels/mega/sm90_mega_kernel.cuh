@@ -15,7 +15,8 @@
 //                a warp per recv row claims its k slots' pool rows at once (lane j: offsets[e_j] +
 //                atomicAdd(fill[e_j])), reads the row once and stores it expert-major into each, with
 //                its scales written M-major (pool_x_scales[kb * ld_pool + p]: FC1 reads them by TMA as
-//                they are, no transpose kernel), and where FC2's partial goes (pool_dst, pool_weight);
+//                they are, no transpose kernel), and where FC2's partial goes (pool_dst, pool_weight;
+//                nvfp4 weights: the weight times the expert's w2 global scale);
 //                then each CTA adds its placed rows per expert to expert_placed[e] (one release per
 //                CTA: a fence per row serialised the copies). No grid barrier: every CTA has the counts, builds the GEMMs' scheduler
 //                tables from them in shared memory and starts its tiles; an FC1 tile waits for its own
@@ -126,6 +127,9 @@ struct MegaArgs {
   int32_t max_m_blocks;
   int32_t pad;
   uint64_t* trace;                // [grid][kMegaTraceWords] or null
+  // nvfp4 weights: w2's fp32 global scale per local expert [E_l], folded into each pool row's weight
+  // at placement (fp32(fp32(output_scale * w) * s[e]), as the routed pool build); null otherwise.
+  const float* w2_expert_scale;
 };
 
 // Stage ids of the kernel's own waits (the transport's are kStageDispatchDone / kStageCombineDone).
@@ -295,7 +299,9 @@ constexpr int kMegaPrefetchKBlocks = 6;
 // scheduler tables (`tables`' arrays, from the counts). Returns false when this CTA's dispatch wait
 // failed (recorded; its abort makes every other wait of the group give up promptly). kWeightFp4: FC1's
 // weights are mxfp4 pieces (the prefetch reads them by bulk prefetches, not the tensor map).
-template <int kThreads, bool kFp8Wire, int kBlockM, bool kWeightFp4 = false>
+// kExpertScale (nvfp4 weights): each slot's weight times its local expert's w2 global scale
+// (MegaArgs::w2_expert_scale).
+template <int kThreads, bool kFp8Wire, int kBlockM, bool kWeightFp4 = false, bool kExpertScale = false>
 __device__ __forceinline__ bool mega_prologue(const MegaArgs& a, MegaPrologueSmem<kThreads>& s, uint64_t epoch,
                                               const MegaWeightPrefetch& wp, const MegaTables& tables) {
   const TransportArgs& tr = a.tr;
@@ -467,10 +473,13 @@ __device__ __forceinline__ bool mega_prologue(const MegaArgs& a, MegaPrologueSme
       if (tr.layout.params.owner_reduce) tr.recv_pool_row[recv_row * k + lane] = p;
       if (claimed) {
         tr.pool_dst[p] = (t >= 0 && t < T_max) ? static_cast<int32_t>((src * T_max + t) * k + lane) : -1;
-        // fp32(output_scale * w): the routed backend's routing prep computes the same product
-        const float w = __fmul_rn(a.output_scale, __int_as_float(w_bits));
+        // fp32(output_scale * w): the routed backend's routing prep computes the same product;
+        // nvfp4: times w2's global scale of expert e, the routed pool build's second product
+        float w = __fmul_rn(a.output_scale, __int_as_float(w_bits));
+        if constexpr (kExpertScale) w = __fmul_rn(w, a.w2_expert_scale[e]);
         tr.pool_weight[p] = w;
-        // the owner reduce's sums read the slot's weight from the row's metadata (owner_slots)
+        // the owner reduce's sums read the slot's weight from the row's metadata (owner_slots); every
+        // wire weights FC2's rows by pool_weight or this, so w2's global scale reaches each of them
         if (tr.layout.params.owner_reduce) meta[1 + k + lane] = __float_as_int(w);
         atomicAdd(&s.placed[e], 1);
       }
@@ -675,7 +684,10 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
   sched1.num_experts = p1.num_experts;
   sched1.num_n_blocks = p1.n / Cfg::kBlockN;
   sched1.block_m = Cfg::kBlockM;
-  const bool ok = mega_prologue<kThreads, Cfg::kFp8, Cfg::kBlockM, Cfg::kWeightFp4>(a, ps, epoch, prefetch, tables);  // ends with a barrier
+  // nvfp4 weights (bf16 images): FC1's scaled SwiGLU, w2's global scale in the row weights.
+  constexpr bool kExpertScale = Cfg1::kEpilogue == gemm::GemmEpilogue::kSwigluBf16Scaled;
+  const bool ok = mega_prologue<kThreads, Cfg::kFp8, Cfg::kBlockM, Cfg::kWeightFp4, kExpertScale>(
+      a, ps, epoch, prefetch, tables);  // ends with a barrier
 
   if (threadIdx.x == 0) {
     gemm::init_barriers<Cfg>(sm);  // after the prologue's use of the ring (its proxy fence included)

@@ -75,6 +75,16 @@ using MegaFc2Cfg = gemm::GroupedGemmConfig<BM, kMegaBlockN, kFp8, gemm::GemmEpil
 template <int BM, bool kFp8>
 using MegaFc1Cfg = gemm::GroupedGemmConfig<BM, kMegaBlockN, kFp8, kFp8 ? gemm::GemmEpilogue::kSwigluFp8 : gemm::GemmEpilogue::kSwigluBf16, 1>;
 
+// nvfp4 weights (expanded to bf16 at upload: the bf16 configurations, bf16 activations, wire and
+// intermediate) with FC1's scaled SwiGLU epilogue (w13's per-expert global scale on the accumulators;
+// w2's is folded into the row weights at placement): X(BLOCK_M). FC2 is the bf16 configuration.
+#define MEGAMOE_MEGA_CONFIGS_NVFP4(X) \
+  X(64)                               \
+  X(128)
+
+template <int BM>
+using MegaFc1CfgNvfp4 = gemm::GroupedGemmConfig<BM, kMegaBlockN, false, gemm::GemmEpilogue::kSwigluBf16Scaled, 1>;
+
 // mxfp4 weights (the grouped GEMM's mxfp4 mode: swapped 16-row tiles; fp8 activations, wire and
 // intermediate): X(BLOCK_M).
 #define MEGAMOE_MEGA_CONFIGS_MXFP4(X) X(16)
@@ -103,6 +113,15 @@ using MegaFc1CfgFp4 = MegaOnRing<gemm::GroupedGemmConfig<BM, kMegaBlockN, true, 
   template cudaError_t launch_mega_config<MegaFc2CfgFp4<BM>, MegaFc1CfgFp4<BM>>(                                   \
       const MegaGemms&, const MegaArgs&, int, bool, cudaStream_t);                                                 \
   template cudaError_t mega_config_occupancy<MegaFc2CfgFp4<BM>, MegaFc1CfgFp4<BM>>(int*);
+
+#define MEGAMOE_MEGA_EXTERN_NVFP4(BM)                                                                              \
+  extern template cudaError_t launch_mega_config<MegaFc2Cfg<BM, false>, MegaFc1CfgNvfp4<BM>>(                      \
+      const MegaGemms&, const MegaArgs&, int, bool, cudaStream_t);                                                 \
+  extern template cudaError_t mega_config_occupancy<MegaFc2Cfg<BM, false>, MegaFc1CfgNvfp4<BM>>(int*);
+#define MEGAMOE_MEGA_INSTANTIATE_NVFP4(BM)                                                                         \
+  template cudaError_t launch_mega_config<MegaFc2Cfg<BM, false>, MegaFc1CfgNvfp4<BM>>(                             \
+      const MegaGemms&, const MegaArgs&, int, bool, cudaStream_t);                                                 \
+  template cudaError_t mega_config_occupancy<MegaFc2Cfg<BM, false>, MegaFc1CfgNvfp4<BM>>(int*);
 
 #define MEGAMOE_MEGA_EXTERN(BM, FP8)                                                                               \
   extern template cudaError_t launch_mega_config<MegaFc2Cfg<BM, FP8>, MegaFc1Cfg<BM, FP8>>(                        \

@@ -1,0 +1,6 @@
+// One configuration of the MegaMoE kernel (nvfp4 weights as bf16, BLOCK_M 128), in a file of its own to compile in parallel.
+#include "kernels/mega/sm90_mega_launch.cuh"
+
+namespace megamoe::mega {
+MEGAMOE_MEGA_INSTANTIATE_NVFP4(128)
+}  // namespace megamoe::mega

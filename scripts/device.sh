@@ -217,13 +217,18 @@ fp4() {  # [tests|bench|all]
   local what=${1:-all} wf
   export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
   if [[ $what == all || $what == tests ]]; then
-    EACH=1 tests "${FP4_FILTER:-FormatsDevice.Mxfp4*:FormatsDevice.Fp4*:Cases/Mxfp4Gemm.*:Sm90/Sm90Mxfp4Layer.*routed_*:Sm90Mxfp4Prefill.*:Sm90/Sm90Mxfp4Layer.*mega_*}"
+    EACH=1 tests "${FP4_FILTER:-FormatsDevice.Mxfp4*:FormatsDevice.Fp4*:Cases/Mxfp4Gemm.*:Sm90/Sm90Mxfp4Layer.*routed_*:Sm90/Sm90Mxfp4Prefill.*:Sm90Mxfp4Knob.*:Sm90/Sm90Mxfp4Layer.*mega_*}"
   fi
   if [[ $what == all || $what == bench ]]; then
     for wf in fp8-block mxfp4; do
       timeout 300 "$TOOL" bench-gemm --no-cublas --weight-format "$wf" --tokens 8,32 --json "$OUT/fp4_gemm_$wf.json" \
         2>&1 | tee "$OUT/fp4_gemm_$wf.log"
       [[ ${PIPESTATUS[0]} -eq 0 ]] || rc=1
+      if [[ $wf == mxfp4 ]]; then  # the default (2 math warpgroups per tile) above; 1 for comparison
+        timeout 300 "$TOOL" bench-gemm --no-cublas --weight-format mxfp4 --fp4-math-wg 1 --tokens 8,32 \
+          --json "$OUT/fp4_gemm_mxfp4_wg1.json" 2>&1 | tee "$OUT/fp4_gemm_mxfp4_wg1.log"
+        [[ ${PIPESTATUS[0]} -eq 0 ]] || rc=1
+      fi
       # 32 experts: the weight generation of all 256 takes ~90 s on the device
       timeout 300 "$TOOL" bench --preset deepseek-v3 --experts 32 --tokens 1,8,128 --backend routed,mega \
         --weight-format "$wf" --json "$OUT/fp4_layer_$wf.json" 2>&1 | tee "$OUT/fp4_layer_$wf.log"

@@ -52,6 +52,7 @@ EnvKnobs read_env() {
     const char* v = std::getenv(name);
     return std::string(v ? v : "");
   };
+  k.gemm_fp4_math_wg = text("MEGAMOE_GEMM_FP4_MATH_WG");
   k.rank = text("MEGAMOE_RANK");
   k.world_size = text("MEGAMOE_WORLD_SIZE");
   k.local_rank = text("MEGAMOE_LOCAL_RANK");

@@ -25,6 +25,10 @@ struct EnvKnobs {
   // T, host-known) or "received" (the rows this rank received, decided on the device: two launches
   // per GEMM where the two buckets differ). "received" is off by default until measured on a GPU.
   bool tile_bucket_received = false;
+  // MEGAMOE_GEMM_FP4_MATH_WG: the routed GEMMs' math warpgroups per tile with mxfp4 weights, "1" or "2"
+  // (default 2). Kept as given; empty = unset. routed_fp4_math_wg() validates it at the layer's warmup
+  // and names the variable.
+  std::string gemm_fp4_math_wg;
   // MEGAMOE_LOG: 0 quiet, 1 warnings and selection (default), 2 verbose.
   int log_level = 1;
   // One process per GPU (comm.h NcclBootstrap::from_env, set by `megamoe launch` or an engine's

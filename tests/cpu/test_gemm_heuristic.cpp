@@ -346,6 +346,27 @@ TEST(GemmValidate, Mxfp4RulesNameTheirField) {
   st = validate_grouped_gemm(a);
   EXPECT_NE(st.message().find("tiles.cluster=2"), std::string::npos) << st.message();
   a.tiles.cluster = 0;
+  for (int32_t wg : {0, 1, 2}) {  // math warpgroups per tile; 0: the default
+    a.tiles.fp4_math_wg = wg;
+    EXPECT_TRUE(validate_grouped_gemm(a).is_ok()) << wg << ": " << validate_grouped_gemm(a).message();
+  }
+  for (int32_t wg : {-1, 3, 4}) {
+    a.tiles.fp4_math_wg = wg;
+    st = validate_grouped_gemm(a);
+    EXPECT_NE(st.message().find("tiles.fp4_math_wg=" + std::to_string(wg) + ", must be 0 (the default, 2), 1 or 2"),
+              std::string::npos)
+        << st.message();
+  }
+  a.tiles.fp4_math_wg = 2;  // mxfp4 tiles only
+  a.dtype = GemmDtype::kFp8Block;
+  a.b_scales = reinterpret_cast<const float*>(dummy);
+  st = validate_grouped_gemm(a);
+  EXPECT_NE(st.message().find("tiles.fp4_math_wg=2, must be 0 with dtype fp8-block"), std::string::npos)
+      << st.message();
+  a.tiles.fp4_math_wg = 0;
+  EXPECT_TRUE(validate_grouped_gemm(a).is_ok()) << validate_grouped_gemm(a).message();
+  a.dtype = GemmDtype::kMxfp4;
+  a.b_scales = nullptr;
   a.a_scales = nullptr;  // the A side is fp8-block's
   st = validate_grouped_gemm(a);
   EXPECT_NE(st.message().find("a_scales"), std::string::npos) << st.message();

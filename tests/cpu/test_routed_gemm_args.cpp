@@ -5,9 +5,11 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "core/backends.h"
+#include "core/env.h"
 #include "kernels/routed/routed_gemm_args.h"
 #include "megamoe/workspace.h"
 
@@ -62,7 +64,7 @@ TEST(RoutedGemmArgs, EveryPresetAtOddMaxTokensValidates) {
             }
             const WorkspaceLayout l = WorkspaceLayout::make(workspace_params(g, c));
             gemm::GroupedGemmArgs fc1, fc2;
-            const Status st = make_routed_gemm_args(g, c, l, fake_buffers(g), 0, &fc1, &fc2);
+            const Status st = make_routed_gemm_args(g, c, l, fake_buffers(g), 0, 0, &fc1, &fc2);
             ASSERT_TRUE(st.is_ok()) << p.name << " EP" << ep << " T_max " << t_max << (bf16 ? " bf16" : " fp8")
                                     << " pool_rows " << l.pool_rows << ": " << st.to_string();
             EXPECT_EQ(fc1.ld_a_scales % 4, 0);
@@ -100,7 +102,7 @@ TEST(RoutedGemmArgs, Mxfp4WeightsRunTheGemmsMxfp4Mode) {
         RoutedGemmBuffers b = fake_buffers(g);
         b.w13_scales = b.w2_scales = nullptr;  // mxfp4: inside the weights' images
         gemm::GroupedGemmArgs fc1, fc2;
-        const Status st = make_routed_gemm_args(g, c, l, b, 0, &fc1, &fc2);
+        const Status st = make_routed_gemm_args(g, c, l, b, 0, 0, &fc1, &fc2);
         ASSERT_TRUE(st.is_ok()) << p.name << " EP" << ep << " block_m " << bm << ": " << st.to_string();
         EXPECT_EQ(fc1.dtype, gemm::GemmDtype::kMxfp4);
         EXPECT_EQ(fc2.dtype, gemm::GemmDtype::kMxfp4);
@@ -112,6 +114,7 @@ TEST(RoutedGemmArgs, Mxfp4WeightsRunTheGemmsMxfp4Mode) {
         EXPECT_EQ(fc1.tiles.block_m, bm == 16 || bm == 32 ? bm : 0);
         EXPECT_EQ(fc2.tiles.block_n, 0);
         EXPECT_NE(fc1.tiles.cluster, 2);
+        EXPECT_EQ(fc1.tiles.fp4_math_wg, 0);  // 0 passed: the GEMM's default
         EXPECT_TRUE(routed_format_gate(g, c).is_ok()) << p.name << ": " << routed_format_gate(g, c).message();
       }
     }
@@ -147,7 +150,7 @@ TEST(RoutedGemmArgs, Nvfp4WeightsRunTheBf16GemmsWithTheGlobalScalesInFp32) {
         float* const expert_scale = reinterpret_cast<float*>(uintptr_t(3) << 40);
         b.w13_expert_scale = expert_scale;
         gemm::GroupedGemmArgs fc1, fc2;
-        const Status st = make_routed_gemm_args(g, c, l, b, 0, &fc1, &fc2);
+        const Status st = make_routed_gemm_args(g, c, l, b, 0, 0, &fc1, &fc2);
         ASSERT_TRUE(st.is_ok()) << p.name << " EP" << ep << " block_m " << bm << ": " << st.to_string();
         EXPECT_EQ(fc1.dtype, gemm::GemmDtype::kBf16);
         EXPECT_EQ(fc2.dtype, gemm::GemmDtype::kBf16);
@@ -164,7 +167,7 @@ TEST(RoutedGemmArgs, Nvfp4WeightsRunTheBf16GemmsWithTheGlobalScalesInFp32) {
         EXPECT_EQ(fc1.tiles.block_m, bm == 16 ? 0 : bm);
         EXPECT_TRUE(routed_format_gate(g, c).is_ok()) << p.name << ": " << routed_format_gate(g, c).message();
         b.w13_expert_scale = nullptr;
-        const Status missing = make_routed_gemm_args(g, c, l, b, 0, &fc1, &fc2);
+        const Status missing = make_routed_gemm_args(g, c, l, b, 0, 0, &fc1, &fc2);
         ASSERT_FALSE(missing.is_ok());
         EXPECT_NE(missing.message().find("b_expert_scale=null"), std::string::npos) << missing.message();
         ++checked;
@@ -201,10 +204,74 @@ TEST(RoutedGemmArgs, TheTileOrderKnobReachesBothGemms) {
     c.knobs.gemm_tile_order = order;
     const WorkspaceLayout l = WorkspaceLayout::make(workspace_params(g, c));
     gemm::GroupedGemmArgs fc1, fc2;
-    ASSERT_TRUE(make_routed_gemm_args(g, c, l, fake_buffers(g), 0, &fc1, &fc2).is_ok());
+    ASSERT_TRUE(make_routed_gemm_args(g, c, l, fake_buffers(g), 0, 0, &fc1, &fc2).is_ok());
     EXPECT_EQ(fc1.tile_order, want[order]) << "gemm_tile_order " << order;
     EXPECT_EQ(fc2.tile_order, want[order]) << "gemm_tile_order " << order;
   }
+}
+
+// MEGAMOE_GEMM_FP4_MATH_WG: "1" or "2" (unset: 2) reaches both mxfp4 GEMMs' tiles as the GEMM takes
+// them; any other value is refused naming the variable, the value and the rule; other weight formats
+// leave the field 0 (the GEMM refuses it set there).
+TEST(RoutedGemmArgs, TheFp4MathWgKnobReachesBothMxfp4Gemms) {
+  int32_t wg = -1;
+  ASSERT_TRUE(routed_fp4_math_wg("", &wg).is_ok());
+  EXPECT_EQ(wg, gemm::kDefaultFp4MathWG);
+  EXPECT_EQ(wg, 2);
+  for (const char* bad : {"0", "3", "-1", "two", " 2", "2 ", "12", "1.0"}) {
+    wg = -1;
+    const Status st = routed_fp4_math_wg(bad, &wg);
+    ASSERT_FALSE(st.is_ok()) << bad;
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(st.message().find(std::string("MEGAMOE_GEMM_FP4_MATH_WG='") + bad + "'"), std::string::npos)
+        << st.message();
+    EXPECT_NE(st.message().find("must be 1 or 2"), std::string::npos) << st.message();
+    EXPECT_EQ(wg, -1) << bad;
+  }
+  MoeGeometry g;
+  g.hidden = 7168;
+  g.intermediate = 2048;
+  g.num_experts = 256;
+  g.top_k = 8;
+  g.ep_size = 2;
+  g.max_tokens_per_rank = 8;
+  for (const char* value : {"1", "2"}) {
+    ASSERT_EQ(setenv("MEGAMOE_GEMM_FP4_MATH_WG", value, 1), 0);
+    reload_env_knobs();
+    EXPECT_EQ(env_knobs().gemm_fp4_math_wg, value);
+    ASSERT_TRUE(routed_fp4_math_wg(env_knobs().gemm_fp4_math_wg, &wg).is_ok());
+    EXPECT_EQ(wg, value[0] - '0');
+    for (WeightFormat wf : {WeightFormat::kMxfp4, WeightFormat::kFp8Block}) {
+      MoeConfig c;
+      c.weight_format = wf;
+      const WorkspaceLayout l = WorkspaceLayout::make(workspace_params(g, c));
+      RoutedGemmBuffers b = fake_buffers(g);
+      if (wf == WeightFormat::kMxfp4) b.w13_scales = b.w2_scales = nullptr;
+      gemm::GroupedGemmArgs fc1, fc2;
+      const Status st = make_routed_gemm_args(g, c, l, b, 0, wg, &fc1, &fc2);
+      ASSERT_TRUE(st.is_ok()) << value << " " << to_string(wf) << ": " << st.to_string();
+      const int32_t want = wf == WeightFormat::kMxfp4 ? wg : 0;
+      EXPECT_EQ(fc1.tiles.fp4_math_wg, want) << value << " " << to_string(wf);
+      EXPECT_EQ(fc2.tiles.fp4_math_wg, want) << value << " " << to_string(wf);
+    }
+  }
+  ASSERT_EQ(setenv("MEGAMOE_GEMM_FP4_MATH_WG", "3", 1), 0);
+  reload_env_knobs();
+  const Status st = routed_fp4_math_wg(env_knobs().gemm_fp4_math_wg, &wg);
+  EXPECT_NE(st.message().find("MEGAMOE_GEMM_FP4_MATH_WG='3', must be 1 or 2"), std::string::npos) << st.message();
+  ASSERT_EQ(unsetenv("MEGAMOE_GEMM_FP4_MATH_WG"), 0);
+  reload_env_knobs();
+  EXPECT_EQ(env_knobs().gemm_fp4_math_wg, "");
+  // The GEMM's own rule on the field.
+  MoeConfig c;
+  c.weight_format = WeightFormat::kMxfp4;
+  const WorkspaceLayout l = WorkspaceLayout::make(workspace_params(g, c));
+  RoutedGemmBuffers b = fake_buffers(g);
+  b.w13_scales = b.w2_scales = nullptr;
+  gemm::GroupedGemmArgs fc1, fc2;
+  const Status bad = make_routed_gemm_args(g, c, l, b, 0, 3, &fc1, &fc2);
+  ASSERT_FALSE(bad.is_ok());
+  EXPECT_NE(bad.message().find("tiles.fp4_math_wg=3"), std::string::npos) << bad.message();
 }
 
 }  // namespace

@@ -187,6 +187,8 @@ TEST(Tool, BadValues_NameFlagValueAndRule) {
   expect_refused(run_tool("bench-gemm --block-n 192"), 2, {"--block-n", "192", "256"});
   expect_refused(run_tool("bench-gemm --num-sms 0"), 2, {"--num-sms", "0"});
   expect_refused(run_tool("bench-gemm --flush none"), 2, {"--flush", "none", "memset", "read"});
+  expect_refused(run_tool("bench-gemm --weight-format mxfp4 --fp4-math-wg 3"), 2, {"--fp4-math-wg", "3"});
+  expect_refused(run_tool("bench-gemm --fp4-math-wg 2"), 2, {"--fp4-math-wg", "2", "--weight-format mxfp4", "fp8-block"});
   expect_refused(run_tool("bench-transport --combine-groups 9"), 2, {"--combine-groups", "9", "0 to 8"});
   expect_refused(run_tool("bench-transport --x fp4"), 2, {"--x", "fp4", "bf16", "fp8"});
   // bench-link's flags are checked before it looks for two GPUs

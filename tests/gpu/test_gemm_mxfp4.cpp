@@ -7,7 +7,9 @@
 // - against float64 on the mxfp4 values themselves (the cpu backend's definition), within the bound
 //   the fp8-block GEMM meets (rel-L2 <= 1e-3 against the bf16-rounded reference), also for a block
 //   spanning more binades than e4m3 holds (those groups round: still within the bound);
-// - every run the same bits (static and dynamic schedules, all SMs and 3 CTAs).
+// - every run the same bits (static and dynamic schedules, all SMs and 3 CTAs);
+// each with one and with two math warpgroups per tile (GemmTileConfig::fp4_math_wg; test names end in
+// _Wg1 / _Wg2): both are bit for bit the fp8-block path, so also each other.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -19,6 +21,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kernels/gemm/gemm_weights.h"
@@ -182,8 +185,9 @@ struct Outputs {
 };
 
 // One launch with `dtype` (kMxfp4: the mxfp4 image; kFp8Block: the expansion), everything else equal.
-Outputs run(const Mxfp4Case& c, const Mxfp4Problem& p, GemmDtype dtype, int32_t* counter, int num_sms,
-            gemm::GemmTileConfig* used) {
+// fp4_math_wg: the mxfp4 launch's math warpgroups per tile (the fp8-block launch ignores it).
+Outputs run(const Mxfp4Case& c, const Mxfp4Problem& p, GemmDtype dtype, int fp4_math_wg, int32_t* counter,
+            int num_sms, gemm::GemmTileConfig* used) {
   DevBuf<uint8_t> a(p.a);
   DevBuf<float> sa(p.a_scales);
   DevBuf<int32_t> offsets(p.offsets), counts(p.counts);
@@ -222,6 +226,7 @@ Outputs run(const Mxfp4Case& c, const Mxfp4Problem& p, GemmDtype dtype, int32_t*
   g.tiles.block_n = 256;
   g.tiles.cluster = 1;
   g.tiles.num_sms = num_sms;
+  g.tiles.fp4_math_wg = dtype == GemmDtype::kMxfp4 ? fp4_math_wg : 0;
   g.tile_counter = counter;
   const megamoe::Status st = gemm::launch_grouped_gemm(g, nullptr, used);
   EXPECT_TRUE(st.is_ok()) << st.to_string();
@@ -232,19 +237,23 @@ Outputs run(const Mxfp4Case& c, const Mxfp4Problem& p, GemmDtype dtype, int32_t*
   return o;
 }
 
-class Mxfp4Gemm : public ::testing::TestWithParam<Mxfp4Case> {};
+// (case, math warpgroups per tile)
+class Mxfp4Gemm : public ::testing::TestWithParam<std::tuple<Mxfp4Case, int>> {};
 
 TEST_P(Mxfp4Gemm, BitEqualToFp8BlockOnTheExpansion_AndDeterministic) {
   REQUIRE_SM90();
-  const Mxfp4Case& c = GetParam();
+  const Mxfp4Case& c = std::get<0>(GetParam());
+  const int wg = std::get<1>(GetParam());
   Mxfp4Problem p = make_problem(c, 777u + c.N + c.K);
   if (c.swiglu) reorder_for_swiglu(&p);
   gemm::GemmTileConfig used_fp8, used;
-  const Outputs want = run(c, p, GemmDtype::kFp8Block, nullptr, 0, &used_fp8);
+  const Outputs want = run(c, p, GemmDtype::kFp8Block, 0, nullptr, 0, &used_fp8);
+  EXPECT_EQ(used_fp8.fp4_math_wg, 0);
   DevBuf<int32_t> counter(std::vector<int32_t>{0, 0});
   for (int r = 0; r < 3; ++r) {
-    const Outputs got = run(c, p, GemmDtype::kMxfp4, r == 1 ? counter.p : nullptr, r == 2 ? 3 : 0, &used);
+    const Outputs got = run(c, p, GemmDtype::kMxfp4, wg, r == 1 ? counter.p : nullptr, r == 2 ? 3 : 0, &used);
     EXPECT_EQ(used.block_m, used_fp8.block_m);
+    EXPECT_EQ(used.fp4_math_wg, wg);
     int64_t diffs = 0;
     for (size_t i = 0; i < got.d.size(); ++i) diffs += got.d[i] != want.d[i];
     std::printf("  [%s] run %d %s: %lld of %zu output bytes differ from fp8-block on the expansion\n", c.name.c_str(), r,
@@ -256,12 +265,14 @@ TEST_P(Mxfp4Gemm, BitEqualToFp8BlockOnTheExpansion_AndDeterministic) {
 
 TEST_P(Mxfp4Gemm, MatchesFloat64OnTheMxfp4Values) {
   REQUIRE_SM90();
-  const Mxfp4Case& c = GetParam();
+  const Mxfp4Case& c = std::get<0>(GetParam());
+  const int wg = std::get<1>(GetParam());
   if (c.swiglu) GTEST_SKIP() << "the SwiGLU output is checked bit for bit against the fp8-block path";
   const Mxfp4Problem p = make_problem(c, 999u + c.N + c.K);
   const std::vector<double> ref = reference(p);
   gemm::GemmTileConfig used;
-  const Outputs o = run(c, p, GemmDtype::kMxfp4, nullptr, 0, &used);
+  const Outputs o = run(c, p, GemmDtype::kMxfp4, wg, nullptr, 0, &used);
+  EXPECT_EQ(used.fp4_math_wg, wg);
   double num = 0, den = 0;
   int64_t poisoned_ok = 0, outside = 0;
   for (size_t i = 0; i < ref.size(); ++i) {
@@ -284,7 +295,7 @@ TEST_P(Mxfp4Gemm, MatchesFloat64OnTheMxfp4Values) {
 
 INSTANTIATE_TEST_SUITE_P(
     Cases, Mxfp4Gemm,
-    ::testing::Values(
+    ::testing::Combine(::testing::Values(
         Mxfp4Case{"Masked_BM16_N512_K1024", GroupedLayout::kMasked, 512, 1024, {1, 16, 0, 9}, 16, false, 15},
         Mxfp4Case{"Masked_BM32_N768_K512", GroupedLayout::kMasked, 768, 512, {32, 3, 17}, 32, false, 6},
         Mxfp4Case{"Contiguous_BM16_N256_K2048_Uneven", GroupedLayout::kContiguous, 256, 2048, {7, 0, 40, 1}, 16, false,
@@ -293,6 +304,9 @@ INSTANTIATE_TEST_SUITE_P(
         Mxfp4Case{"Masked_BM16_24Binades", GroupedLayout::kMasked, 256, 512, {5, 12}, 16, false, 24},
         Mxfp4Case{"Swiglu_Masked_BM16_I256_K1024", GroupedLayout::kMasked, 512, 1024, {3, 16, 0}, 16, true, 15},
         Mxfp4Case{"Swiglu_Contiguous_BM32_I512_K768", GroupedLayout::kContiguous, 1024, 768, {20, 33, 1}, 32, true, 8}),
-    [](const ::testing::TestParamInfo<Mxfp4Case>& i) { return i.param.name; });
+        ::testing::Values(1, 2)),
+    [](const ::testing::TestParamInfo<std::tuple<Mxfp4Case, int>>& i) {
+      return std::get<0>(i.param).name + "_Wg" + std::to_string(std::get<1>(i.param));
+    });
 
 }  // namespace

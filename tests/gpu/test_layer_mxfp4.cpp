@@ -5,6 +5,8 @@
 // for one forward of T tokens: the mxfp4 GEMM is the fp8-block GEMM on an exact e4m3 expansion
 // unless a 128 x 128 block spans more than e4m3's binades), repeats and CUDA-graph replays bitwise;
 // T = 1, odd T and T = T_max, a rank with no tokens; EP1 and EP2 on logical ranks sharing GPU 0.
+// Routed runs every case with one and with two math warpgroups per mxfp4 tile (MEGAMOE_GEMM_FP4_MATH_WG
+// 1 / 2: test names end in _Wg1 / _Wg2); mega has one (its own role layout).
 // Skips without an sm_90 GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -14,10 +16,13 @@
 #include "gpu/layer_harness.h"
 
 #include <cstdio>
+#include <cstdlib>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "core/backends.h"
+#include "core/env.h"
 #include "megamoe/formats.h"
 #include "megamoe/layer.h"
 #include "reference/error_model.h"
@@ -41,9 +46,26 @@ struct Mxfp4LayerCase {
   int64_t H, I, E, k, R, T;
   Routing routing;
   CombineDtype combine = CombineDtype::kBf16;
+  int fp4_math_wg = 0;  // routed: MEGAMOE_GEMM_FP4_MATH_WG for the layer (0: unset)
   std::string test_name() const {
-    return std::string(to_string(backend)) + "_" + name + (R > 1 ? "_SharedGpu" : "");
+    return std::string(to_string(backend)) + "_" + name + (R > 1 ? "_SharedGpu" : "") +
+           (fp4_math_wg > 0 ? "_Wg" + std::to_string(fp4_math_wg) : "");
   }
+};
+
+// MEGAMOE_GEMM_FP4_MATH_WG = wg for the scope (wg 0: left unset), read again on entry and exit.
+struct Fp4MathWgScope {
+  explicit Fp4MathWgScope(int wg) {
+    if (wg > 0) setenv("MEGAMOE_GEMM_FP4_MATH_WG", std::to_string(wg).c_str(), 1);
+    else unsetenv("MEGAMOE_GEMM_FP4_MATH_WG");
+    reload_env_knobs();
+  }
+  ~Fp4MathWgScope() {
+    unsetenv("MEGAMOE_GEMM_FP4_MATH_WG");
+    reload_env_knobs();
+  }
+  Fp4MathWgScope(const Fp4MathWgScope&) = delete;
+  Fp4MathWgScope& operator=(const Fp4MathWgScope&) = delete;
 };
 
 MoeGeometry geometry(const Mxfp4LayerCase& p) {
@@ -73,6 +95,7 @@ TEST_P(Sm90Mxfp4Layer, MatchesCpuBackendOnTheSameMxfp4Weights) {
   const Status gate = p.backend == Backend::kMega ? mega_capability(problem.geometry, c)
                                                    : routed_capability(problem.geometry, c);
   ASSERT_TRUE(gate.is_ok()) << gate.to_string();
+  const Fp4MathWgScope knob(p.fp4_math_wg);
   Harness h(problem, c, p.R > 1 ? GroupKind::kSharedGpu : GroupKind::kNcclGpus, p.backend);
   ASSERT_TRUE(h.build());
   ASSERT_EQ(h.gpu_layer(0)->backend(), p.backend);
@@ -96,7 +119,12 @@ std::vector<Mxfp4LayerCase> cases_for(Backend b) {
 }
 
 std::vector<Mxfp4LayerCase> all_cases() {
-  std::vector<Mxfp4LayerCase> out = cases_for(Backend::kRouted);
+  std::vector<Mxfp4LayerCase> out;
+  for (int wg : {1, 2})
+    for (Mxfp4LayerCase c : cases_for(Backend::kRouted)) {
+      c.fp4_math_wg = wg;
+      out.push_back(c);
+    }
   for (const Mxfp4LayerCase& c : cases_for(Backend::kMega)) out.push_back(c);
   return out;
 }
@@ -106,20 +134,50 @@ INSTANTIATE_TEST_SUITE_P(Sm90, Sm90Mxfp4Layer, ::testing::ValuesIn(all_cases()),
 
 // Prefill sizes run the mxfp4 GEMM's 16- and 32-row tiles too (it has no larger ones): a pool of
 // thousands of rows, against the cpu backend.
-TEST(Sm90Mxfp4Prefill, RoutedPoolOf2048Rows) {
+// With one and with two math warpgroups per tile.
+class Sm90Mxfp4Prefill : public ::testing::TestWithParam<int> {};
+
+TEST_P(Sm90Mxfp4Prefill, RoutedPoolOf2048Rows) {
   MEGAMOE_REQUIRE_SM90_GPUS(1);
+  const int wg = GetParam();
   Mxfp4LayerCase p{"EP1_Tiny_T512", Backend::kRouted, 512, 256, 16, 4, 1, 512, Routing::kUniform};
   MoeProblem problem = reference::make_random_problem(geometry(p), 99, {512});
   MoeConfig c;
   c.weight_format = WeightFormat::kMxfp4;
   c.knobs.block_m = 128;  // no mxfp4 configuration: left to the heuristic (32-row tiles)
+  const Fp4MathWgScope knob(wg);
   Harness h(problem, c, GroupKind::kNcclGpus, Backend::kRouted);
   ASSERT_TRUE(h.build());
   std::vector<std::vector<uint16_t>> y_gpu, y_cpu;
   ASSERT_TRUE(h.run(problem.ranks, &y_gpu, &y_cpu));
   const double err = rel_l2_bf16(y_gpu[0], y_cpu[0]);
-  std::printf("[mxfp4] routed EP1 T512 (block_m knob 128): rel-L2 vs cpu backend = %.3e\n", err);
+  std::printf("[mxfp4] routed EP1 T512 (block_m knob 128, %d math warpgroups): rel-L2 vs cpu backend = %.3e\n", wg,
+              err);
   EXPECT_LE(err, reference::same_points_bound_one_forward(CombineDtype::kBf16, 512).rel_l2);
+}
+
+INSTANTIATE_TEST_SUITE_P(Sm90, Sm90Mxfp4Prefill, ::testing::Values(1, 2),
+                         [](const ::testing::TestParamInfo<int>& info) { return "Wg" + std::to_string(info.param); });
+
+// A bad MEGAMOE_GEMM_FP4_MATH_WG fails the routed mxfp4 layer's warmup, naming the variable, the value
+// and the rule (and does not turn `auto` away from routed: the gate does not read it).
+TEST(Sm90Mxfp4Knob, BadFp4MathWgFailsTheWarmupNamingTheKnob) {
+  MEGAMOE_REQUIRE_SM90_GPUS(1);
+  Mxfp4LayerCase p{"EP1_Tiny_T8", Backend::kRouted, 512, 256, 16, 4, 1, 8, Routing::kUniform};
+  MoeProblem problem = reference::make_random_problem(geometry(p), 5, {8});
+  MoeConfig c;
+  c.weight_format = WeightFormat::kMxfp4;
+  c.backend = Backend::kRouted;
+  setenv("MEGAMOE_GEMM_FP4_MATH_WG", "4", 1);
+  reload_env_knobs();
+  EXPECT_TRUE(routed_capability(problem.geometry, c).is_ok());
+  std::unique_ptr<MoeLayer> layer;
+  Status st = MoeLayer::create(problem.geometry.for_rank(0), c, reference::local_weights(problem, 0), nullptr, &layer);
+  if (st.is_ok()) st = layer->warmup();
+  unsetenv("MEGAMOE_GEMM_FP4_MATH_WG");
+  reload_env_knobs();
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+  EXPECT_NE(st.message().find("MEGAMOE_GEMM_FP4_MATH_WG='4', must be 1 or 2"), std::string::npos) << st.to_string();
 }
 
 }  // namespace

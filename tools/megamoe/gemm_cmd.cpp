@@ -72,6 +72,7 @@ struct BenchOptions {
   // 32-row tiles; no cuBLASLt peer; wGB/s counts the FP4 bytes, E * N * K / 2)
   std::string weight_format = "fp8-block";
   bool mxfp4() const { return weight_format == "mxfp4"; }
+  int fp4_math_wg = 0;  // mxfp4: math warpgroups per tile, 1 or 2 (0: the GEMM's default)
 };
 
 [[noreturn]] void fail(int code, const std::string& msg) { throw ToolError(code, msg); }
@@ -228,6 +229,10 @@ struct GemmCase {
 
 // Every case the flags ask for: per model, per --experts, per --tokens, the FCs in order.
 std::vector<GemmCase> plan_gemm_cases(const BenchOptions& o) {
+  if (o.fp4_math_wg != 0 && !o.mxfp4())
+    fail(kExitUsage, "invalid value for --fp4-math-wg: " + std::to_string(o.fp4_math_wg) +
+                         ", needs --weight-format mxfp4 (math warpgroups of the mxfp4 tiles; --weight-format is " +
+                         o.weight_format + ")");
   std::vector<GemmCase> cases;
   for (const std::string& mname : split_list(o.presets)) {
     const ModelShape* ms = nullptr;
@@ -339,6 +344,7 @@ GroupedGemmArgs gemm_args(const GemmCase& c, const GemmBuffers& buf, const Bench
   g.tiles.block_n = swiglu && o.block_n == 128 ? 0 : o.block_n;
   g.tiles.num_sms = o.num_sms;
   g.tiles.cluster = o.cluster;
+  g.tiles.fp4_math_wg = o.fp4_math_wg;
   g.tile_counter = tile_counter;
   g.tile_order = o.schedule == "static"    ? gemm::GemmTileOrder::kRoundRobin
                  : o.schedule == "dynamic" ? gemm::GemmTileOrder::kCounter
@@ -387,6 +393,7 @@ std::string gemm_command(const GemmCase& c, const BenchOptions& o) {
   cmd << " --experts " << c.experts << " --tokens " << c.tokens << " --fc " << (c.fc == "fc2" ? "fc2" : "fc1")
       << " --layout " << (c.masked ? "masked" : "contiguous");
   if (o.mxfp4()) cmd << " --weight-format mxfp4";
+  if (o.fp4_math_wg != 0) cmd << " --fp4-math-wg " << o.fp4_math_wg;
   if (o.empty_every > 0) cmd << " --empty-every " << o.empty_every;
   return cmd.str();
 }
@@ -436,6 +443,7 @@ nlohmann::json run_gemm_case(const GemmCase& c, const BenchOptions& o, GroupedGe
                 (o.empty_every > 0 ? "/e" + std::to_string(o.empty_every) : "");
   r["tiles"] = std::to_string(used.block_m) + "x" + std::to_string(used.block_n) +
                (used.cluster > 1 ? " x" + std::to_string(used.cluster) + " g" + std::to_string(used.grid) : "") +
+               (used.fp4_math_wg > 0 ? " wg" + std::to_string(used.fp4_math_wg) : "") +
                (used.round_robin ? " static" : "") + (o.probe != "none" ? " probe:" + o.probe : "");
   r["us_median"] = ours.events.median;
   r["us_min"] = ours.events.min;
@@ -536,6 +544,10 @@ CLI::App* add_flags(CLI::App* app, BenchOptions* o) {
                   "of FP4 bytes)")
       ->check(CLI::IsMember({"fp8-block", "mxfp4"}))
       ->capture_default_str();
+  sub->add_option("--fp4-math-wg", o->fp4_math_wg,
+                  "mxfp4: math warpgroups per tile, 1 or 2 (two split each weight tile's expansion and wgmmas; "
+                  "default: the GEMM's, 2)")
+      ->check(CLI::IsMember({1, 2}));
   sub->add_option("--block-m", o->block_m, "tile rows: 16, 32, 64 or 128 (default: heuristic)")->check(CLI::IsMember({16, 32, 64, 128}));
   sub->add_option("--block-n", o->block_n, "tile columns: 128 or 256 (default: heuristic)")->check(CLI::IsMember({128, 256}));
   sub->add_option("--num-sms", o->num_sms, "persistent CTAs (default: all SMs)")->check(CLI::Range(1, 1 << 20));

@@ -42,7 +42,8 @@ const char* to_string(GemmEpilogue e) {
 std::string GemmTileConfig::to_string() const {
   std::ostringstream s;
   s << "GemmTileConfig(block_m=" << block_m << ", block_n=" << block_n << ", num_sms=" << num_sms
-    << ", order=" << (round_robin ? "round-robin" : "counter") << ", cluster=" << cluster << ", grid=" << grid << ")";
+    << ", order=" << (round_robin ? "round-robin" : "counter") << ", cluster=" << cluster
+    << ", fp4_math_wg=" << fp4_math_wg << ", grid=" << grid << ")";
   return s.str();
 }
 
@@ -214,6 +215,12 @@ Status validate_grouped_gemm(const GroupedGemmArgs& a) {
       return bad("tiles.block_m", std::to_string(t.block_m), "dtype mxfp4 runs 16- or 32-row tiles");
     if (t.block_n != 0 && t.block_n != 256) return bad("tiles.block_n", std::to_string(t.block_n), "dtype mxfp4 runs 256-wide tiles");
     if (t.cluster == 2) return bad("tiles.cluster", "2", "clusters of 2 need dtype fp8-block");
+    if (t.fp4_math_wg < 0 || t.fp4_math_wg > 2)
+      return bad("tiles.fp4_math_wg", std::to_string(t.fp4_math_wg),
+                 "must be 0 (the default, " + std::to_string(kDefaultFp4MathWG) + "), 1 or 2 math warpgroups per tile");
+  } else if (t.fp4_math_wg != 0) {
+    return bad("tiles.fp4_math_wg", std::to_string(t.fp4_math_wg),
+               std::string("must be 0 with dtype ") + to_string(a.dtype) + " (math warpgroups of the mxfp4 tiles)");
   }
   if (int32_t(a.dtype) < 0 || int32_t(a.dtype) > int32_t(GemmDtype::kMxfp4))
     return bad("dtype", std::to_string(int(a.dtype)), "must be fp8-block, bf16 or mxfp4");
@@ -249,6 +256,9 @@ Status plan_grouped_gemm(const GroupedGemmArgs& args, GroupedGemmPlan* plan) {
     cfg.block_m = cfg.block_m <= 16 ? 16 : 32;
     cfg.block_n = 256;
     cfg.cluster = 1;
+    cfg.fp4_math_wg = args.tiles.fp4_math_wg != 0 ? args.tiles.fp4_math_wg : kDefaultFp4MathWG;
+  } else {
+    cfg.fp4_math_wg = 0;
   }
   if (args.tile_order != GemmTileOrder::kAuto) cfg.round_robin = args.tile_order == GemmTileOrder::kRoundRobin;
   if (args.tile_counter == nullptr) cfg.round_robin = true;
@@ -354,9 +364,9 @@ Status launch_grouped_gemm_plan(const GroupedGemmPlan& plan, cudaStream_t stream
   if (!w4 && cfg.block_m == BM && cfg.block_n == BN && fp8 == FP8 && p_epi == EPI && cfg.cluster == CL)         \
     err = launch_grouped_gemm_config<GroupedGemmConfig<BM, BN, FP8, EPI, CL>>(plan.tmap_a, plan.tmap_b, plan.tmap_sfa, \
                                                                          plan.tmap_d, p, plan.grid, stream, &launched);
-#define MEGAMOE_DISPATCH_FP4(BM, BN, FP8, EPI, CL, W4)                                                          \
-  if (w4 && cfg.block_m == BM && cfg.block_n == BN && p_epi == EPI)                                            \
-    err = launch_grouped_gemm_config<GroupedGemmConfig<BM, BN, FP8, EPI, CL, W4>>(                               \
+#define MEGAMOE_DISPATCH_FP4(BM, BN, FP8, EPI, CL, W4, WG)                                                      \
+  if (w4 && cfg.block_m == BM && cfg.block_n == BN && p_epi == EPI && cfg.fp4_math_wg == WG)                   \
+    err = launch_grouped_gemm_config<GroupedGemmConfig<BM, BN, FP8, EPI, CL, W4, WG>>(                           \
         plan.tmap_a, plan.tmap_b, plan.tmap_sfa, plan.tmap_d, p, plan.grid, stream, &launched);
   MEGAMOE_GROUPED_GEMM_CONFIGS_FP8(MEGAMOE_DISPATCH)
   MEGAMOE_GROUPED_GEMM_CONFIGS_BF16(MEGAMOE_DISPATCH)

@@ -14,7 +14,9 @@
 // Kernel (one CTA per SM, persistent; tiles from a global counter in order, or CTA i runs tiles i,
 // i + grid, ... without one; see grouped_scheduler.h and next_tile(). fp8 128 x 256 tiles may run as
 // clusters of 2 whose CTAs share each weight tile by TMA multicast: "clusters" below):
-//   (BLOCK_M 16 and 32, fp8 decode: the operands swapped, see "swapped operands" below)
+//   (BLOCK_M 16 and 32, fp8 decode: the operands swapped, see "swapped operands" below; with mxfp4
+//   weights one or two math warpgroups, GroupedGemmConfig::kFp4MathWG: two split every chunk's m64
+//   halves between them)
 //   warpgroups 0 .. kNumMathWG-1  math: each owns 64 rows of the BLOCK_M tile and all BLOCK_N
 //                                 columns, issued as BLOCK_N/128 chunks of wgmma m64n128 (one temp
 //                                 accumulator, promoted into a final accumulator per chunk), then
@@ -322,18 +324,25 @@ cudaError_t launch_grouped_gemm_config(const CUtensorMap& tmap_a, const CUtensor
   X(64, 256, false, GemmEpilogue::kSwigluBf16Scaled, 1) \
   X(128, 256, false, GemmEpilogue::kSwigluBf16Scaled, 1)
 
-// mxfp4 weights: X(BLOCK_M, BLOCK_N, fp8 A, epilogue, cluster, weight fp4)
-#define MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4(X)           \
-  X(16, 256, true, GemmEpilogue::kStoreBf16, 1, true)   \
-  X(16, 256, true, GemmEpilogue::kSwigluFp8, 1, true)   \
-  X(32, 256, true, GemmEpilogue::kStoreBf16, 1, true)   \
-  X(32, 256, true, GemmEpilogue::kSwigluFp8, 1, true)
-#define MEGAMOE_GROUPED_GEMM_EXTERN_FP4(BM, BN, FP8, EPI, CL, W4)                                               \
-  extern template cudaError_t launch_grouped_gemm_config<GroupedGemmConfig<BM, BN, FP8, EPI, CL, W4>>(         \
+// mxfp4 weights: X(BLOCK_M, BLOCK_N, fp8 A, epilogue, cluster, weight fp4, math warpgroups), one list
+// per math-warpgroup count (GemmTileConfig::fp4_math_wg), each instantiated in a translation unit of
+// its own (sm90_grouped_gemm_mxfp4_inst.cu, sm90_grouped_gemm_mxfp4_2wg_inst.cu).
+#define MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4_WG(X, WG)        \
+  X(16, 256, true, GemmEpilogue::kStoreBf16, 1, true, WG)   \
+  X(16, 256, true, GemmEpilogue::kSwigluFp8, 1, true, WG)   \
+  X(32, 256, true, GemmEpilogue::kStoreBf16, 1, true, WG)   \
+  X(32, 256, true, GemmEpilogue::kSwigluFp8, 1, true, WG)
+#define MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4_1WG(X) MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4_WG(X, 1)
+#define MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4_2WG(X) MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4_WG(X, 2)
+#define MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4(X) \
+  MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4_1WG(X)   \
+  MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4_2WG(X)
+#define MEGAMOE_GROUPED_GEMM_EXTERN_FP4(BM, BN, FP8, EPI, CL, W4, WG)                                          \
+  extern template cudaError_t launch_grouped_gemm_config<GroupedGemmConfig<BM, BN, FP8, EPI, CL, W4, WG>>(     \
       const CUtensorMap&, const CUtensorMap&, const CUtensorMap&, const CUtensorMap&, const GroupedGemmParams&, int,  \
       cudaStream_t, int*);
-#define MEGAMOE_GROUPED_GEMM_INSTANTIATE_FP4(BM, BN, FP8, EPI, CL, W4)                                          \
-  template cudaError_t launch_grouped_gemm_config<GroupedGemmConfig<BM, BN, FP8, EPI, CL, W4>>(                \
+#define MEGAMOE_GROUPED_GEMM_INSTANTIATE_FP4(BM, BN, FP8, EPI, CL, W4, WG)                                     \
+  template cudaError_t launch_grouped_gemm_config<GroupedGemmConfig<BM, BN, FP8, EPI, CL, W4, WG>>(            \
       const CUtensorMap&, const CUtensorMap&, const CUtensorMap&, const CUtensorMap&, const GroupedGemmParams&, int,  \
       cudaStream_t, int*);
 

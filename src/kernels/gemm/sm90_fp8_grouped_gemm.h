@@ -10,8 +10,8 @@
 //   dtype kMxfp4:    A e4m3 with fp32 1x128 scales (as kFp8Block); B mxfp4 as gemm_weights.h's
 //                    Mxfp4GemmWeights lays it out: b = its device image (device_image(): the block
 //                    scales, then the pieces), b_scales unused (null). Swapped 16- and 32-row tiles,
-//                    256 wide, only (n a multiple of 256); the values are fmt::mxfp4_to_fp8_128x128's.
-//                    Not yet run on a GPU.
+//                    256 wide, only (n a multiple of 256), with one or two math warpgroups per tile
+//                    (tiles.fp4_math_wg); the values are fmt::mxfp4_to_fp8_128x128's.
 //
 // Grouped M layouts (see grouped_scheduler.h):
 //   kContiguous  A [m_rows, K]; expert e owns rows [expert_offsets[e], expert_offsets[e+1]) (device
@@ -77,9 +77,15 @@ struct GemmTileConfig {
   // CTAs per cluster: 2 = pairs of CTAs running adjacent m-blocks of one weight tile, each loading half
   // of it for both (TMA multicast; fp8, 128 x 256 tiles only); 1 = none; 0 = the heuristic's choice.
   int32_t cluster = 0;
+  // dtype mxfp4: math warpgroups per tile, 1 or 2 (two: each expands and multiplies half of every
+  // weight tile, docs/GEMM.md "FP4 weights"); 0 = kDefaultFp4MathWG. Other dtypes: 0 (as `used`, too).
+  int32_t fp4_math_wg = 0;
   int32_t grid = 0;  // output (launch_grouped_gemm's `used`): the CTAs launched
   std::string to_string() const;
 };
+
+// The mxfp4 GEMM's math warpgroups per tile where GemmTileConfig::fp4_math_wg leaves it to the GEMM.
+constexpr int32_t kDefaultFp4MathWG = 2;
 
 // Timeline words (GroupedGemmArgs::trace): a header per CTA, then one record per tile id.
 constexpr int kTraceWordsHeader = 4;

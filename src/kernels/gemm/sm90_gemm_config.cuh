@@ -68,7 +68,8 @@ __device__ __forceinline__ const uint8_t* mxfp4_pieces(const GroupedGemmParams& 
   return reinterpret_cast<const uint8_t*>(p.sfb) + mxfp4_pieces_offset(p.num_experts, p.n, p.k);
 }
 
-template <int kBlockM_, int kBlockN_, bool kFp8_, GemmEpilogue kEpilogue_, int kCluster_ = 1, bool kWeightFp4_ = false>
+template <int kBlockM_, int kBlockN_, bool kFp8_, GemmEpilogue kEpilogue_, int kCluster_ = 1, bool kWeightFp4_ = false,
+          int kFp4MathWG_ = 1>
 struct GroupedGemmConfig {
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
@@ -80,6 +81,11 @@ struct GroupedGemmConfig {
   // (math_k_block_swapped_fp4) and applies the 128 x 128 block scales as fp8-block's sb. The A
   // side (tokens e4m3 + 1x128 scales) is fp8-block's.
   static constexpr bool kWeightFp4 = kWeightFp4_;
+  // mxfp4 weights: math warpgroups per tile, 1 or 2. Two: warpgroup w expands and multiplies half w
+  // of every 128-row chunk (slabs w and 2 + w of the weight slot: 64 gate rows and their 64 up rows in
+  // the SwiGLU order), so each expands half the codes and issues half the wgmmas of a K block; both
+  // read the same token tile and release every slot (the empty barrier counts all math warps).
+  static constexpr int kFp4MathWG = kFp4MathWG_;
   // CTAs per cluster. 2: the pair of CTAs runs tiles 2u and 2u + 1 of the schedule at once (pair
   // tile u); when both are the same expert's n-block (two m-blocks sharing one weight tile) each CTA
   // loads half of the weight tile and multicasts it to both, so L2 sends each weight byte once per
@@ -91,10 +97,13 @@ struct GroupedGemmConfig {
   // BLOCK_M 16 or 32 (decode, fp8; bf16 rows or the SwiGLU + fp8 requant out): operands swapped. The
   // weights are wgmma's A (M = the tile's BLOCK_N weight rows in m64 halves), the BLOCK_M tokens its B
   // (N = 16 or 32): 16 / 32 MACs per weight byte instead of the 64 an m64 tile of 1-32 real rows
-  // costs. One math warpgroup; 2 / 4 KiB A slots.
+  // costs. One math warpgroup (mxfp4 weights: kFp4MathWG); 2 / 4 KiB A slots.
   static constexpr bool kSwapAB = kBlockM <= 32;
-  static constexpr int kNumMathWG = kBlockM <= 64 ? 1 : kBlockM / 64;
+  static constexpr int kNumMathWG = kBlockM <= 64 ? (kWeightFp4 ? kFp4MathWG : 1) : kBlockM / 64;
   static constexpr int kNumChunks = kBlockN / 128;
+  // Swapped tiles: the m64 halves of each chunk one math warpgroup computes (2 / kNumMathWG; warpgroup
+  // w's half h is the chunk's half w * kSwapHalves + h).
+  static constexpr int kSwapHalves = kSwapAB ? 2 / kNumMathWG : 2;
   static constexpr int kNumThreads = 128 * (kNumMathWG + 1);
   static constexpr int kMathThreads = 128 * kNumMathWG;
   static constexpr int kStageA = kBlockM * kBlockKBytes;
@@ -112,10 +121,10 @@ struct GroupedGemmConfig {
   static constexpr int kClaimBytes = kCluster > 1 ? 2 * 16 + 2 * 4 : 0;  // 2 x {claim_full, claim_empty} + 2 values
   // bf16-store epilogue staging: per math warp 16 rows x 64 columns of bf16 (2 KiB), see
   // epilogue_store_bf16; swapped: the tile's BLOCK_M token rows of BLOCK_N bf16.
-  // Swapped SwiGLU: BLOCK_M token rows of 128 e4m3 codes + the 4 warps' per-token amax.
+  // Swapped SwiGLU: BLOCK_M token rows of 128 e4m3 codes + the math warps' per-token amax.
   static constexpr int kStageOut = kEpilogue == GemmEpilogue::kStoreBf16
                                        ? (kSwapAB ? kBlockM * kBlockN * 2 : kNumMathWG * 4 * 2048)
-                                   : kSwapAB ? kBlockM * 128 + 4 * kBlockM * 4
+                                   : kSwapAB ? kBlockM * 128 + kNumMathWG * 4 * kBlockM * 4
                                              : 0;
   static constexpr int kSmemBudget =
       227 * 1024 - 1024 /* alignment slack */ - 8 * 1024 /* tables */ - kStageOut - kClaimBytes - kFp4TableBytes;
@@ -124,10 +133,17 @@ struct GroupedGemmConfig {
   static constexpr int kStages = kStagesFit > 12 ? 12 : kStagesFit;
   static constexpr uint32_t kTxBytes = kStageA + kStageB + (kFp8 ? kSfaBox * 4 : 0);
   static constexpr int kMaxExperts = 512;
-  // setmaxnreg budgets (64K registers per SM): the producer shrinks to 56 (the tile counter's loop
-  // spilled at 48), the math warpgroups grow to 224.
-  static constexpr uint32_t kProducerRegs = kNumMathWG == 1 ? 96 : 56;
-  static constexpr uint32_t kMathRegs = kNumMathWG == 1 ? 256 : 224;  // scheduler tables: 3 * (E + 1) int32 <= 8 KiB
+  // setmaxnreg budgets. The warpgroups trade registers within what the CTA holds at launch
+  // (__launch_bounds__(kNumThreads, 1): kLaunchRegs per thread, 168 with three warpgroups): a
+  // setmaxnreg.inc past what the decs freed would wait forever. One math warpgroup: 96 / 256. Two on
+  // 128-row tiles: the producer shrinks to 56 (the tile counter's loop spilled at 48), the math grows to
+  // 224. Two on mxfp4 tiles: the bulk-copy producer spills at 56, so 88; each math warpgroup holds half
+  // the A registers and accumulators of the tile, 208 leave it room.
+  static constexpr uint32_t kLaunchRegs = (65536 / kNumThreads) / 8 * 8 > 256 ? 256 : (65536 / kNumThreads) / 8 * 8;
+  static constexpr uint32_t kProducerRegs = kNumMathWG == 1 ? 96 : kWeightFp4 ? 88 : 56;
+  static constexpr uint32_t kMathRegs = kNumMathWG == 1 ? 256 : kWeightFp4 ? 208 : 224;  // scheduler tables: 3 * (E + 1) int32 <= 8 KiB
+  static_assert(128 * kProducerRegs + kMathThreads * kMathRegs <= kNumThreads * kLaunchRegs,
+                "setmaxnreg budgets fit the registers the CTA launches with");
   static_assert(kBlockM == 16 || kBlockM == 32 || kBlockM == 64 || kBlockM == 128, "BLOCK_M is 16, 32, 64 or 128");
   static_assert(kEpilogue != GemmEpilogue::kSwigluBf16Scaled || !kFp8, "the scaled SwiGLU epilogue: bf16");
   static_assert(!kSwapAB || (kFp8 && (kEpilogue == GemmEpilogue::kStoreBf16 || kEpilogue == GemmEpilogue::kSwigluFp8)),
@@ -139,6 +155,8 @@ struct GroupedGemmConfig {
                 "clusters of 2: fp8 tiles of 128 rows");
   static_assert(!kWeightFp4 || (kFp8 && kSwapAB && kBlockN == 256 && kCluster == 1),
                 "mxfp4 weights: swapped 16- and 32-row tiles, 256 wide, no clusters");
+  static_assert(kFp4MathWG == 1 || (kFp4MathWG == 2 && kWeightFp4), "two math warpgroups per tile: mxfp4 weights");
+  static_assert(!kSwapAB || kSwapHalves * kNumMathWG == 2, "the swapped chunk's two halves split over the math warpgroups");
   static_assert(kStageB % 1024 == 0, "the weight and staging slots after B stay 1024-aligned");
 
   // Dynamic shared memory: 1 KiB alignment slack + ring + barriers + tables.

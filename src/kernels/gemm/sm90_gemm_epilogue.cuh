@@ -150,10 +150,11 @@ __device__ __forceinline__ void epilogue_store_bf16(const GroupedGemmSmem<Cfg>& 
 
 // bf16 rows of a swapped tile: token row r gets the tile's BLOCK_N columns (times row_weight[r]).
 // The fragment's 8 x 8 blocks (8 weight rows x 8 tokens) go through stmatrix.trans into staging rows
-// of one token each ([BLOCK_M tokens][BLOCK_N] bf16, 16-byte pieces XOR-swizzled by token & 7:
-// conflict-free), then the warpgroup copies the 16-byte pieces of the tile's real token rows to where
-// the sink puts them. Two named barriers over the warpgroup: the staging is read before it is
-// rewritten.
+// of one token each ([BLOCK_M tokens][BLOCK_N] bf16, 16-byte pieces XOR-swizzled by token & 7 within
+// each 64-column half: conflict-free), each math warpgroup its own halves of the chunks, then the math
+// threads copy the 16-byte pieces of the tile's real token rows to where the sink puts them. Two named
+// barriers over the math threads (id 1, all kNumMathWG warpgroups): the staging is read before it is
+// rewritten, and complete before it is read.
 template <class Cfg, class Sink>
 __device__ __forceinline__ void epilogue_store_swapped(const GroupedGemmSmem<Cfg>& sm, const SwappedAcc<Cfg>& acc,
                                                        const GroupedTile& t, const Sink& sink,
@@ -163,6 +164,11 @@ __device__ __forceinline__ void epilogue_store_swapped(const GroupedGemmSmem<Cfg
   constexpr int kTok = Cfg::kBlockM / 4;     // tokens per thread
   static_assert(Cfg::kBlockM * kPitch <= Cfg::kStageOut, "staging holds the tile's token rows");
   const int tid = threadIdx.x % 128, lane = tid % 32, warp = tid / 32, q = lane % 4;
+  const int half0 = swapped_math_wg<Cfg>() * Cfg::kSwapHalves;  // this warpgroup's first half of each chunk
+  // this thread among the math threads (the CTA's first kMathThreads): ptxas then knows the copy-out's
+  // trip count is the same for every thread (a bound it cannot see costs the K loop its uniform ring
+  // position: +16 R2UR per K block)
+  const int math_tid = Cfg::kNumMathWG == 1 ? tid : int(threadIdx.x % Cfg::kMathThreads);
   const uint32_t stage = ptx::smem_addr(sm.out);
   float w[kTok];  // weights of this thread's tokens (swapped_token)
 #pragma unroll
@@ -173,15 +179,15 @@ __device__ __forceinline__ void epilogue_store_swapped(const GroupedGemmSmem<Cfg
   // stmatrix.trans, 16 tokens per call: lane L gives row L % 8 of matrix L / 8 = 2j' + hh (tokens
   // 16g + 8j' .., weight rows + 8hh)
   const int hh_l = (lane / 8) % 2;
-  ptx::named_barrier_sync(1, 128);  // the previous tile's copy-out has read the staging
+  ptx::named_barrier_sync(1, Cfg::kMathThreads);  // the previous tile's copy-out has read the staging
 #pragma unroll
   for (int g = 0; g < Cfg::kBlockM / 16; ++g) {
     const int tok_l = 16 * g + (lane / 16) * 8 + lane % 8;
 #pragma unroll
     for (int c = 0; c < Cfg::kNumChunks; ++c)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int n0 = c * 128 + h * 64 + warp * 16 + 8 * hh_l;  // first weight row of this lane's matrix
+      for (int h = 0; h < Cfg::kSwapHalves; ++h) {
+        const int n0 = c * 128 + (half0 + h) * 64 + warp * 16 + 8 * hh_l;  // first weight row of this lane's matrix
         const uint32_t addr = stage + tok_l * kPitch + (((n0 / 8) ^ (tok_l & 7)) << 4);
         uint32_t r[4];  // matrix 2j' + hh: (acc[4j + 2hh], acc[4j + 2hh + 1]) for tokens 8j + 2q, + 1, j = 2g + j'
 #pragma unroll
@@ -192,9 +198,9 @@ __device__ __forceinline__ void epilogue_store_swapped(const GroupedGemmSmem<Cfg
         ptx::stmatrix_x4_trans(addr, r[0], r[1], r[2], r[3]);
       }
   }
-  ptx::named_barrier_sync(1, 128);
+  ptx::named_barrier_sync(1, Cfg::kMathThreads);
 #pragma unroll
-  for (int idx = tid; idx < Cfg::kBlockM * kPieces; idx += 128) {
+  for (int idx = math_tid; idx < Cfg::kBlockM * kPieces; idx += Cfg::kMathThreads) {
     const int tok = idx / kPieces, piece = idx % kPieces;
     __nv_bfloat16* out = tok < t.rows ? sink.row_ptr(t.row0 + tok) : nullptr;
     if (out != nullptr)
@@ -283,20 +289,28 @@ __device__ __forceinline__ void epilogue_swiglu(const float (&acc)[Cfg::kNumChun
 
 // SwiGLU + fp8 1x128 requant of a swapped tile (chunk 0 = the 128 gate rows, chunk 1 = the matching up
 // rows, gemm_weights.h): h = silu(gate) * up per (intermediate column, token), then per token the
-// amax over the tile's 128 columns (registers, then lanes of the same l % 4, then the 4 warps through
-// shared memory), its scale and the e4m3 codes (as epilogue_swiglu computes them), staged as token
-// rows ([BLOCK_M][128] codes) and stored 16 bytes at a time; one scale per real token.
+// amax over the tile's 128 columns (registers, then lanes of the same l % 4, then every math warp's
+// through shared memory), its scale and the e4m3 codes (as epilogue_swiglu computes them), staged as
+// token rows ([BLOCK_M][128] codes) and stored 16 bytes at a time; one scale per real token. A math
+// warpgroup holds the same halves of both chunks (SwappedAcc), so its gate and up values pair in
+// registers: with two, warpgroup w has intermediate columns 64w .. 64w + 63, and only the amax crosses
+// warpgroups. Named barrier 1 over the math threads (kMathThreads; never __syncthreads: the producer
+// is elsewhere).
 template <class Cfg>
 __device__ __forceinline__ void epilogue_swiglu_swapped(const GroupedGemmSmem<Cfg>& sm, const SwappedAcc<Cfg>& acc,
                                                         const GroupedTile& t, const GroupedGemmParams& p) {
   static_assert(Cfg::kNumChunks == 2, "gate and up chunks");
-  constexpr int kM = Cfg::kBlockM, kTok = kM / 4;
-  const int tid = threadIdx.x % 128, lane = tid % 32, warp = tid / 32, q = lane % 4;
+  constexpr int kM = Cfg::kBlockM, kTok = kM / 4, kHalves = Cfg::kSwapHalves, kMathWarps = Cfg::kMathThreads / 32;
+  const int tid = threadIdx.x % 128, lane = tid % 32, q = lane % 4;
+  const int wg = swapped_math_wg<Cfg>(), half0 = wg * kHalves;
+  const int warp = tid / 32, math_warp = wg * 4 + warp;
+  const int math_tid = Cfg::kNumMathWG == 1 ? tid : int(threadIdx.x % Cfg::kMathThreads);  // as in epilogue_store_swapped
   uint8_t* const codes = sm.out;                                   // [kM tokens][128]
-  float* const red = reinterpret_cast<float*>(sm.out + kM * 128);  // [4 warps][kM tokens]
-  float v[2][kM / 2];
+  float* const red = reinterpret_cast<float*>(sm.out + kM * 128);  // [math warps][kM tokens]
+  static_assert(kM * 128 + kMathWarps * kM * 4 <= Cfg::kStageOut, "staging holds the codes and the amax");
+  float v[kHalves][kM / 2];
 #pragma unroll
-  for (int h = 0; h < 2; ++h)
+  for (int h = 0; h < kHalves; ++h)
 #pragma unroll
     for (int i = 0; i < kM / 2; ++i) v[h][i] = swiglu(acc[0][h][i], acc[1][h][i]);
   // token s of this thread (swapped_token): registers (s / 2) * 4 + s % 2 (+ 2) of both halves
@@ -304,43 +318,51 @@ __device__ __forceinline__ void epilogue_swiglu_swapped(const GroupedGemmSmem<Cf
 #pragma unroll
   for (int s = 0; s < kTok; ++s) {
     const int i = (s / 2) * 4 + s % 2;
-    amax[s] = fmaxf(fmaxf(fmt::finite_abs(v[0][i]), fmt::finite_abs(v[0][i + 2])),
-                    fmaxf(fmt::finite_abs(v[1][i]), fmt::finite_abs(v[1][i + 2])));
+    amax[s] = fmaxf(fmt::finite_abs(v[0][i]), fmt::finite_abs(v[0][i + 2]));
+#pragma unroll
+    for (int h = 1; h < kHalves; ++h)
+      amax[s] = fmaxf(amax[s], fmaxf(fmt::finite_abs(v[h][i]), fmt::finite_abs(v[h][i + 2])));
 #pragma unroll
     for (int o = 4; o < 32; o <<= 1) amax[s] = fmaxf(amax[s], __shfl_xor_sync(0xffffffffu, amax[s], o));
   }
-  ptx::named_barrier_sync(1, 128);  // the previous tile's copy-out has read the staging
+  ptx::named_barrier_sync(1, Cfg::kMathThreads);  // the previous tile's copy-out has read the staging
   if (lane < 4) {
 #pragma unroll
-    for (int s = 0; s < kTok; ++s) red[warp * kM + swapped_token(s, q)] = amax[s];
+    for (int s = 0; s < kTok; ++s) red[math_warp * kM + swapped_token(s, q)] = amax[s];
   }
-  ptx::named_barrier_sync(1, 128);
+  ptx::named_barrier_sync(1, Cfg::kMathThreads);  // every math warp's amax is in `red`
   float scale[kTok];
 #pragma unroll
   for (int s = 0; s < kTok; ++s) {
     const int tok = swapped_token(s, q);
-    const float a = fmaxf(fmaxf(red[tok], red[kM + tok]), fmaxf(red[2 * kM + tok], red[3 * kM + tok]));
-    scale[s] = fmt::fp8_block_scale(a, p.pow2_scales != 0);
+    float m[kMathWarps];  // the math warps' amax of this token, reduced pairwise
+#pragma unroll
+    for (int w = 0; w < kMathWarps; ++w) m[w] = red[w * kM + tok];
+#pragma unroll
+    for (int d = 1; d < kMathWarps; d *= 2)
+#pragma unroll
+      for (int w = 0; w + d < kMathWarps; w += 2 * d) m[w] = fmaxf(m[w], m[w + d]);
+    scale[s] = fmt::fp8_block_scale(m[0], p.pow2_scales != 0);
     const float inv = __frcp_rn(scale[s]);
     const int i = (s / 2) * 4 + s % 2;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      // rows 64h + 16w + l/4 and + 8 of one token: one pair, one scale
+    for (int h = 0; h < kHalves; ++h) {
+      // rows 64 * half + 16w + l/4 and + 8 of one token: one pair, one scale
       const uint32_t c2 = kernels::quantize_e4m3_pair(v[h][i], v[h][i + 2], scale[s], inv);
-      const int row = 64 * h + 16 * warp + lane / 4;
+      const int row = 64 * (half0 + h) + 16 * warp + lane / 4;
       codes[tok * 128 + row] = uint8_t(c2 & 0xFFu);
       codes[tok * 128 + row + 8] = uint8_t(c2 >> 8);
     }
   }
-  ptx::named_barrier_sync(1, 128);
+  ptx::named_barrier_sync(1, Cfg::kMathThreads);
 #pragma unroll
-  for (int idx = tid; idx < kM * 8; idx += 128) {  // kM token rows x 8 pieces of 16 bytes
+  for (int idx = math_tid; idx < kM * 8; idx += Cfg::kMathThreads) {  // kM token rows x 8 pieces of 16 bytes
     const int tok = idx / 8, piece = idx % 8;
     if (tok < t.rows)
       *reinterpret_cast<uint4*>(static_cast<uint8_t*>(p.d) + int64_t(t.row0 + tok) * p.ld_d + t.n_block * 128 +
                                 piece * 16) = ptx::lds_v4(ptx::smem_addr(codes + tok * 128 + piece * 16));
   }
-  if (warp == 0 && lane < 4) {
+  if (math_warp == 0 && lane < 4) {
 #pragma unroll
     for (int s = 0; s < kTok; ++s) {
       const int tok = swapped_token(s, q);

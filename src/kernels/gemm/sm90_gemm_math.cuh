@@ -123,9 +123,18 @@ __device__ __forceinline__ void math_tile(const GroupedGemmSmem<Cfg>& sm, PipeSt
 // row + 8hh (ptx::wgmma_m64n16k32_e4m3 / m64n32k32). Token s / 2 * 8 + 2(l%4) + s % 2 is this
 // thread's token s, s < BLOCK_M / 4.
 
-// The swapped tile's accumulators: [chunk][half][registers of BLOCK_M tokens]
+// The swapped tile's accumulators of one math warpgroup: [chunk][its half][registers of BLOCK_M tokens]
+// (one warpgroup: both halves; two, mxfp4 weights: warpgroup w holds half w of each chunk).
 template <class Cfg>
-using SwappedAcc = float[Cfg::kNumChunks][2][Cfg::kBlockM / 2];
+using SwappedAcc = float[Cfg::kNumChunks][Cfg::kSwapHalves][Cfg::kBlockM / 2];
+
+// This thread's math warpgroup on a swapped tile. invariant: the math warpgroups are the CTA's first
+// kNumMathWG (thread t is in warpgroup t / 128); with one it is 0 at compile time, whatever the
+// kernel's role layout.
+template <class Cfg>
+__device__ __forceinline__ int swapped_math_wg() {
+  return Cfg::kNumMathWG == 1 ? 0 : int(threadIdx.x / 128);
+}
 
 template <int kTokens>
 __device__ __forceinline__ void wgmma_swapped(float (&d)[kTokens / 2], uint64_t desc_w, uint64_t desc_x, int scale_d) {
@@ -143,6 +152,7 @@ __device__ __forceinline__ int swapped_token(int s, int q) { return (s / 2) * 8 
 template <class Cfg, bool kFirst>
 __device__ __forceinline__ void math_k_block_swapped(const GroupedGemmSmem<Cfg>& sm, PipeState& pipe, int box0,
                                                      SwappedAcc<Cfg>& acc) {
+  static_assert(Cfg::kNumMathWG == 1 && Cfg::kSwapHalves == 2, "fp8 weights: one math warpgroup per swapped tile");
   constexpr int kRegs = Cfg::kBlockM / 2;
   const int lane = threadIdx.x % 32, q = lane % 4;
   ptx::mbar_wait(&sm.full[pipe.stage], pipe.phase);
@@ -193,11 +203,13 @@ __device__ __forceinline__ void math_k_block_swapped(const GroupedGemmSmem<Cfg>&
 // ---- mxfp4 weights (Cfg::kWeightFp4, swapped tiles) ----------------------------------------------------
 //
 // The weight slot holds the tile's four 64-row pieces of gemm_weights.h's layout (slab 2c + h is chunk
-// c's half h). Each thread reads, per slab, two 16-byte runs of codes (its eight words: steps 0..3 of its
-// rows m0 and m0 + 8) and its two rows' shift indices, and expands every word with the shift table row of
-// its (row, step) into two A registers: a[0] / a[2] from row m0's word, a[1] / a[3] from row m0 + 8's.
-// All 64 A registers of the K block exist before the 16 wgmmas issue (the hardware reads them after
-// issue; they are held until the wait). The block scale S of chunk c is fp8-block's sb[c].
+// c's half h). Math warpgroup w computes halves w * kSwapHalves .. + kSwapHalves - 1 of both chunks (one
+// warpgroup: all four slabs; two: slabs w and 2 + w each). Each thread reads, per slab, two 16-byte runs
+// of codes (its eight words: steps 0..3 of its rows m0 and m0 + 8) and its two rows' shift indices, and
+// expands every word with the shift table row of its (row, step) into two A registers: a[0] / a[2] from
+// row m0's word, a[1] / a[3] from row m0 + 8's. All A registers of the K block (16 per slab) exist before
+// its wgmmas (4 per slab) issue (the hardware reads them after issue; they are held until the wait). The
+// block scale S of chunk c is fp8-block's sb[c].
 
 template <int kTokens>
 __device__ __forceinline__ void wgmma_swapped_rs(float (&d)[kTokens / 2], const uint32_t (&a)[4], uint64_t desc_x,
@@ -211,9 +223,10 @@ __device__ __forceinline__ void wgmma_swapped_rs(float (&d)[kTokens / 2], const 
 template <class Cfg, bool kFirst>
 __device__ __forceinline__ void math_k_block_swapped_fp4(const GroupedGemmSmem<Cfg>& sm, PipeState& pipe, int box0,
                                                          SwappedAcc<Cfg>& acc) {
-  constexpr int kRegs = Cfg::kBlockM / 2;
+  constexpr int kRegs = Cfg::kBlockM / 2, kHalves = Cfg::kSwapHalves;
   const int tid = threadIdx.x % 128, lane = tid % 32, q = lane % 4;
   const int m0 = (tid / 32) * 16 + lane / 4;  // this thread's fragment rows in each slab: m0, m0 + 8
+  const int half0 = swapped_math_wg<Cfg>() * kHalves;  // this warpgroup's first half of each chunk
   ptx::mbar_wait(&sm.full[pipe.stage], pipe.phase);
   const uint64_t desc_x = ptx::make_sw128_desc(sm.a + pipe.stage * Cfg::kStageA);
   const uint8_t* w_tile = sm.b + pipe.stage * Cfg::kStageB;
@@ -224,12 +237,12 @@ __device__ __forceinline__ void math_k_block_swapped_fp4(const GroupedGemmSmem<C
   float sb[Cfg::kNumChunks];
 #pragma unroll
   for (int c = 0; c < Cfg::kNumChunks; ++c) sb[c] = sm.sfb[pipe.stage * 4 + c];
-  uint32_t a[Cfg::kNumChunks][2][4][4];  // [chunk][half][k32 step][register]
+  uint32_t a[Cfg::kNumChunks][kHalves][4][4];  // [chunk][this warpgroup's half][k32 step][register]
 #pragma unroll
   for (int c = 0; c < Cfg::kNumChunks; ++c)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint8_t* slab = w_tile + (2 * c + h) * kFp4SlabBytes;
+    for (int h = 0; h < kHalves; ++h) {
+      const uint8_t* slab = w_tile + (2 * c + half0 + h) * kFp4SlabBytes;
       const uint4 f0 = *reinterpret_cast<const uint4*>(slab + 16 * tid);
       const uint4 f1 = *reinterpret_cast<const uint4*>(slab + 2048 + 16 * tid);
       const uint32_t sh0 = *reinterpret_cast<const uint32_t*>(slab + kFp4SlabCodeBytes + 4 * m0);
@@ -249,7 +262,7 @@ __device__ __forceinline__ void math_k_block_swapped_fp4(const GroupedGemmSmem<C
 #pragma unroll
   for (int c = 0; c < Cfg::kNumChunks; ++c)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < kHalves; ++h) {
       ptx::fence_operands(tmp[c][h]);
 #pragma unroll
       for (int s = 0; s < 4; ++s) ptx::fence_operands(a[c][h][s]);
@@ -258,7 +271,7 @@ __device__ __forceinline__ void math_k_block_swapped_fp4(const GroupedGemmSmem<C
 #pragma unroll
   for (int c = 0; c < Cfg::kNumChunks; ++c)
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
+    for (int h = 0; h < kHalves; ++h)
 #pragma unroll
       for (int s = 0; s < 4; ++s) wgmma_swapped_rs<Cfg::kBlockM>(tmp[c][h], a[c][h][s], desc_x + 2 * s, s > 0);
   ptx::wgmma_commit();
@@ -266,7 +279,7 @@ __device__ __forceinline__ void math_k_block_swapped_fp4(const GroupedGemmSmem<C
 #pragma unroll
   for (int c = 0; c < Cfg::kNumChunks; ++c)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < kHalves; ++h) {
       ptx::fence_operands(tmp[c][h]);
 #pragma unroll
       for (int s = 0; s < 4; ++s) ptx::fence_operands(a[c][h][s]);
@@ -276,7 +289,7 @@ __device__ __forceinline__ void math_k_block_swapped_fp4(const GroupedGemmSmem<C
 #pragma unroll
   for (int c = 0; c < Cfg::kNumChunks; ++c)
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
+    for (int h = 0; h < kHalves; ++h)
 #pragma unroll
       for (int i = 0; i < kRegs; ++i) {
         const float sc = sa[(i / 4) * 2 + (i % 2)] * sb[c];

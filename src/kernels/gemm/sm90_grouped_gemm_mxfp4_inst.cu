@@ -1,7 +1,7 @@
-// The mxfp4-weight configurations of the grouped GEMM (their own translation unit; the list lives in
-// sm90_fp8_grouped_gemm.cuh).
+// The mxfp4-weight configurations of the grouped GEMM with one math warpgroup (their own translation
+// unit; the list lives in sm90_fp8_grouped_gemm.cuh).
 #include "kernels/gemm/sm90_fp8_grouped_gemm.cuh"
 
 namespace megamoe::gemm {
-MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4(MEGAMOE_GROUPED_GEMM_INSTANTIATE_FP4)
+MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4_1WG(MEGAMOE_GROUPED_GEMM_INSTANTIATE_FP4)
 }  // namespace megamoe::gemm

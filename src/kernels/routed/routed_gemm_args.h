@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "kernels/gemm/sm90_fp8_grouped_gemm.h"
 #include "megamoe/config.h"
@@ -40,10 +41,17 @@ bool routed_fc2_writes_combine(const MoeConfig& config);
 // rows rather than their mean.
 int64_t routed_rows_per_expert(const MoeGeometry& geometry, int64_t rows);
 
+// The mxfp4 GEMMs' math warpgroups per tile (GemmTileConfig::fp4_math_wg) from MEGAMOE_GEMM_FP4_MATH_WG
+// as given (EnvKnobs::gemm_fp4_math_wg): "1" or "2"; empty (unset): gemm::kDefaultFp4MathWG. Anything
+// else: kInvalidArgument naming the variable, the value and the rule.
+Status routed_fp4_math_wg(const std::string& knob, int32_t* out);
+
 // fc1: pool_x -> SwiGLU (+ fp8 requant) -> intermediate; fc2: intermediate -> combine rows or
-// expert_out. gemm_sms > 0 bounds both grids (a shared device's SM budget). Both validated.
+// expert_out. gemm_sms > 0 bounds both grids (a shared device's SM budget). fp4_math_wg: mxfp4
+// weights' math warpgroups per tile for both (1 or 2; 0: the GEMM's default); ignored for other
+// formats. Both validated.
 Status make_routed_gemm_args(const MoeGeometry& geometry, const MoeConfig& config, const WorkspaceLayout& layout,
-                             const RoutedGemmBuffers& buffers, int gemm_sms, gemm::GroupedGemmArgs* fc1,
-                             gemm::GroupedGemmArgs* fc2);
+                             const RoutedGemmBuffers& buffers, int gemm_sms, int32_t fp4_math_wg,
+                             gemm::GroupedGemmArgs* fc1, gemm::GroupedGemmArgs* fc2);
 
 }  // namespace megamoe

@@ -80,7 +80,7 @@ std::shared_ptr<KeyScratch> key_scratch(const WorkspaceKey& key) {
 
 bool same_tiles(const gemm::GemmTileConfig& a, const gemm::GemmTileConfig& b) {
   return a.block_m == b.block_m && a.block_n == b.block_n && a.num_sms == b.num_sms && a.cluster == b.cluster &&
-         a.round_robin == b.round_robin;
+         a.round_robin == b.round_robin && a.fp4_math_wg == b.fp4_math_wg;
 }
 
 class RoutedMoeLayer final : public MoeLayer {
@@ -309,8 +309,12 @@ class RoutedMoeLayer final : public MoeLayer {
     b.num_ranks = targets.num_ranks;
     b.rows_per_rank = targets.rows_per_rank;
     for (int r = 0; r < targets.num_ranks; ++r) b.peer_combine[r] = targets.peer_combine[r];
+    int32_t fp4_math_wg = 0;  // mxfp4 weights only: the knob, validated here (warmup) so a bad value fails there
+    if (config_.weight_format == WeightFormat::kMxfp4)
+      MEGAMOE_RETURN_IF_ERROR(routed_fp4_math_wg(env_knobs().gemm_fp4_math_wg, &fp4_math_wg));
     gemm::GroupedGemmArgs fc1, fc2;
-    MEGAMOE_RETURN_IF_ERROR(make_routed_gemm_args(geometry_, config_, transport_->layout(), b, gemm_sms_, &fc1, &fc2));
+    MEGAMOE_RETURN_IF_ERROR(
+        make_routed_gemm_args(geometry_, config_, transport_->layout(), b, gemm_sms_, fp4_math_wg, &fc1, &fc2));
     fc1_ = fc1;
     fc2_ = fc2;
     plans_.clear();  // made from fc1_ / fc2_
@@ -547,9 +551,23 @@ int64_t routed_rows_per_expert(const MoeGeometry& g, int64_t rows) {
   return std::max<int64_t>(1, static_cast<int64_t>(std::ceil(mean + 2.0 * std::sqrt(mean))));
 }
 
+Status routed_fp4_math_wg(const std::string& knob, int32_t* out) {
+  if (knob.empty()) {
+    *out = gemm::kDefaultFp4MathWG;
+    return Status::ok();
+  }
+  if (knob == "1" || knob == "2") {
+    *out = knob == "1" ? 1 : 2;
+    return Status::ok();
+  }
+  return invalid_argument("environment knob", "MEGAMOE_GEMM_FP4_MATH_WG", "'" + knob + "'",
+                          "must be 1 or 2 (math warpgroups per tile of the routed mxfp4 GEMMs; unset: " +
+                              str(gemm::kDefaultFp4MathWG) + ")");
+}
+
 Status make_routed_gemm_args(const MoeGeometry& g, const MoeConfig& c, const WorkspaceLayout& l,
-                             const RoutedGemmBuffers& b, int gemm_sms, gemm::GroupedGemmArgs* fc1_out,
-                             gemm::GroupedGemmArgs* fc2_out) {
+                             const RoutedGemmBuffers& b, int gemm_sms, int32_t fp4_math_wg,
+                             gemm::GroupedGemmArgs* fc1_out, gemm::GroupedGemmArgs* fc2_out) {
   const bool mxfp4 = c.weight_format == WeightFormat::kMxfp4;
   const bool fp8 = c.weight_format == WeightFormat::kFp8Block || mxfp4;  // e4m3 activations, 1x128 scales
   const bool nvfp4 = c.weight_format == WeightFormat::kNvfp4;  // bf16 GEMMs on the expanded weights
@@ -611,6 +629,7 @@ Status make_routed_gemm_args(const MoeGeometry& g, const MoeConfig& c, const Wor
     for (int r = 0; r < b.num_ranks; ++r) fc2.peer_d[r] = b.peer_combine[r];
   }
   fc2.tiles = tiles_for(c, fc2.n, /*swiglu=*/false, gemm_sms);
+  if (mxfp4) fc1.tiles.fp4_math_wg = fc2.tiles.fp4_math_wg = fp4_math_wg;
   fc1.tile_counter = b.tile_counters;
   fc1.tile_order = fc2.tile_order = c.knobs.gemm_tile_order == 1   ? gemm::GemmTileOrder::kCounter
                                     : c.knobs.gemm_tile_order == 2 ? gemm::GemmTileOrder::kRoundRobin
@@ -673,7 +692,9 @@ Status routed_format_gate(const MoeGeometry& g, const MoeConfig& c) {
   fake.rows_per_rank = g.max_tokens_per_rank * g.top_k;
   for (int r = 0; r < fake.num_ranks && r < 8; ++r) fake.peer_combine[r] = addr;
   gemm::GroupedGemmArgs fc1, fc2;
-  if (Status st = make_routed_gemm_args(g, c, WorkspaceLayout::make(transport.params), fake, 0, &fc1, &fc2);
+  // fp4_math_wg 0: the GEMM's default (the knob is the layer's warmup's to check: a bad value fails the
+  // layer there rather than turning `auto` away from routed).
+  if (Status st = make_routed_gemm_args(g, c, WorkspaceLayout::make(transport.params), fake, 0, 0, &fc1, &fc2);
       !st.is_ok())
     return Status(StatusCode::kUnavailable, "the routed backend's grouped GEMM cannot run it: " + st.message());
   return Status::ok();

@@ -64,11 +64,14 @@ Status create_host_group(int size, std::vector<std::shared_ptr<Communicator>>* r
 // (cudaFree, cudaDeviceSynchronize, a synchronous cudaMemcpy) while a peer's forward may be waiting
 // for its launch.
 // The group also needs the ranks' kernels to reach the GPU independently: CUDA feeds streams to the
-// device through CUDA_DEVICE_MAX_CONNECTIONS hardware work queues (default 8), handed to streams in
-// creation order, and two streams on one queue run their kernels one after the other, so a rank's
-// kernel queued behind a peer's waiting kernel cannot start until that wait gives up. The group
-// therefore creates one stream per rank, back to back, each on its own queue (shared_gpu_stream()),
-// and refuses CUDA_DEVICE_MAX_CONNECTIONS < size. Run each rank's forwards on its group stream.
+// device through CUDA_DEVICE_MAX_CONNECTIONS hardware work queues (default 8), and two streams on one
+// queue run their kernels one after the other, so a rank's kernel queued behind a peer's waiting
+// kernel cannot start until that wait gives up (a timeout, reported; with one queue every EP > 1
+// forward times out). The group refuses CUDA_DEVICE_MAX_CONNECTIONS < size and creates one stream
+// per rank, back to back (shared_gpu_stream()): run each rank's forwards on it, and set
+// CUDA_DEVICE_MAX_CONNECTIONS=32 (CUDA's most) before the first CUDA call, as the project's GPU test
+// binary and tool do. CUDA does not document how streams take queues, so a collision stays possible
+// in a process with many live streams: it shows as that bounded timeout, never as a hang.
 Status create_shared_gpu_group(int device, int size, std::vector<std::shared_ptr<Communicator>>* ranks);
 
 // The stream (a cudaStream_t) of rank `rank` of a shared-GPU group (see above): non-blocking, owned by

@@ -266,8 +266,8 @@ Status create_shared_gpu_group(int device, int size, std::vector<std::shared_ptr
   MEGAMOE_RETURN_IF_ERROR(check_device_connections(std::getenv("CUDA_DEVICE_MAX_CONNECTIONS"), size));
   std::vector<std::shared_ptr<Communicator>> made;
   MEGAMOE_RETURN_IF_ERROR(create_shared_gpu_group_with(device, size, prop.multiProcessorCount, SharedGpuMemory::cuda(), &made));
-  // The ranks' streams back to back, nothing else created in between by this thread: consecutive
-  // streams take consecutive hardware queues (checked on the H200 with CUDA_DEVICE_MAX_CONNECTIONS=2).
+  // The ranks' streams back to back (nothing else created in between by this thread): CUDA does not
+  // document how streams take queues, but with queues to spare consecutive streams rarely share one.
   CudaDeviceGuard guard(device);
   if (!guard.ok()) return Status(StatusCode::kCudaError, "shared-GPU group: cannot select cuda:" + std::to_string(device));
   std::vector<void*> streams(static_cast<size_t>(size), nullptr);

@@ -106,7 +106,8 @@ Status mega_auto_format_gate(const MoeConfig& c) {
                   "with weight_format=mxfp4; backend=mega runs it on request)");
   if (c.weight_format == WeightFormat::kNvfp4 && c.combine_dtype == CombineDtype::kBf16 && !c.uses_owner_reduce())
     return Status(StatusCode::kUnavailable,
-                  "the mega backend's nvfp4 kernel has not been measured against routed's yet (auto keeps to routed "
+                  "the mega backend's nvfp4 kernel has not been measured against routed's beyond qwen3-30b-a3b at "
+                  "EP1, where it was faster at 1-512 tokens (docs/PERF.md; auto keeps to routed "
                   "with weight_format=nvfp4 where routed runs it: combine_dtype=bf16, no owner reduce; backend=mega "
                   "runs it on request)");
   return Status::ok();

@@ -86,8 +86,11 @@ struct MoeConfig {
   CombineDtype combine_dtype = CombineDtype::kBf16;
   // Power-of-two (ue8m0) fp32 scales for the fp8-block formats (DeepSeek-V3 "scale_fmt: ue8m0").
   bool pow2_scales = false;
-  // FC2 epilogue adds weighted bf16 partials straight into the source rank's output (bf16 wire only;
-  // summation order then depends on arrival, so results are not bitwise reproducible).
+  // FC2's epilogue adds the weighted bf16 partials into the source rank's bf16 accumulation row of
+  // each token (one rounding per add), copied to y in the same launch: no per-slot combine rows to
+  // stage and read back. bf16 wire only, no owner reduce; the mega backend only (routed refuses it,
+  // and `auto` then picks mega at any max_tokens_per_rank); the sum's order depends on arrival, so
+  // results are not bitwise reproducible (bound: reference::in_kernel_reduce_bound_one_forward).
   bool in_kernel_fc2_reduce = false;
   // Each owner rank sums the weighted partials of its experts for a token (fp32, in slot order) and
   // sends one combine row per (token, owner rank) instead of one per (token, slot): k / (ranks a token
@@ -105,8 +108,9 @@ struct MoeConfig {
   // Multiplies the layer's output (SGLang's routed_scaling_factor): every topk weight is scaled by it
   // in fp32 before the forward uses it (layer.h). Must be finite.
   float output_scale = 1.0f;
-  // auto: mega when 0 < max_tokens_per_rank <= this, routed above. Overridden by a measured
-  // crossover from the knob cache when one exists.
+  // auto: mega when 0 < max_tokens_per_rank <= this, routed above (mega also above it where routed
+  // cannot run the configuration; 0: never mega). Overridden by a measured crossover from the knob
+  // cache when one exists.
   int64_t mega_max_tokens_per_rank = kDefaultMegaMaxTokensPerRank;
   // Layers of equal geometry and options share one workspace and its scratch, and so must run one
   // after another on one stream. An engine that overlaps two such layers (micro-batches on two

@@ -177,7 +177,9 @@ struct WorkspaceLayout {
     take(l.pool_x_scales, fp8_d ? P * (H / 128) * 4 : 0);
     take(l.intermediate, P * I * ws_elem_bytes(p.intermediate_format));
     take(l.intermediate_scales, fp8_i ? P * (I / 128) * 4 : 0);
-    take(l.combine, p.in_kernel_fc2_reduce ? 0 : T * combine_rows_per_token(p) * l.wire_row_bytes);
+    // in-kernel FC2 reduce: mega's bf16 accumulation row per token (the owners add into it, the source
+    // copies it to y and zeroes it); the cpu protocol adds into y itself
+    take(l.combine, p.in_kernel_fc2_reduce ? (p.mega ? T * H * 2 : 0) : T * combine_rows_per_token(p) * l.wire_row_bytes);
     l.total_bytes = cursor;
     return l;
   }

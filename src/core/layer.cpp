@@ -169,8 +169,15 @@ BackendSelection select_backend(const MoeGeometry& g, const MoeConfig& c, const 
     s.reason += "; auto: routed";
     return s;
   }
+  s.reason += "; auto: routed not chosen: " + routed_gate.message();
+  // Only the threshold kept mega out (0 disables mega under auto), and no other GPU backend runs it.
+  if (t > 0 && threshold > 0 && mega_gate.is_ok()) {
+    s.backend = Backend::kMega;
+    s.reason += "; auto: mega (the GPU backend that runs this configuration)";
+    return s;
+  }
   s.backend = Backend::kCpu;
-  s.reason += "; auto: routed not chosen: " + routed_gate.message() + "; auto: cpu";
+  s.reason += "; auto: cpu";
   return s;
 }
 

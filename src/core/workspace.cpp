@@ -39,7 +39,7 @@ const char* const kRegionFormulas[WorkspaceLayout::kNumRegions] = {
     "P * H/128 * 4 (fp8 dispatch)",
     "P * I * e_intermediate",
     "P * I/128 * 4 (fp8 intermediate)",
-    "T_max * (owner_reduce ? R : k) * wire_row_bytes (0 with in-kernel FC2 reduce)"};
+    "T_max * (owner_reduce ? R : k) * wire_row_bytes (in-kernel FC2 reduce: T_max * H * 2 with mega, else 0)"};
 
 }  // namespace
 

@@ -77,5 +77,14 @@ ErrorBound same_points_bound_one_forward(CombineDtype combine, int64_t tokens) {
   return b;
 }
 
+ErrorBound in_kernel_reduce_bound_one_forward(int64_t top_k, int64_t tokens) {
+  ErrorBound b = same_points_bound_one_forward(CombineDtype::kBf16, tokens);
+  const double adds = 2.0 * static_cast<double>(top_k > 1 ? top_k - 1 : 0);
+  const double order = 2.0 * std::sqrt(adds) * kBf16Rms;
+  b.rel_l2 = std::sqrt(b.rel_l2 * b.rel_l2 + order * order);
+  b.derivation += "; in-kernel reduce: + 2 x sqrt(2 (top_k - 1)) bf16 roundings of another add order";
+  return b;
+}
+
 }  // namespace reference
 }  // namespace megamoe

@@ -59,6 +59,12 @@ ErrorBound same_points_bound(CombineDtype combine);
 // fails a forward that loses one (token, slot) pair of T * top_k, whose rel-L2 is about
 // 1 / sqrt(T * top_k): 6e-2 against a bound of 6.9e-3 at 64 tokens of top-4.
 ErrorBound same_points_bound_one_forward(CombineDtype combine, int64_t tokens);
+// The in-kernel FC2 reduce (bf16 wire) against the cpu backend's: both add a token's top_k partials
+// into a zeroed bf16 row, rounding once per add, but in different orders (the GPU's adds race), so
+// beyond the same-points difference the two sums differ by their top_k - 1 roundings each:
+// 2 (top_k - 1) independent bf16 roundings, RMS 0.425 * 2^-8 each relative to the partial sum.
+// Bound: the one-forward same-points bound and 2x that term, in quadrature.
+ErrorBound in_kernel_reduce_bound_one_forward(int64_t top_k, int64_t tokens);
 
 }  // namespace reference
 }  // namespace megamoe

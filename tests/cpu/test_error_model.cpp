@@ -7,6 +7,7 @@
 #include <random>
 #include <vector>
 
+#include "megamoe/formats.h"
 #include "megamoe/workspace.h"
 #include "reference/ep_protocol.h"
 #include "reference/error_model.h"
@@ -98,6 +99,41 @@ TEST(ErrorBound, OneForwardWidensThePooledBoundByTokenCount) {
   EXPECT_NEAR(b.rel_l2, 5e-3 * 1.375, 1e-15);
   EXPECT_LT(b.rel_l2, 1.0 / std::sqrt(64.0 * 4) / 8);
   EXPECT_NE(b.derivation.find("one forward of 64 token(s)"), std::string::npos) << b.derivation;
+}
+
+// The in-kernel reduce's order term: k partials added into a zeroed bf16 row in two different orders
+// (one rounding per add, as the GPU's red.add and the cpu backend do) differ by less than the order
+// term of in_kernel_reduce_bound_one_forward, and by more than a tenth of it (the term is not slack).
+TEST(ErrorBound, InKernelReduceOrderTermCoversTwoAddOrders) {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> n(0.f, 1.f);
+  std::uniform_real_distribution<float> w(0.05f, 1.f);
+  for (int64_t k : {4, 8}) {
+    const int64_t H = 4096;
+    double diff = 0, ref = 0;
+    for (int64_t t = 0; t < 64; ++t) {
+      std::vector<std::vector<float>> part(k, std::vector<float>(H));
+      for (auto& p : part) {
+        const float scale = w(rng);  // routing weights of different sizes
+        for (float& v : p) v = fmt::round_to_bf16(scale * n(rng));
+      }
+      for (int64_t c = 0; c < H; ++c) {
+        float a = 0.f, b = 0.f;
+        for (int64_t j = 0; j < k; ++j) a = fmt::bf16_to_float(fmt::float_to_bf16(a + part[j][c]));
+        for (int64_t j = k - 1; j >= 0; --j) b = fmt::bf16_to_float(fmt::float_to_bf16(b + part[j][c]));
+        diff += (double(a) - b) * (double(a) - b);
+        ref += double(a) * a;
+      }
+    }
+    const double measured = std::sqrt(diff / ref);
+    const double same = reference::same_points_bound_one_forward(CombineDtype::kBf16, 1 << 20).rel_l2;
+    const double full = reference::in_kernel_reduce_bound_one_forward(k, 1 << 20).rel_l2;
+    const double order = std::sqrt(full * full - same * same);
+    std::printf("[error model] top_k %lld: two add orders differ by %.3e (order term %.3e)\n",
+                static_cast<long long>(k), measured, order);
+    EXPECT_LE(measured, order);
+    EXPECT_GE(measured, order / 10);
+  }
 }
 
 }  // namespace

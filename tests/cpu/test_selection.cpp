@@ -55,7 +55,9 @@ INSTANTIATE_TEST_SUITE_P(
                       SelectionCase{4097, 4096, true, true, Backend::kRouted},
                       SelectionCase{256, 1024, false, true, Backend::kRouted},   // mega's gate fails
                       SelectionCase{256, 1024, false, false, Backend::kCpu},     // both fail
-                      SelectionCase{8192, 1024, true, false, Backend::kCpu},     // routed fails above threshold
+                      // routed fails above the threshold: mega, the GPU backend that runs it
+                      SelectionCase{8192, 1024, true, false, Backend::kMega},
+                      SelectionCase{1, 0, true, false, Backend::kCpu},           // threshold 0: never mega
                       SelectionCase{0, 1024, true, true, Backend::kRouted},      // 0 is not in (0, threshold]
                       SelectionCase{1, 0, true, true, Backend::kRouted}));       // threshold 0: never mega
 

@@ -379,11 +379,109 @@ TEST(Sm90MegaEdges, AutoSelectsMegaUpToTheThresholdAndTheGateNamesTheRule) {
     EXPECT_EQ(layer->backend(), T_max <= 64 ? Backend::kMega : Backend::kRouted) << layer->selection().reason;
   }
   MoeConfig q;
-  q.in_kernel_fc2_reduce = true;
-  const Status gate = mega_capability(geometry(512, 256, 16, 4, 64), q);
-  EXPECT_FALSE(gate.is_ok());
-  EXPECT_NE(gate.message().find("in-kernel FC2 reduce"), std::string::npos) << gate.message();
+  q.in_kernel_fc2_reduce = true;  // above the threshold too: routed has no in-kernel reduce
+  for (int64_t T_max : {64, 65}) {
+    MoeProblem problem = reference::make_random_problem(geometry(512, 256, 16, 4, T_max), 3, {T_max});
+    std::unique_ptr<MoeLayer> layer;
+    q.mega_max_tokens_per_rank = 64;
+    ASSERT_TRUE(make_layer(problem, q, Backend::kAuto, &layer));
+    EXPECT_EQ(layer->backend(), Backend::kMega) << layer->selection().reason;
+  }
   EXPECT_FALSE(mega_capability(geometry(640, 256, 16, 4, 64), MoeConfig{}).is_ok());  // hidden % 256
+}
+
+// The in-kernel FC2 reduce (bf16 red.add into the source's accumulation rows, copied to y in the same
+// launch): against the cpu backend's in-kernel reduce (same quantisation points, another add order)
+// within in_kernel_reduce_bound_one_forward, every repeat and graph replay too (their adds race, so
+// they need not be bitwise equal; each is poisoned first, so a row left unwritten fails), and the
+// accumulation rows are zero again after each launch (a repeat that found them dirty would double).
+TEST(Sm90MegaEdges, InKernelFc2ReduceWithinItsBound) {
+  MEGAMOE_REQUIRE_SM90_GPUS(1);
+  cudaSetDevice(0);
+  struct Shape {
+    const char* name;
+    int64_t H, I, E, k, T;
+    Routing routing;
+    int32_t block_m;
+  };
+  for (const Shape& sh : {Shape{"Tiny_T64", 512, 256, 16, 4, 64, Routing::kUniform, 0},
+                          Shape{"Tiny_T64_BM16", 512, 256, 16, 4, 64, Routing::kUniform, 16},
+                          Shape{"Qwen3_30B_T96_Dropped", 2048, 768, 128, 8, 96, Routing::kWithDropped, 0},
+                          Shape{"SingleExpert_T100", 512, 256, 16, 4, 100, Routing::kSingleExpert, 0}}) {
+    MoeProblem problem = reference::make_random_problem(geometry(sh.H, sh.I, sh.E, sh.k, sh.T), 77, {sh.T}, sh.routing);
+    MoeConfig cfg;
+    cfg.in_kernel_fc2_reduce = true;
+    cfg.knobs.block_m = sh.block_m;
+    std::unique_ptr<MoeLayer> mega, cpu;
+    ASSERT_TRUE(make_layer(problem, cfg, Backend::kMega, &mega));
+    ASSERT_EQ(mega->backend(), Backend::kMega);
+    ASSERT_TRUE(make_layer(problem, cfg, Backend::kCpu, &cpu));
+    const RankInputs& in = problem.ranks[0];
+    cudaStream_t s;
+    cudaStreamCreate(&s);
+    DeviceInputs d(in, sh.H, sh.k);
+    const std::vector<uint16_t> y_cpu = cpu_forward(*cpu, in, sh.H, sh.k);
+    const reference::ErrorBound bound = reference::in_kernel_reduce_bound_one_forward(sh.k, sh.T);
+    const auto check = [&](const char* what) {
+      const Status err = mega->check_error(s);
+      ASSERT_TRUE(err.is_ok()) << err.to_string();
+      const double rel = rel_l2_bf16(d.output(), y_cpu);
+      std::printf("[mega] in-kernel reduce %s %s: rel-L2 vs cpu backend = %.3e (bound %.2e)\n", sh.name, what, rel,
+                  bound.rel_l2);
+      EXPECT_LE(rel, bound.rel_l2) << sh.name << " " << what;
+    };
+    for (int rep = 0; rep < 3; ++rep) {
+      d.poison(s);
+      ASSERT_TRUE(d.forward(*mega, s).is_ok());
+      check(rep == 0 ? "first" : "repeat");
+    }
+    cudaGraph_t graph;
+    ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    const Status cst = d.forward(*mega, s);
+    ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
+    ASSERT_TRUE(cst.is_ok()) << cst.to_string();
+    size_t nodes = 0;
+    ASSERT_EQ(cudaGraphGetNodes(graph, nullptr, &nodes), cudaSuccess);
+    EXPECT_EQ(nodes, 1u);
+    cudaGraphExec_t exec;
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    for (int rep = 0; rep < 2; ++rep) {
+      d.poison(s);
+      ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
+      check("graph replay");
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(s);
+  }
+}
+
+// Two logical ranks with the in-kernel reduce: every owner adds into the source's accumulation rows
+// through its peer pointer (uneven T, a rank with none), within the bound, repeat and graph replay too.
+TEST(Sm90MegaSharedGpuEdges, InKernelFc2ReduceAtTwoRanks) {
+  MEGAMOE_REQUIRE_SM90_GPUS(1);
+  MoeGeometry g = geometry(2048, 768, 128, 8, 64);
+  g.ep_size = 2;
+  for (const std::vector<int64_t>& tokens : {std::vector<int64_t>{64, 41}, std::vector<int64_t>{0, 64}}) {
+    MoeProblem problem = reference::make_random_problem(g, 4242, tokens, Routing::kWithDropped);
+    MoeConfig cfg;
+    cfg.in_kernel_fc2_reduce = true;
+    Harness h(problem, cfg, GroupKind::kSharedGpu, Backend::kMega);
+    ASSERT_TRUE(h.build());
+    for (int pass = 0; pass < 3; ++pass) {
+      std::vector<std::vector<uint16_t>> y, y_cpu;
+      ASSERT_TRUE(h.run(problem.ranks, &y, &y_cpu, /*graph=*/pass == 2));
+      for (int r = 0; r < 2; ++r) {
+        ASSERT_EQ(y[r].size(), y_cpu[r].size());
+        if (y[r].empty()) continue;
+        const double bound = reference::in_kernel_reduce_bound_one_forward(g.top_k, tokens[r]).rel_l2;
+        const double rel = rel_l2_bf16(y[r], y_cpu[r]);
+        std::printf("[mega] in-kernel reduce R2 pass %d rank %d (T=%lld): rel-L2 vs cpu backend = %.3e (bound %.2e)\n",
+                    pass, r, static_cast<long long>(tokens[r]), rel, bound);
+        EXPECT_LE(rel, bound) << "pass " << pass << " rank " << r;
+      }
+    }
+  }
 }
 
 // Many forwards with a random T (0..T_max) and random routing, each against the cpu backend.

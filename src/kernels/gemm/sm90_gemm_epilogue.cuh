@@ -15,7 +15,8 @@ namespace megamoe::gemm {
 
 // Where an output row goes. The default sink writes D[row_map ? row_map[a_row] : a_row], or, with
 // peer buffers, row row_map % peer_d_rows of peer_d[row_map / peer_d_rows] (a rank's combine region
-// through its LSA pointer); a fused kernel may supply its own sink.
+// through its LSA pointer); a fused kernel may supply its own sink (row_ptr and put: the mega kernel's
+// in-kernel FC2 reduce adds the pieces instead of storing them).
 struct DefaultRowSink {
   const GroupedGemmParams& p;
   __device__ __forceinline__ __nv_bfloat16* row_ptr(int32_t a_row) const {
@@ -27,6 +28,8 @@ struct DefaultRowSink {
     }
     return static_cast<__nv_bfloat16*>(p.d) + int64_t(dst) * p.ld_d;
   }
+  // Stores 8 bf16 at `to` (16-byte aligned), a piece of the row row_ptr gave.
+  __device__ __forceinline__ void put(__nv_bfloat16* to, const uint4& v) const { *reinterpret_cast<uint4*>(to) = v; }
 };
 
 // Quad transpose: the 4 lanes q of a quad each hold x[0..3]; afterwards y[p] = lane p's x[q]. Used
@@ -140,8 +143,7 @@ __device__ __forceinline__ void epilogue_store_bf16(const GroupedGemmSmem<Cfg>& 
           const unsigned long long pr =
               __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(my_row), row);
           __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(pr);
-          if (out != nullptr)
-            *reinterpret_cast<uint4*>(out + t.n_block * Cfg::kBlockN + c * 128 + half * 64 + 8 * rb_piece) = v;
+          if (out != nullptr) sink.put(out + t.n_block * Cfg::kBlockN + c * 128 + half * 64 + 8 * rb_piece, v);
         }
         __syncwarp();  // the next stmatrix overwrites the staging rows
       }
@@ -203,9 +205,10 @@ __device__ __forceinline__ void epilogue_store_swapped(const GroupedGemmSmem<Cfg
   for (int idx = math_tid; idx < Cfg::kBlockM * kPieces; idx += Cfg::kMathThreads) {
     const int tok = idx / kPieces, piece = idx % kPieces;
     __nv_bfloat16* out = tok < t.rows ? sink.row_ptr(t.row0 + tok) : nullptr;
-    if (out != nullptr)
-      *reinterpret_cast<uint4*>(out + t.n_block * Cfg::kBlockN + piece * 8) =
-          ptx::lds_v4(stage + tok * kPitch + ((piece ^ (tok & 7)) << 4));
+    if (out != nullptr) {
+      const uint4 v = ptx::lds_v4(stage + tok * kPitch + ((piece ^ (tok & 7)) << 4));  // read, then the address
+      sink.put(out + t.n_block * Cfg::kBlockN + piece * 8, v);
+    }
   }
 }
 

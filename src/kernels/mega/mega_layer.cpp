@@ -283,8 +283,6 @@ Status mega_format_gate(const MoeGeometry& g, const MoeConfig& c) {
     return Status(StatusCode::kUnavailable, std::string("the mega backend has no ") + to_string(c.weight_format) +
                                                 " weights yet (fp8-block, mxfp4, nvfp4 or bf16)");
   MEGAMOE_RETURN_IF_ERROR(mxfp4_shape_gate("mega", g, c));
-  if (c.in_kernel_fc2_reduce)
-    return Status(StatusCode::kUnavailable, "the mega backend has no in-kernel FC2 reduce yet");
   if (g.hidden % mega::kMegaBlockN != 0)
     return Status(StatusCode::kUnavailable, "the mega backend needs hidden a multiple of 256 (its FC2 tiles are 256 wide; got hidden=" +
                                                 str(g.hidden) + ")");

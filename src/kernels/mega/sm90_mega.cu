@@ -79,8 +79,13 @@ Status make_mega_plan(const MegaPlanArgs& args, MegaPlanPtr* out) {
   if (H % kMegaBlockN != 0) return bad("hidden", std::to_string(H), "must be a multiple of 256 (FC2's 256-wide tiles)");
   if (El > kMegaMaxLocalExperts) return bad("experts_per_rank", std::to_string(El), "must be <= 512");
   if (t.num_experts > kMegaMaxExperts) return bad("num_experts", std::to_string(t.num_experts), "must be <= 4096");
-  if (wp.in_kernel_fc2_reduce) return bad("in_kernel_fc2_reduce", "1", "not built for the mega kernel");
   const bool staged = mega_staged_combine(wp.combine_format, wp.owner_reduce != 0);
+  if (wp.in_kernel_fc2_reduce && staged)
+    return bad("in_kernel_fc2_reduce", "1",
+               "adds FC2's bf16 partials one per slot: needs the bf16 combine wire without the owner reduce");
+  if (wp.in_kernel_fc2_reduce && l.combine.bytes < wp.max_tokens_per_rank * H * 2)
+    return bad("workspace.combine", std::to_string(l.combine.bytes),
+               "must hold the in-kernel reduce's T_max x H bf16 accumulation rows (the mega layout's)");
   if (staged && args.expert_out == nullptr)
     return bad("expert_out", "null", "required with a quantised combine wire or the owner reduce (the staged send)");
   if (args.fp8 != (wp.dispatch_format == kWsFp8Block) || args.fp8 != (wp.intermediate_format == kWsFp8Block))
@@ -226,6 +231,7 @@ Status launch_mega(const MegaPlan& plan, const MegaForwardArgs& f, cudaStream_t 
                                      kernels::combine_reduce_rounds(wp.combine_format, wp.hidden));
   a.ld_pool = plan.ld_pool;
   a.staged = mega_staged_combine(wp.combine_format, wp.owner_reduce != 0) ? 1 : 0;
+  a.fc2_reduce = wp.in_kernel_fc2_reduce ? 1 : 0;
   a.expert_out = static_cast<uint16_t*>(pa.expert_out);
   {
     // (row, part) items of the send: about two per math warp at small T (this rank's T * rows per

@@ -125,7 +125,11 @@ struct MegaArgs {
   int32_t* expert_placed;         // [E_l]: rows copied into the pool per local expert
   int32_t* fc1_done;              // [max_m_blocks]
   int32_t max_m_blocks;
-  int32_t pad;
+  // In-kernel FC2 reduce (bf16 wire, not staged; sm90_mega_kernel's kFc2Reduce variant): FC2's
+  // epilogue adds each pool row's weighted bf16 partial into its source's accumulation row (the
+  // combine region, [T_max, H] bf16, zero at rest) with bf16x2 reductions; after every owner's "all
+  // rows" the source copies its rows to y and zeroes them.
+  int32_t fc2_reduce;
   uint64_t* trace;                // [grid][kMegaTraceWords] or null
   // nvfp4 weights: w2's fp32 global scale per local expert [E_l], folded into each pool row's weight
   // at placement (fp32(fp32(output_scale * w) * s[e]), as the routed pool build); null otherwise.
@@ -535,6 +539,55 @@ __device__ __forceinline__ bool mega_prologue(const MegaArgs& a, MegaPrologueSme
   return dispatched;
 }
 
+// The in-kernel FC2 reduce's sink (gemm::DefaultRowSink's interface): pool row p's partial goes to
+// row t of its source's accumulation region, added 8 bf16 at a time (red.add.noftz.v4.bf16x2,
+// system scope: owners on other GPUs add to the same row). The adds of a row are unordered, so the
+// sum is not bitwise repeatable; each add rounds once to bf16 (the cpu backend's definition).
+struct MegaReduceSink {
+  const MegaArgs& a;
+  __device__ __forceinline__ __nv_bfloat16* row_ptr(int32_t pool_row) const {
+    const int32_t dst = a.tr.pool_dst[pool_row];  // (source * T_max + token) * k + slot, -1: none
+    if (dst < 0) return nullptr;
+    const uint32_t k = static_cast<uint32_t>(a.tr.top_k()), t_max = static_cast<uint32_t>(a.tr.t_max());
+    const uint32_t row = static_cast<uint32_t>(dst) / k;  // source * T_max + token
+    const uint32_t src = row / t_max;
+    return reinterpret_cast<__nv_bfloat16*>(a.tr.sig.peer_ptr(static_cast<int>(src), a.tr.layout.combine.offset)) +
+           int64_t(row - src * t_max) * a.tr.hidden();
+  }
+  __device__ __forceinline__ void put(__nv_bfloat16* to, const uint4& v) const {
+    asm volatile("red.relaxed.sys.global.add.noftz.v4.bf16x2 [%0], {%1, %2, %3, %4};" ::"l"(to), "r"(v.x), "r"(v.y),
+                 "r"(v.z), "r"(v.w)
+                 : "memory");
+  }
+};
+
+// FC2's sink: its source's combine row (the bf16 wire, gemm::DefaultRowSink with FC2's row map) or,
+// kFc2Reduce, its accumulation row.
+template <bool kFc2Reduce>
+__device__ __forceinline__ auto fc2_sink(const MegaArgs& a, const gemm::GroupedGemmParams& p2) {
+  if constexpr (kFc2Reduce) return MegaReduceSink{a};
+  else return gemm::DefaultRowSink{p2};
+}
+
+// The in-kernel FC2 reduce's end: this rank's tokens' accumulation rows into y, and zeroed for the
+// next launch ((token, part) items of 16-byte pieces over the grid's math warps; every owner's adds
+// are in: after wait_combine_all).
+__device__ __forceinline__ void mega_reduced_rows_to_y(const MegaArgs& a, int64_t warp_id, int64_t num_warps, int lane) {
+  const int64_t H = a.tr.hidden(), pieces = H / 8, T = a.tr.num_tokens;
+  uint4* acc = reinterpret_cast<uint4*>(a.tr.sig.own_base + a.tr.layout.combine.offset);
+  uint4* y = reinterpret_cast<uint4*>(a.y);
+  const int64_t parts = a.reduce_parts, per_part = (pieces + parts - 1) / parts;
+  for (int64_t item = warp_id; item < T * parts; item += num_warps) {
+    const int64_t tok = item / parts, p0 = (item - tok * parts) * per_part;
+    const int64_t p1 = min(pieces, p0 + per_part);
+    for (int64_t i = p0 + lane; i < p1; i += 32) {
+      uint4* from = acc + tok * pieces + i;
+      y[tok * pieces + i] = *from;
+      *from = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
 // Per-warp shared staging of the staged send (kMaxWarps: the most math warps a CTA has).
 constexpr int kMegaMaxMathWarps = 8;
 struct MegaSendSmem {
@@ -640,8 +693,10 @@ __device__ __forceinline__ gemm::GroupedGemmSmem<To> rebind_smem(const gemm::Gro
 }
 
 // Cfg: the FC2 configuration (store-bf16; the carve, producer and math of both GEMMs); Cfg1 the FC1
-// configuration (SwiGLU epilogue). The combine's wire and mode are MegaArgs' (staged, format, owner).
-template <class Cfg, class Cfg1>
+// configuration (SwiGLU epilogue). The combine's wire and mode are MegaArgs' (staged, format, owner);
+// kFc2Reduce: the in-kernel FC2 reduce (MegaArgs::fc2_reduce), its own kernel so that the others'
+// code stays as it is.
+template <class Cfg, class Cfg1, bool kFc2Reduce>
 __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
     sm90_mega_kernel(const __grid_constant__ CUtensorMap tmap_a1, const __grid_constant__ CUtensorMap tmap_b1,
                      const __grid_constant__ CUtensorMap tmap_sfa1, const __grid_constant__ CUtensorMap tmap_a2,
@@ -790,7 +845,7 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
     }
     const uint64_t fc1_last = trace != nullptr ? kernels::globaltimer_ns() : 0;
     for (; t >= 0; t = next_tile_info(&tile)) {
-      const gemm::DefaultRowSink sink{p2};
+      const auto sink = fc2_sink<kFc2Reduce>(a, p2);
       if constexpr (Cfg::kSwapAB) {
         gemm::math_tile_swapped<Cfg>(sm, pipe, p2, tile, acc);
         gemm::epilogue_store_swapped<Cfg>(sm, acc, tile, sink, p2.row_weight);
@@ -808,7 +863,7 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
     const bool owner = a.tr.layout.params.owner_reduce != 0;
     __shared__ bool s_combine_ok;
     __shared__ MegaSendSmem s_send;
-    if (a.staged) {
+    if (!kFc2Reduce && a.staged) {
       // Every CTA's FC2 rows are in expert_out (the owner reduce sums rows of several CTAs' tiles).
       bool sent_ok = grid_barrier(a.ctr, sig, &s_combine_ok, math_sync);
       if (threadIdx.x == 0 && owner) kernels::recv_row_starts(a.tr, s_send.start);
@@ -836,7 +891,9 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1)
     }
     math_sync();
     if (s_combine_ok) {
-      if (a.staged) {
+      if constexpr (kFc2Reduce) {
+        mega_reduced_rows_to_y(a, warp_id, num_warps, lane);
+      } else if (a.staged) {
         with_wire(format, owner, [&](auto fmt, auto own) {
           mega_reduce_tokens<decltype(fmt)::value, decltype(own)::value>(a, warp_id, num_warps, lane);
         });

@@ -32,11 +32,14 @@ cudaError_t mega_config_occupancy(int* ctas_per_sm) {
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
   if (device < 0 || device >= 64) return cudaErrorInvalidDevice;
-  const auto kernel = sm90_mega_kernel<Cfg, Cfg1>;
+  const auto kernel = sm90_mega_kernel<Cfg, Cfg1, false>;
   {
     std::lock_guard<std::mutex> lock(mutex);
     if (!(raised_on >> device & 1u)) {
       err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, mega_smem_bytes<Cfg>());
+      if (err == cudaSuccess)  // the in-kernel FC2 reduce's variant: the same threads and shared memory
+        err = cudaFuncSetAttribute(sm90_mega_kernel<Cfg, Cfg1, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   mega_smem_bytes<Cfg>());
       if (err != cudaSuccess) return err;
       raised_on |= uint64_t(1) << device;
     }
@@ -58,7 +61,10 @@ cudaError_t launch_mega_config(const MegaGemms& g, const MegaArgs& a, int grid, 
   attr.val.cooperative = 1;
   lc.attrs = cooperative ? &attr : nullptr;
   lc.numAttrs = cooperative ? 1 : 0;
-  return cudaLaunchKernelEx(&lc, sm90_mega_kernel<Cfg, Cfg1>, g.fc1.tmap_a, g.fc1.tmap_b, g.fc1.tmap_sfa,
+  if (a.fc2_reduce)
+    return cudaLaunchKernelEx(&lc, sm90_mega_kernel<Cfg, Cfg1, true>, g.fc1.tmap_a, g.fc1.tmap_b, g.fc1.tmap_sfa,
+                              g.fc2.tmap_a, g.fc2.tmap_b, g.fc2.tmap_sfa, g.fc1.params, g.fc2.params, a);
+  return cudaLaunchKernelEx(&lc, sm90_mega_kernel<Cfg, Cfg1, false>, g.fc1.tmap_a, g.fc1.tmap_b, g.fc1.tmap_sfa,
                             g.fc2.tmap_a, g.fc2.tmap_b, g.fc2.tmap_sfa, g.fc1.params, g.fc2.params, a);
 }
 

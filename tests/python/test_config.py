@@ -73,7 +73,8 @@ TABLE = [  # tokens, threshold, mega gate, routed gate, expected (tests/cpu/test
     (4096, 4096, PASS, PASS, Backend.mega),        # raised threshold
     (256, 1024, MEGA_DOWN, PASS, Backend.routed),  # mega's gate fails
     (256, 1024, MEGA_DOWN, ROUTED_DOWN, Backend.cpu),
-    (8192, 1024, PASS, ROUTED_DOWN, Backend.cpu),
+    (8192, 1024, PASS, ROUTED_DOWN, Backend.mega),  # only the threshold kept mega out
+    (1, 0, PASS, ROUTED_DOWN, Backend.cpu),          # threshold 0: never mega
     (0, 1024, PASS, PASS, Backend.routed),         # 0 is not in (0, threshold]
     (1, 0, PASS, PASS, Backend.routed),            # threshold 0: never mega
 ]

@@ -366,6 +366,13 @@ Status validate_forward_args(const MoeGeometry& g, const MoeConfig&, Device devi
   MEGAMOE_RETURN_IF_ERROR(check_tensor("topk_weights", topk_weights, device, DType::kFloat32, t, g.top_k, "T",
                                        "top_k", DType::kBFloat16));
   MEGAMOE_RETURN_IF_ERROR(check_tensor("y", y, device, DType::kBFloat16, t, g.hidden, "T", "hidden"));
+  // The GPU kernels read x and write y 16 bytes at a time (a misaligned access would kill the context).
+  if (device.kind == DeviceKind::kCuda && t > 0)
+    for (const auto& [name, v] : {std::pair<const char*, const TensorView*>{"x.data", &x}, {"y.data", &y}})
+      if (reinterpret_cast<uintptr_t>(v->data) % 16 != 0)
+        return invalid_argument("forward argument", name, "an address " + str(static_cast<int64_t>(reinterpret_cast<uintptr_t>(v->data) % 16)) +
+                                                              " bytes past a 16-byte boundary",
+                                "must be 16-byte aligned on a GPU backend (its kernels move 16 bytes at a time)");
   return Status::ok();
 }
 

@@ -4,6 +4,7 @@
 
 #include <functional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "megamoe/config.h"
@@ -274,6 +275,31 @@ const BadForwardCase kBadForwards[] = {
 
 INSTANTIATE_TEST_SUITE_P(Validation, BadForward, ::testing::ValuesIn(kBadForwards),
                          [](const ::testing::TestParamInfo<BadForwardCase>& info) { return std::string(info.param.name); });
+
+// A GPU backend's x and y must be 16-byte aligned (its kernels move 16 bytes at a time); the cpu
+// backend takes any address. The views are never dereferenced here.
+TEST(Validation, GpuBackendsNeedSixteenByteAlignedXAndY) {
+  MoeGeometry g = good_geometry();
+  ForwardArgs a(g, 4);
+  alignas(16) static uint16_t device_like[2 * 4 * 256 + 8];
+  const Device d = Device::cuda(0);
+  auto on = [&](uint16_t* px, uint16_t* py) {
+    TensorView x(px, DType::kBFloat16, {4, g.hidden}, d), y(py, DType::kBFloat16, {4, g.hidden}, d);
+    TensorView ids(a.ids.data(), DType::kInt32, {4, g.top_k}, d), w(a.weights.data(), DType::kFloat32, {4, g.top_k}, d);
+    return validate_forward_args(g, MoeConfig(), d, x, TensorView(), ids, w, y);
+  };
+  EXPECT_TRUE(on(device_like, device_like + 4 * 256).is_ok());
+  for (const auto& [px, py, field] : {std::make_tuple(device_like + 1, device_like + 4 * 256, "x.data"),
+                                      std::make_tuple(device_like, device_like + 4 * 256 + 4, "y.data")}) {
+    const Status st = on(px, py);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << field;
+    EXPECT_NE(st.message().find(field), std::string::npos) << st.message();
+    EXPECT_NE(st.message().find("16-byte aligned"), std::string::npos) << st.message();
+  }
+  std::vector<uint16_t> host(4 * 256 + 1, 0x3f80);  // host: any address
+  const TensorView hx(host.data() + 1, DType::kBFloat16, {4, g.hidden});
+  EXPECT_TRUE(validate_forward_args(g, MoeConfig(), Device::cpu(), hx, a.vscale, a.vids, a.vweights, a.vy).is_ok());
+}
 
 TEST(Validation, ZeroTokensAreValid) {
   MoeGeometry g = good_geometry();

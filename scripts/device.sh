@@ -60,7 +60,8 @@
 #                          into $OUT/site without dependencies, then the GPU tests Sm90RoutedInputs* and
 #                          Sm90RoutedFaults.ErrorPending* (error_pending() polled without a host sync)
 #   verify                 one device call's worth of checks in priority order, each stage bounded and
-#                          skipped when VERIFY_SECONDS (540) would run out: the mega tests (EP1, then
+#                          skipped when VERIFY_SECONDS (540) would run out: the in-kernel FC2 reduce's
+#                          tests and a qwen3-30b-a3b bench row with it, the mega tests (EP1, then
 #                          logical ranks), the rest of the GPU suite, the soak (SOAK_FORWARDS, 300),
 #                          `bench --backend mega,routed` at EP1 for qwen3-30b-a3b then deepseek-v3
 #                          (TOKENS, 1..8192: the crossover), the Python tier; all of $OUT packed into
@@ -634,6 +635,9 @@ verify() {
   }
   export MEGAMOE_WAIT_TIMEOUT_MS=${MEGAMOE_WAIT_TIMEOUT_MS:-3000}
   local T=$BIN/megamoe_gpu_tests mega='Sm90/Sm90Mega.*:Sm90MegaEdges.*' shared='*SharedGpu*'
+  stage in_kernel_reduce 120 "$T" --gtest_filter='*InKernelFc2Reduce*:Sm90MegaEdges.AutoSelects*'
+  stage bench_in_kernel_reduce 120 "$TOOL" bench --preset qwen3-30b-a3b --backend mega --ep 1 \
+    --in-kernel-fc2-reduce --tokens 1,8,128,1024,8192 --iters 20 --warmup 5 --json "$root/bench_in_kernel_reduce.json"
   stage mega_ep1 90 "$T" --gtest_filter="$mega"
   stage shared_gpu 150 "$T" --gtest_filter="$shared:-*Soak*"
   stage suite 200 "$T" --gtest_filter="*-$mega:$shared:*Soak*"

@@ -654,6 +654,20 @@ TEST(Sm90Transport, NotGpuCommunicatorRefused) {
   EXPECT_NE(st.message().find("GPU group's communicator"), std::string::npos) << st.message();
 }
 
+// The in-kernel FC2 reduce leaves no staged combine rows: only a mega workspace may ask for it
+// (host-side rule; no GPU needed).
+TEST(TransportOptions, InKernelFc2ReduceOnlyWithMega) {
+  Case c = base_case();
+  EpTransportOptions o;
+  o.params = c.params();
+  o.params.in_kernel_fc2_reduce = 1;
+  const Status st = o.validate();
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("in_kernel_fc2_reduce=1, needs mega=1"), std::string::npos) << st.message();
+  o.params.mega = 1;
+  MEGAMOE_ASSERT_OK(o.validate());
+}
+
 }  // namespace
 }  // namespace test
 }  // namespace megamoe

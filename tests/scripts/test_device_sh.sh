@@ -81,8 +81,13 @@ expect "link: the handshake" "^megamoe bench-link --mib 1 --paths handshake,hand
 status "verify" 0 env TOKENS=1,8 "${D[@]}" verify
 expect "verify: the mega tests first" "^megamoe_gpu_tests --gtest_filter=Sm90/Sm90Mega\.\*:Sm90MegaEdges\.\*$"
 expect "verify: the soak" "^megamoe_gpu_tests --gtest_filter=\*Soak\*$"
-expect "verify: mega beside routed at EP1" "^megamoe bench --preset deepseek-v3 --backend mega,routed --ep 1 --tokens 1,8 --iters 20 --warmup 5 --max-host-gb 100 --json $OUT/bench_deepseek-v3.json$"
+expect "verify: mega beside routed at EP1" "^megamoe bench --preset deepseek-v3 --backend mega,routed --ep 1 --tokens 1,8 --iters 10 --warmup 3 --max-host-gb 100 --json $OUT/bench_deepseek-v3.json$"
 exists "verify packed its output" "$OUT/out.tgz"
+# STAGES names the stages that run: only that one here
+: > "$LOG"
+status "verify STAGES" 0 env STAGES=in_kernel_reduce "${D[@]}" verify
+expect "verify STAGES: the named stage" "^megamoe_gpu_tests --gtest_filter=\*InKernelFc2Reduce\*:Sm90MegaEdges\.AutoSelects\*:TransportOptions\.\*$"
+if grep -q "Soak" "$LOG"; then echo "FAIL verify STAGES: a stage it does not name ran"; failures=$((failures + 1)); else echo "ok   verify STAGES: no other stage"; fi
 # sanitize: a fake compute-sanitizer prints a fixture log (SANITIZER_FIXTURE); the summary must count
 # only this project's errors, NCCL's own host-side reports filtered by rule.
 cat > "$BIN/compute-sanitizer" <<'FAKE'

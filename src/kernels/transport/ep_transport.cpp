@@ -118,9 +118,10 @@ Status EpTransportOptions::validate() const {
   if (combine_groups < 0 || combine_groups > kernels::kMaxCombineGroups)
     return invalid_argument("EP transport", "combine_groups", std::to_string(combine_groups),
                             "must be in [0, 8] (0: by the token count)");
-  if (p.in_kernel_fc2_reduce)
+  if (p.in_kernel_fc2_reduce && !p.mega)
     return invalid_argument("EP transport", "in_kernel_fc2_reduce", "1",
-                            "the transport's combine reduces staged rows; the in-kernel reduce is the backend's");
+                            "needs mega=1: the transport's combine reduces staged rows, only the mega kernel "
+                            "reduces FC2 into the output itself");
   return Status::ok();
 }
 
@@ -467,8 +468,17 @@ Status EpTransport::check_output(const TensorView& topk_ids, const TensorView& y
   return Status::ok();
 }
 
+Status EpTransport::check_staged_combine(const char* what) const {
+  if (options_.params.in_kernel_fc2_reduce)
+    return Status(StatusCode::kFailedPrecondition,
+                  std::string(what) + ": this workspace has no staged combine rows (in_kernel_fc2_reduce=1: the "
+                                      "mega kernel reduces FC2 into the output)");
+  return Status::ok();
+}
+
 Status EpTransport::combine_send(const TensorView& out, cudaStream_t stream) {
   MEGAMOE_RETURN_IF_ERROR(check_ready(stream, "combine_send()"));
+  MEGAMOE_RETURN_IF_ERROR(check_staged_combine("combine_send()"));
   MEGAMOE_RETURN_IF_ERROR(check_expert_out(out, "combine_send"));
   MEGAMOE_CUDA_CHECK(cudaSetDevice(device_));
   const TransportArgs args = make_args(*this, scratch_, options_, last_num_tokens_, allow_pdl_);
@@ -477,6 +487,7 @@ Status EpTransport::combine_send(const TensorView& out, cudaStream_t stream) {
 
 Status EpTransport::combine(const TensorView& topk_ids, const TensorView& y, cudaStream_t stream) {
   MEGAMOE_RETURN_IF_ERROR(check_ready(stream, "combine()"));
+  MEGAMOE_RETURN_IF_ERROR(check_staged_combine("combine()"));
   int64_t T = 0;
   MEGAMOE_RETURN_IF_ERROR(check_output(topk_ids, y, "combine", &T));
   MEGAMOE_CUDA_CHECK(cudaSetDevice(device_));
@@ -487,6 +498,7 @@ Status EpTransport::combine(const TensorView& topk_ids, const TensorView& y, cud
 Status EpTransport::send_and_combine(const TensorView& expert_out, const TensorView& topk_ids, const TensorView& y,
                                      cudaStream_t stream) {
   MEGAMOE_RETURN_IF_ERROR(check_ready(stream, "send_and_combine()"));
+  MEGAMOE_RETURN_IF_ERROR(check_staged_combine("send_and_combine()"));
   MEGAMOE_RETURN_IF_ERROR(check_expert_out(expert_out, "send_and_combine"));
   int64_t T = 0;
   MEGAMOE_RETURN_IF_ERROR(check_output(topk_ids, y, "send_and_combine", &T));

@@ -173,6 +173,7 @@ class EpTransport {
  private:
   EpTransport() = default;
   Status check_ready(cudaStream_t stream, const char* what) const;
+  Status check_staged_combine(const char* what) const;  // refuses the combine calls on an in-kernel-reduce workspace
   Status check_tokens(const TensorView& topk_ids, const char* what, int64_t* num_tokens) const;
   Status check_expert_out(const TensorView& expert_out, const char* what) const;
   Status check_output(const TensorView& topk_ids, const TensorView& y, const char* what, int64_t* num_tokens) const;

@@ -60,11 +60,13 @@
 #                          into $OUT/site without dependencies, then the GPU tests Sm90RoutedInputs* and
 #                          Sm90RoutedFaults.ErrorPending* (error_pending() polled without a host sync)
 #   verify                 one device call's worth of checks in priority order, each stage bounded and
-#                          skipped when VERIFY_SECONDS (540) would run out: the in-kernel FC2 reduce's
-#                          tests and a qwen3-30b-a3b bench row with it, the mega tests (EP1, then
-#                          logical ranks), the rest of the GPU suite, the soak (SOAK_FORWARDS, 300),
-#                          `bench --backend mega,routed` at EP1 for qwen3-30b-a3b then deepseek-v3
-#                          (TOKENS, 1..8192: the crossover), the Python tier; all of $OUT packed into
+#                          skipped when VERIFY_SECONDS (540) would run out or STAGES (names, default
+#                          all) leaves it out: the in-kernel FC2 reduce's tests (in_kernel_reduce) and
+#                          its bench rows (bench_in_kernel_reduce_<preset>, IKR_TOKENS), the mega tests
+#                          (mega_ep1, then shared_gpu: logical ranks), the rest of the GPU suite (suite),
+#                          the soak (soak, SOAK_FORWARDS 300), `bench --backend mega,routed` at EP1
+#                          (bench_<preset>, qwen3-30b-a3b then deepseek-v3, TOKENS 1..8192, ITERS 10:
+#                          the crossover), the Python tier (python); all of $OUT packed into
 #                          $OUT/out.tgz (a device call returns a few files only)
 # Every binary runs under `timeout`; each subcommand prints a short summary and exits non-zero when
 # something failed. Run binaries through this script (or source device_env.sh): started bare they
@@ -620,9 +622,11 @@ profile() {
 verify() {
   local end=$((SECONDS + ${VERIFY_SECONDS:-540})) root=$OUT
   # stage NAME SECONDS CMD...: CMD under timeout in $root/NAME (its own OUT), skipped without time left
+  # or when STAGES (space-separated names; default: every stage) does not name it
   stage() {
     local name=$1 s=$2 left=$((end - SECONDS)) t0=$SECONDS src
     shift 2
+    if [[ -n ${STAGES:-} && " $STAGES " != *" $name "* ]]; then return; fi
     if ((left < 30)); then echo "== $name: skipped (VERIFY_SECONDS spent)"; return; fi
     ((s > left - 20)) && s=$((left - 20))
     mkdir -p "$root/$name"
@@ -635,17 +639,20 @@ verify() {
   }
   export MEGAMOE_WAIT_TIMEOUT_MS=${MEGAMOE_WAIT_TIMEOUT_MS:-3000}
   local T=$BIN/megamoe_gpu_tests mega='Sm90/Sm90Mega.*:Sm90MegaEdges.*' shared='*SharedGpu*'
-  stage in_kernel_reduce 120 "$T" --gtest_filter='*InKernelFc2Reduce*:Sm90MegaEdges.AutoSelects*'
-  stage bench_in_kernel_reduce 120 "$TOOL" bench --preset qwen3-30b-a3b --backend mega --ep 1 \
-    --in-kernel-fc2-reduce --tokens 1,8,128,1024,8192 --iters 20 --warmup 5 --json "$root/bench_in_kernel_reduce.json"
+  stage in_kernel_reduce 120 "$T" --gtest_filter='*InKernelFc2Reduce*:Sm90MegaEdges.AutoSelects*:TransportOptions.*'
+  local preset
+  for preset in qwen3-30b-a3b deepseek-v3; do
+    stage "bench_in_kernel_reduce_$preset" 150 "$TOOL" bench --preset "$preset" --backend mega --ep 1 \
+      --in-kernel-fc2-reduce --tokens "${IKR_TOKENS:-1,8,128,1024,8192}" --iters 10 --warmup 3 --max-host-gb 100 \
+      --json "$root/bench_in_kernel_reduce_$preset.json"
+  done
   stage mega_ep1 90 "$T" --gtest_filter="$mega"
   stage shared_gpu 150 "$T" --gtest_filter="$shared:-*Soak*"
   stage suite 200 "$T" --gtest_filter="*-$mega:$shared:*Soak*"
   MEGAMOE_SOAK_FORWARDS=${SOAK_FORWARDS:-300} stage soak 120 "$T" --gtest_filter='*Soak*'
-  local preset
   for preset in qwen3-30b-a3b deepseek-v3; do
-    stage "bench_$preset" 200 "$TOOL" bench --preset "$preset" --backend mega,routed --ep 1 \
-      --tokens "${TOKENS:-1,8,64,128,512,1024,2048,4096,8192}" --iters 20 --warmup 5 --max-host-gb 100 \
+    stage "bench_$preset" 300 "$TOOL" bench --preset "$preset" --backend mega,routed --ep 1 \
+      --tokens "${TOKENS:-1,8,64,128,512,1024,2048,4096,8192}" --iters "${ITERS:-10}" --warmup 3 --max-host-gb 100 \
       --json "$root/bench_$preset.json"
   done
   [[ -d $BIN/python ]] && stage python 120 bash "$0" python

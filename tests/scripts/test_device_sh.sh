@@ -79,7 +79,7 @@ status "link" 0 "${D[@]}" link
 expect "link: the handshake" "^megamoe bench-link --mib 1 --paths handshake,handshake-grid --iters 10 --json $OUT/link7.json$"
 : > "$LOG"
 status "verify" 0 env TOKENS=1,8 "${D[@]}" verify
-expect "verify: the mega tests first" "^megamoe_gpu_tests --gtest_filter=Sm90/Sm90Mega\.\*:Sm90MegaEdges\.\*$"
+expect "verify: the mega tests" "^megamoe_gpu_tests --gtest_filter=Sm90/Sm90Mega\.\*:Sm90MegaEdges\.\*$"
 expect "verify: the soak" "^megamoe_gpu_tests --gtest_filter=\*Soak\*$"
 expect "verify: mega beside routed at EP1" "^megamoe bench --preset deepseek-v3 --backend mega,routed --ep 1 --tokens 1,8 --iters 10 --warmup 3 --max-host-gb 100 --json $OUT/bench_deepseek-v3.json$"
 exists "verify packed its output" "$OUT/out.tgz"

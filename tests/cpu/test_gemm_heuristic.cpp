@@ -334,9 +334,20 @@ TEST(GemmValidate, Mxfp4RulesNameTheirField) {
   st = validate_grouped_gemm(a);
   EXPECT_NE(st.message().find("n=7296, must be a multiple of 256 with dtype mxfp4"), std::string::npos) << st.message();
   a.n = 7168;
-  a.tiles.block_m = 64;
+  a.tiles.block_m = 128;
   st = validate_grouped_gemm(a);
-  EXPECT_NE(st.message().find("tiles.block_m=64, dtype mxfp4 runs 16- or 32-row tiles"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("tiles.block_m=128, dtype mxfp4 runs 16-, 32- or 64-row tiles"), std::string::npos)
+      << st.message();
+  for (int32_t wg : {0, 2}) {  // 64-row tiles: two math warpgroups (0: the default, two)
+    a.tiles.block_m = 64;
+    a.tiles.fp4_math_wg = wg;
+    EXPECT_TRUE(validate_grouped_gemm(a).is_ok()) << wg << ": " << validate_grouped_gemm(a).message();
+  }
+  a.tiles.fp4_math_wg = 1;
+  st = validate_grouped_gemm(a);
+  EXPECT_NE(st.message().find("tiles.block_m=64, 64-row mxfp4 tiles run two math warpgroups"), std::string::npos)
+      << st.message();
+  a.tiles.fp4_math_wg = 0;
   a.tiles.block_m = 32;
   a.tiles.block_n = 128;
   st = validate_grouped_gemm(a);

@@ -111,10 +111,17 @@ TEST(RoutedGemmArgs, Mxfp4WeightsRunTheGemmsMxfp4Mode) {
         EXPECT_EQ(fc2.b_scales, nullptr);
         EXPECT_NE(fc1.a_scales, nullptr);
         EXPECT_EQ(fc2.a_scales, fc1.d_scales);
-        EXPECT_EQ(fc1.tiles.block_m, bm == 16 || bm == 32 ? bm : 0);
+        EXPECT_EQ(fc1.tiles.block_m, bm == 16 || bm == 32 || bm == 64 ? bm : 0);  // 64: two math warpgroups (the default)
         EXPECT_EQ(fc2.tiles.block_n, 0);
         EXPECT_NE(fc1.tiles.cluster, 2);
         EXPECT_EQ(fc1.tiles.fp4_math_wg, 0);  // 0 passed: the GEMM's default
+        // one math warpgroup asked for: a 64-row knob goes back to the heuristic (the GEMM's 64-row
+        // mxfp4 tiles run two)
+        gemm::GroupedGemmArgs fc1_1wg, fc2_1wg;
+        ASSERT_TRUE(make_routed_gemm_args(g, c, l, b, 0, 1, &fc1_1wg, &fc2_1wg).is_ok());
+        EXPECT_EQ(fc1_1wg.tiles.block_m, bm == 16 || bm == 32 ? bm : 0);
+        EXPECT_EQ(fc2_1wg.tiles.block_m, bm == 16 || bm == 32 ? bm : 0);
+        EXPECT_EQ(fc1_1wg.tiles.fp4_math_wg, 1);
         EXPECT_TRUE(routed_format_gate(g, c).is_ok()) << p.name << ": " << routed_format_gate(g, c).message();
       }
     }

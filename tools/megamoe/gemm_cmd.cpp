@@ -68,8 +68,8 @@ struct BenchOptions {
   std::string trace;                 // per-CTA timeline of one more launch per case, as JSON (empty: none)
   int iters = 20, warmup = 3;
   std::string json;
-  // fp8-block (e4m3 + 128x128 scales) or mxfp4 (the weights' image of gemm_weights.h: 16- and
-  // 32-row tiles; no cuBLASLt peer; wGB/s counts the FP4 bytes, E * N * K / 2)
+  // fp8-block (e4m3 + 128x128 scales) or mxfp4 (the weights' image of gemm_weights.h: 16-, 32-
+  // and 64-row tiles; no cuBLASLt peer; wGB/s counts the FP4 bytes, E * N * K / 2)
   std::string weight_format = "fp8-block";
   bool mxfp4() const { return weight_format == "mxfp4"; }
   int fp4_math_wg = 0;  // mxfp4: math warpgroups per tile, 1 or 2 (0: the GEMM's default)
@@ -540,7 +540,7 @@ CLI::App* add_flags(CLI::App* app, BenchOptions* o) {
   sub->add_flag("!--no-swiglu", o->swiglu, "skip the FC1 + SwiGLU + fp8 requant rows");
   sub->add_flag("!--no-cublas", o->cublas, "skip the cuBLASLt peer");
   sub->add_option("--weight-format", o->weight_format,
-                  "fp8-block, or mxfp4 (e2m1 expanded in the kernel; 16- and 32-row tiles, no cuBLASLt peer, wGB/s "
+                  "fp8-block, or mxfp4 (e2m1 expanded in the kernel; 16-, 32- and 64-row tiles, no cuBLASLt peer, wGB/s "
                   "of FP4 bytes)")
       ->check(CLI::IsMember({"fp8-block", "mxfp4"}))
       ->capture_default_str();

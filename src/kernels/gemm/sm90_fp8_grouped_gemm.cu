@@ -211,8 +211,10 @@ Status validate_grouped_gemm(const GroupedGemmArgs& a) {
     return bad("tiles.block_m", std::to_string(t.block_m), "16- and 32-row tiles need dtype fp8-block");
   if (mxfp4) {
     if (a.n % 256 != 0) return bad("n", std::to_string(a.n), "must be a multiple of 256 with dtype mxfp4 (256-wide tiles)");
-    if (t.block_m != 0 && t.block_m != 16 && t.block_m != 32)
-      return bad("tiles.block_m", std::to_string(t.block_m), "dtype mxfp4 runs 16- or 32-row tiles");
+    if (t.block_m != 0 && t.block_m != 16 && t.block_m != 32 && t.block_m != 64)
+      return bad("tiles.block_m", std::to_string(t.block_m), "dtype mxfp4 runs 16-, 32- or 64-row tiles");
+    if (t.block_m == 64 && t.fp4_math_wg == 1)
+      return bad("tiles.block_m", "64", "64-row mxfp4 tiles run two math warpgroups (tiles.fp4_math_wg 0 or 2, not 1)");
     if (t.block_n != 0 && t.block_n != 256) return bad("tiles.block_n", std::to_string(t.block_n), "dtype mxfp4 runs 256-wide tiles");
     if (t.cluster == 2) return bad("tiles.cluster", "2", "clusters of 2 need dtype fp8-block");
     if (t.fp4_math_wg < 0 || t.fp4_math_wg > 2)
@@ -253,10 +255,12 @@ Status plan_grouped_gemm(const GroupedGemmArgs& args, GroupedGemmPlan* plan) {
   overrides.gemm_cluster = args.tiles.cluster;
   GemmTileConfig cfg = select_gemm_tiles(hint, &overrides);
   if (mxfp4) {  // the configurations compiled for mxfp4 weights (MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4)
-    cfg.block_m = cfg.block_m <= 16 ? 16 : 32;
+    // More than 32 rows: 64-row tiles where two math warpgroups run (each expanded weight then
+    // serves 64 tokens instead of 32: half the expansions and weight reads of a large expert).
+    cfg.fp4_math_wg = args.tiles.fp4_math_wg != 0 ? args.tiles.fp4_math_wg : kDefaultFp4MathWG;
+    cfg.block_m = cfg.block_m <= 16 ? 16 : cfg.block_m <= 32 || cfg.fp4_math_wg == 1 ? 32 : 64;
     cfg.block_n = 256;
     cfg.cluster = 1;
-    cfg.fp4_math_wg = args.tiles.fp4_math_wg != 0 ? args.tiles.fp4_math_wg : kDefaultFp4MathWG;
   } else {
     cfg.fp4_math_wg = 0;
   }

@@ -325,8 +325,9 @@ cudaError_t launch_grouped_gemm_config(const CUtensorMap& tmap_a, const CUtensor
   X(128, 256, false, GemmEpilogue::kSwigluBf16Scaled, 1)
 
 // mxfp4 weights: X(BLOCK_M, BLOCK_N, fp8 A, epilogue, cluster, weight fp4, math warpgroups), one list
-// per math-warpgroup count (GemmTileConfig::fp4_math_wg), each instantiated in a translation unit of
-// its own (sm90_grouped_gemm_mxfp4_inst.cu, sm90_grouped_gemm_mxfp4_2wg_inst.cu).
+// per math-warpgroup count (GemmTileConfig::fp4_math_wg) and one of the 64-row tiles (two math
+// warpgroups only), each instantiated in a translation unit of its own (sm90_grouped_gemm_mxfp4_inst.cu,
+// sm90_grouped_gemm_mxfp4_2wg_inst.cu, sm90_grouped_gemm_mxfp4_64_inst.cu).
 #define MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4_WG(X, WG)        \
   X(16, 256, true, GemmEpilogue::kStoreBf16, 1, true, WG)   \
   X(16, 256, true, GemmEpilogue::kSwigluFp8, 1, true, WG)   \
@@ -334,9 +335,13 @@ cudaError_t launch_grouped_gemm_config(const CUtensorMap& tmap_a, const CUtensor
   X(32, 256, true, GemmEpilogue::kSwigluFp8, 1, true, WG)
 #define MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4_1WG(X) MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4_WG(X, 1)
 #define MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4_2WG(X) MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4_WG(X, 2)
+#define MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4_64(X)        \
+  X(64, 256, true, GemmEpilogue::kStoreBf16, 1, true, 2) \
+  X(64, 256, true, GemmEpilogue::kSwigluFp8, 1, true, 2)
 #define MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4(X) \
   MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4_1WG(X)   \
-  MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4_2WG(X)
+  MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4_2WG(X)   \
+  MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4_64(X)
 #define MEGAMOE_GROUPED_GEMM_EXTERN_FP4(BM, BN, FP8, EPI, CL, W4, WG)                                          \
   extern template cudaError_t launch_grouped_gemm_config<GroupedGemmConfig<BM, BN, FP8, EPI, CL, W4, WG>>(     \
       const CUtensorMap&, const CUtensorMap&, const CUtensorMap&, const CUtensorMap&, const GroupedGemmParams&, int,  \

@@ -75,7 +75,7 @@ struct GroupedGemmConfig {
   static constexpr int kBlockN = kBlockN_;
   static constexpr bool kFp8 = kFp8_;
   static constexpr GemmEpilogue kEpilogue = kEpilogue_;
-  // mxfp4 weights (swapped 16- and 32-row tiles, 256 wide): the weight slot holds the tile's
+  // mxfp4 weights (swapped 16-, 32- and 64-row tiles, 256 wide): the weight slot holds the tile's
   // BLOCK_N / 64 pieces of gemm_weights.h's layout (e2m1 codes in register-fragment order + shift
   // indices), loaded by one bulk copy; the math warpgroup expands them into wgmma's A registers
   // (math_k_block_swapped_fp4) and applies the 128 x 128 block scales as fp8-block's sb. The A
@@ -98,7 +98,9 @@ struct GroupedGemmConfig {
   // weights are wgmma's A (M = the tile's BLOCK_N weight rows in m64 halves), the BLOCK_M tokens its B
   // (N = 16 or 32): 16 / 32 MACs per weight byte instead of the 64 an m64 tile of 1-32 real rows
   // costs. One math warpgroup (mxfp4 weights: kFp4MathWG); 2 / 4 KiB A slots.
-  static constexpr bool kSwapAB = kBlockM <= 32;
+  // mxfp4 weights run 64-row tiles swapped too (two math warpgroups, N = 64 tokens): the weights stay
+  // wgmma's register operand (the expansion's output), each expanded weight now serving 64 tokens.
+  static constexpr bool kSwapAB = kBlockM <= 32 || (kWeightFp4 && kBlockM == 64);
   static constexpr int kNumMathWG = kBlockM <= 64 ? (kWeightFp4 ? kFp4MathWG : 1) : kBlockM / 64;
   static constexpr int kNumChunks = kBlockN / 128;
   // Swapped tiles: the m64 halves of each chunk one math warpgroup computes (2 / kNumMathWG; warpgroup
@@ -154,7 +156,9 @@ struct GroupedGemmConfig {
   static_assert(kCluster == 1 || (kCluster == 2 && kFp8 && kBlockM == 128 && !kSwapAB),
                 "clusters of 2: fp8 tiles of 128 rows");
   static_assert(!kWeightFp4 || (kFp8 && kSwapAB && kBlockN == 256 && kCluster == 1),
-                "mxfp4 weights: swapped 16- and 32-row tiles, 256 wide, no clusters");
+                "mxfp4 weights: swapped 16-, 32- and 64-row tiles, 256 wide, no clusters");
+  static_assert(!kWeightFp4 || kBlockM <= 32 || kFp4MathWG == 2,
+                "mxfp4 64-row tiles: two math warpgroups (one would hold 2 x 128 accumulators + 64 A registers)");
   static_assert(kFp4MathWG == 1 || (kFp4MathWG == 2 && kWeightFp4), "two math warpgroups per tile: mxfp4 weights");
   static_assert(!kSwapAB || kSwapHalves * kNumMathWG == 2, "the swapped chunk's two halves split over the math warpgroups");
   static_assert(kStageB % 1024 == 0, "the weight and staging slots after B stay 1024-aligned");

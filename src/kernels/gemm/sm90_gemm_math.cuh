@@ -114,13 +114,13 @@ __device__ __forceinline__ void math_tile(const GroupedGemmSmem<Cfg>& sm, PipeSt
   }
 }
 
-// ---- swapped operands (BLOCK_M 16 or 32, fp8) ---------------------------------------------------------
+// ---- swapped operands (BLOCK_M 16 or 32, fp8; mxfp4 weights also 64) --------------------------------------
 //
 // The weights are wgmma's A: the tile's BLOCK_N weight rows in m64 halves (chunk c, half h: rows
 // 128c + 64h ..), read from the B slot; the tile's BLOCK_M token rows are wgmma's B (N = BLOCK_M), the
 // A slot. Accumulator fragment of (c, h): thread (warp w, lane l) holds weight row 128c + 64h + 16w +
 // l/4 (+8) for tokens 8i + 2(l%4) + j, i < BLOCK_M / 8, j in {0, 1}; register 4i + 2hh + j is
-// row + 8hh (ptx::wgmma_m64n16k32_e4m3 / m64n32k32). Token s / 2 * 8 + 2(l%4) + s % 2 is this
+// row + 8hh (ptx::wgmma_m64n16k32_e4m3 / m64n32k32 / m64n64k32). Token s / 2 * 8 + 2(l%4) + s % 2 is this
 // thread's token s, s < BLOCK_M / 4.
 
 // The swapped tile's accumulators of one math warpgroup: [chunk][its half][registers of BLOCK_M tokens]
@@ -138,6 +138,7 @@ __device__ __forceinline__ int swapped_math_wg() {
 
 template <int kTokens>
 __device__ __forceinline__ void wgmma_swapped(float (&d)[kTokens / 2], uint64_t desc_w, uint64_t desc_x, int scale_d) {
+  static_assert(kTokens == 16 || kTokens == 32, "swapped fp8 tiles: 16 or 32 tokens");
   if constexpr (kTokens == 16)
     ptx::wgmma_m64n16k32_e4m3(d, desc_w, desc_x, scale_d);
   else
@@ -214,10 +215,13 @@ __device__ __forceinline__ void math_k_block_swapped(const GroupedGemmSmem<Cfg>&
 template <int kTokens>
 __device__ __forceinline__ void wgmma_swapped_rs(float (&d)[kTokens / 2], const uint32_t (&a)[4], uint64_t desc_x,
                                                  int scale_d) {
+  static_assert(kTokens == 16 || kTokens == 32 || kTokens == 64, "swapped mxfp4 tiles: 16, 32 or 64 tokens");
   if constexpr (kTokens == 16)
     ptx::wgmma_m64n16k32_e4m3_rs(d, a, desc_x, scale_d);
-  else
+  else if constexpr (kTokens == 32)
     ptx::wgmma_m64n32k32_e4m3_rs(d, a, desc_x, scale_d);
+  else
+    ptx::wgmma_m64n64k32_e4m3_rs(d, a, desc_x, scale_d);
 }
 
 template <class Cfg, bool kFirst>

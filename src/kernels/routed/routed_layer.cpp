@@ -520,13 +520,14 @@ class RoutedMoeLayer final : public MoeLayer {
 // Knobs as GEMM tiles; 0 leaves the field to the GEMM's heuristic for the forward's bucket. A
 // BLOCK_N the GEMM cannot run for this N (not 128/256, not dividing N, or not 256 for SwiGLU) is left
 // to the heuristic too, and so are mxfp4 tiles the GEMM has no configuration for (BLOCK_M other than
-// 16 or 32, BLOCK_N other than 256). (The pool is not padded, so any BLOCK_M runs any segment.)
+// 16, 32 or 64 — 64 with two math warpgroups only, make_routed_gemm_args —, BLOCK_N other than 256).
+// (The pool is not padded, so any BLOCK_M runs any segment.)
 gemm::GemmTileConfig tiles_for(const MoeConfig& c, int32_t n, bool swiglu, int gemm_sms) {
   const bool fp8 = c.weight_format == WeightFormat::kFp8Block;
   const bool mxfp4 = c.weight_format == WeightFormat::kMxfp4;
   gemm::GemmTileConfig t;
   t.block_m = c.knobs.block_m;
-  if (mxfp4 && t.block_m != 16 && t.block_m != 32) t.block_m = 0;
+  if (mxfp4 && t.block_m != 16 && t.block_m != 32 && t.block_m != 64) t.block_m = 0;
   const int32_t bn = c.knobs.block_n;
   const bool bn_ok = swiglu || mxfp4 ? bn == 256 : ((bn == 128 || bn == 256) && n % bn == 0);
   t.block_n = bn_ok ? bn : 0;
@@ -629,7 +630,12 @@ Status make_routed_gemm_args(const MoeGeometry& g, const MoeConfig& c, const Wor
     for (int r = 0; r < b.num_ranks; ++r) fc2.peer_d[r] = b.peer_combine[r];
   }
   fc2.tiles = tiles_for(c, fc2.n, /*swiglu=*/false, gemm_sms);
-  if (mxfp4) fc1.tiles.fp4_math_wg = fc2.tiles.fp4_math_wg = fp4_math_wg;
+  if (mxfp4) {
+    fc1.tiles.fp4_math_wg = fc2.tiles.fp4_math_wg = fp4_math_wg;
+    const bool one_wg = fp4_math_wg == 1 || (fp4_math_wg == 0 && gemm::kDefaultFp4MathWG == 1);
+    for (gemm::GemmTileConfig* t : {&fc1.tiles, &fc2.tiles})
+      if (one_wg && t->block_m == 64) t->block_m = 0;  // 64-row mxfp4 tiles: two math warpgroups
+  }
   fc1.tile_counter = b.tile_counters;
   fc1.tile_order = fc2.tile_order = c.knobs.gemm_tile_order == 1   ? gemm::GemmTileOrder::kCounter
                                     : c.knobs.gemm_tile_order == 2 ? gemm::GemmTileOrder::kRoundRobin

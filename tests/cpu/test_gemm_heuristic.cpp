@@ -203,6 +203,24 @@ TEST(GemmHeuristic, TileOrderBySpanAndLength) {
 }
 
 // Clusters of 2 (weight tiles multicast to a pair of CTAs): fp8 128 x 256 tiles with long K.
+// mxfp4 weights: the smallest swapped tile holding the bucket's rows (64 with two math warpgroups
+// only), not fp8-block's 64-row choice for 17-32-row bf16-row GEMMs; an asked-for BLOCK_M is kept.
+TEST(GemmHeuristic, Mxfp4BlockMIsTheSmallestTileHoldingTheRows) {
+  for (int32_t wg : {1, 2}) {
+    EXPECT_EQ(select_mxfp4_block_m(1, 0, wg), 16);
+    EXPECT_EQ(select_mxfp4_block_m(16, 0, wg), 16);
+    EXPECT_EQ(select_mxfp4_block_m(17, 0, wg), 32);
+    EXPECT_EQ(select_mxfp4_block_m(32, 0, wg), 32);
+    EXPECT_EQ(select_mxfp4_block_m(33, 0, wg), wg == 2 ? 64 : 32);
+    EXPECT_EQ(select_mxfp4_block_m(4096, 0, wg), wg == 2 ? 64 : 32);
+    EXPECT_EQ(select_mxfp4_block_m(4096, 16, wg), 16);
+    EXPECT_EQ(select_mxfp4_block_m(8, 32, wg), 32);
+  }
+  EXPECT_EQ(select_mxfp4_block_m(8, 64, 2), 64);
+  // fp8-block's choice at 32 rows of a bf16-row GEMM is 64; mxfp4's stays 32.
+  EXPECT_EQ(select_gemm_tiles(hint(32, 128, 4096, 7168)).block_m, 64);
+}
+
 TEST(GemmHeuristic, ClustersForLongK) {
   EXPECT_EQ(select_gemm_tiles(hint(512, 32, 4096, 7168)).cluster, 2);  // deepseek-v3 FC1
   EXPECT_EQ(select_gemm_tiles(hint(512, 32, 4096, 7168, GemmEpilogue::kSwigluFp8)).cluster, 2);

@@ -101,6 +101,11 @@ GemmTileConfig select_gemm_tiles(const GemmShapeHint& hint, const Knobs* overrid
   return c;
 }
 
+int32_t select_mxfp4_block_m(int64_t m_per_expert, int32_t block_m, int32_t fp4_math_wg) {
+  if (block_m != 0) return block_m;
+  return m_per_expert <= 16 ? 16 : m_per_expert <= 32 || fp4_math_wg == 1 ? 32 : 64;
+}
+
 int64_t count_gemm_tiles(const int32_t* rows_per_expert, int32_t num_experts, int32_t n, const GemmTileConfig& cfg) {
   int64_t m_blocks = 0;
   for (int32_t e = 0; e < num_experts; ++e)

@@ -258,7 +258,7 @@ Status plan_grouped_gemm(const GroupedGemmArgs& args, GroupedGemmPlan* plan) {
     // More than 32 rows: 64-row tiles where two math warpgroups run (each expanded weight then
     // serves 64 tokens instead of 32: half the expansions and weight reads of a large expert).
     cfg.fp4_math_wg = args.tiles.fp4_math_wg != 0 ? args.tiles.fp4_math_wg : kDefaultFp4MathWG;
-    cfg.block_m = cfg.block_m <= 16 ? 16 : cfg.block_m <= 32 || cfg.fp4_math_wg == 1 ? 32 : 64;
+    cfg.block_m = select_mxfp4_block_m(hint.m_per_expert, args.tiles.block_m, cfg.fp4_math_wg);
     cfg.block_n = 256;
     cfg.cluster = 1;
   } else {

@@ -1,5 +1,6 @@
 // sm90_gemm_math.cuh — the grouped GEMM's math warpgroups: the K loop of one tile into fp32 accumulators
-// (math_tile; swapped operands for 16- and 32-row tiles: math_tile_swapped) and the ring-slot release.
+// (math_tile; swapped operands for 16- and 32-row tiles and mxfp4's 64-row ones: math_tile_swapped)
+// and the ring-slot release.
 #pragma once
 
 #include "kernels/gemm/sm90_gemm_config.cuh"

@@ -9,7 +9,10 @@
 //   spanning more binades than e4m3 holds (those groups round: still within the bound);
 // - every run the same bits (static and dynamic schedules, all SMs and 3 CTAs);
 // each with one and with two math warpgroups per tile (GemmTileConfig::fp4_math_wg; test names end in
-// _Wg1 / _Wg2): both are bit for bit the fp8-block path, so also each other.
+// _Wg1 / _Wg2): both are bit for bit the fp8-block path, so also each other;
+// - the device expansion of an image into fp8-block weights (gemm::launch_expand_mxfp4, the routed
+//   backend's prefill path) bit for bit the host's, and fp8-block's 128-row tiles on it bit for bit
+//   the mxfp4 GEMM's swapped tiles.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -25,6 +28,7 @@
 #include <vector>
 
 #include "kernels/gemm/gemm_weights.h"
+#include "kernels/gemm/mxfp4_expand.h"
 #include "kernels/gemm/sm90_fp8_grouped_gemm.h"
 #include "megamoe/formats.h"
 
@@ -315,5 +319,76 @@ INSTANTIATE_TEST_SUITE_P(
     [](const ::testing::TestParamInfo<std::tuple<Mxfp4Case, int>>& i) {
       return std::get<0>(i.param).name + "_Wg" + std::to_string(std::get<1>(i.param));
     });
+
+// gemm::launch_expand_mxfp4: the e4m3 codes of fmt::mxfp4_to_fp8_128x128 bit for bit (blocks within
+// e4m3's binades and blocks beyond them, whose groups round), the block scales the image's first
+// region; experts with no rows skipped (their bytes untouched); 3 CTAs striding over every piece the
+// same as a full grid; no offsets: every expert; a chunk of experts into its own buffer.
+TEST(Mxfp4Expand, DeviceExpansionIsTheHostsBitForBit) {
+  REQUIRE_SM90();
+  for (int binades : {4, 24}) {
+    const Mxfp4Case c{"expand", GroupedLayout::kContiguous, 512, 1024, {5, 0, 7}, 32, false, binades};
+    const Mxfp4Problem p = make_problem(c, 4242u + binades);
+    gemm::Mxfp4GemmWeights w;
+    gemm::prepare_mxfp4_for_gemm(p.packed.data(), p.scales.data(), p.E, p.N, p.K, &w);
+    const std::vector<uint8_t> img = gemm::device_image(w);
+    ASSERT_EQ(0, std::memcmp(gemm::mxfp4_image_block_scales(img.data()), p.fp8_scales.data(),
+                             p.fp8_scales.size() * sizeof(float)));
+    DevBuf<uint8_t> image(img);
+    DevBuf<int32_t> offsets(p.offsets);
+    const size_t per_expert = size_t(p.N) * p.K;
+    // variants: offsets + full grid, offsets + 3 CTAs, no offsets, experts [1, 3) only (a chunk)
+    for (int variant = 0; variant < 4; ++variant) {
+      const int first = variant == 3 ? 1 : 0, count = variant == 3 ? 2 : p.E;
+      DevBuf<uint8_t> out(per_expert * count);
+      CUDA_OK(cudaMemset(out.p, 0xA5, out.n));
+      const cudaError_t launched =
+          gemm::launch_expand_mxfp4(image.p, p.E, p.N, p.K, first, count, variant == 2 ? nullptr : offsets.p, out.p,
+                                    variant == 1 ? 3 : 0, nullptr);
+      CUDA_OK(launched);
+      CUDA_OK(cudaDeviceSynchronize());
+      const std::vector<uint8_t> got = out.get();
+      for (int i = 0; i < count; ++i) {
+        const int e = first + i;
+        const bool skipped = variant != 2 && p.offsets[e + 1] == p.offsets[e];
+        int64_t diffs = 0;
+        for (size_t j = 0; j < per_expert; ++j)
+          diffs += got[i * per_expert + j] != (skipped ? uint8_t(0xA5) : p.fp8[e * per_expert + j]);
+        EXPECT_EQ(diffs, 0) << "binades " << binades << " variant " << variant << " expert " << e
+                            << (skipped ? " (no rows: must stay untouched)" : "");
+      }
+    }
+    // A range past the image is refused, nothing launched.
+    EXPECT_EQ(gemm::launch_expand_mxfp4(image.p, p.E, p.N, p.K, 2, 2, offsets.p, nullptr, 0, nullptr),
+              cudaErrorInvalidValue);
+  }
+}
+
+// fp8-block's 128-row tiles on the expansion (what the routed backend runs at prefill) against the
+// mxfp4 GEMM's swapped 32- and 64-row tiles: the same bits, bf16 rows and SwiGLU + fp8.
+TEST(Mxfp4Expand, Fp8BlockTilesOnTheExpansionEqualTheMxfp4Gemm) {
+  REQUIRE_SM90();
+  for (bool swiglu : {false, true}) {
+    Mxfp4Case c{swiglu ? "expand_swiglu" : "expand_rows", GroupedLayout::kContiguous, 1024, 768, {300, 0, 170, 1},
+                128, swiglu, 8};
+    Mxfp4Problem p = make_problem(c, 5151u + swiglu);
+    if (swiglu) reorder_for_swiglu(&p);
+    gemm::GemmTileConfig used_fp8, used;
+    const Outputs want = run(c, p, GemmDtype::kFp8Block, 0, nullptr, 0, &used_fp8);
+    EXPECT_EQ(used_fp8.block_m, 128);
+    for (int bm : {32, 64}) {
+      Mxfp4Case m = c;
+      m.block_m = bm;
+      const Outputs got = run(m, p, GemmDtype::kMxfp4, 2, nullptr, 0, &used);
+      EXPECT_EQ(used.block_m, bm);
+      int64_t diffs = 0;
+      for (size_t i = 0; i < got.d.size(); ++i) diffs += got.d[i] != want.d[i];
+      std::printf("  [%s] fp8-block %s vs mxfp4 %s: %lld of %zu output bytes differ\n", c.name.c_str(),
+                  used_fp8.to_string().c_str(), used.to_string().c_str(), (long long)diffs, got.d.size());
+      EXPECT_EQ(diffs, 0);
+      EXPECT_EQ(0, std::memcmp(got.d_scales.data(), want.d_scales.data(), got.d_scales.size() * 4));
+    }
+  }
+}
 
 }  // namespace

@@ -53,6 +53,8 @@ EnvKnobs read_env() {
     return std::string(v ? v : "");
   };
   k.gemm_fp4_math_wg = text("MEGAMOE_GEMM_FP4_MATH_WG");
+  k.mxfp4_expand_rows = text("MEGAMOE_MXFP4_EXPAND_ROWS");
+  k.mxfp4_expand_mib = text("MEGAMOE_MXFP4_EXPAND_MIB");
   k.rank = text("MEGAMOE_RANK");
   k.world_size = text("MEGAMOE_WORLD_SIZE");
   k.local_rank = text("MEGAMOE_LOCAL_RANK");

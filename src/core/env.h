@@ -29,6 +29,15 @@ struct EnvKnobs {
   // (default 2). Kept as given; empty = unset. routed_fp4_math_wg() validates it at the layer's warmup
   // and names the variable.
   std::string gemm_fp4_math_wg;
+  // MEGAMOE_MXFP4_EXPAND_ROWS: from how many rows per expert (the routed GEMMs' bucket) a routed mxfp4
+  // layer expands its weights to fp8-block each forward and runs fp8-block's GEMM tiles, "off" or a
+  // positive integer (default: routed_mxfp4_expand_rows's). Kept as given; empty = unset; validated
+  // by routed_mxfp4_expand_rows() at the layer's warmup, naming the variable.
+  std::string mxfp4_expand_rows;
+  // MEGAMOE_MXFP4_EXPAND_MIB: the bound of that expansion's scratch in MiB, a positive integer
+  // (default 1024): more local experts than fit are expanded and multiplied a chunk at a time. Kept
+  // as given; validated by routed_mxfp4_expand_bytes() at the layer's warmup, naming the variable.
+  std::string mxfp4_expand_mib;
   // MEGAMOE_LOG: 0 quiet, 1 warnings and selection (default), 2 verbose.
   int log_level = 1;
   // One process per GPU (comm.h NcclBootstrap::from_env, set by `megamoe launch` or an engine's

@@ -281,5 +281,129 @@ TEST(RoutedGemmArgs, TheFp4MathWgKnobReachesBothMxfp4Gemms) {
   EXPECT_NE(bad.message().find("tiles.fp4_math_wg=3"), std::string::npos) << bad.message();
 }
 
+// MEGAMOE_MXFP4_EXPAND_ROWS: a positive integer or "off" (0: never); unset: the default; anything else
+// refused naming the variable, the value and the rule, the output untouched.
+TEST(RoutedGemmArgs, TheMxfp4ExpandRowsKnobParses) {
+  int64_t rows = -1;
+  ASSERT_TRUE(routed_mxfp4_expand_rows("", &rows).is_ok());
+  EXPECT_EQ(rows, kDefaultMxfp4ExpandRows);
+  ASSERT_TRUE(routed_mxfp4_expand_rows("off", &rows).is_ok());
+  EXPECT_EQ(rows, 0);
+  ASSERT_TRUE(routed_mxfp4_expand_rows("1", &rows).is_ok());
+  EXPECT_EQ(rows, 1);
+  ASSERT_TRUE(routed_mxfp4_expand_rows("2048", &rows).is_ok());
+  EXPECT_EQ(rows, 2048);
+  for (const char* bad : {"0", "-1", "+5", " 5", "5 ", "5x", "on", "OFF", "1e3", "99999999999999999999"}) {
+    rows = -1;
+    const Status st = routed_mxfp4_expand_rows(bad, &rows);
+    ASSERT_FALSE(st.is_ok()) << bad;
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(st.message().find(std::string("MEGAMOE_MXFP4_EXPAND_ROWS='") + bad + "'"), std::string::npos)
+        << st.message();
+    EXPECT_NE(st.message().find("must be 'off' or a positive integer"), std::string::npos) << st.message();
+    EXPECT_EQ(rows, -1) << bad;
+  }
+  ASSERT_EQ(setenv("MEGAMOE_MXFP4_EXPAND_ROWS", "off", 1), 0);
+  reload_env_knobs();
+  EXPECT_EQ(env_knobs().mxfp4_expand_rows, "off");
+  ASSERT_EQ(unsetenv("MEGAMOE_MXFP4_EXPAND_ROWS"), 0);
+  reload_env_knobs();
+  EXPECT_EQ(env_knobs().mxfp4_expand_rows, "");
+}
+
+// The expansion's chunks: whole experts within the bound, at least one, at most E_l; the bound from
+// MEGAMOE_MXFP4_EXPAND_MIB (MiB; unset: 1 GiB), anything but a positive integer refused naming it.
+TEST(RoutedGemmArgs, TheMxfp4ExpansionChunkBoundsTheScratch) {
+  MoeGeometry g;
+  g.hidden = 7168;
+  g.intermediate = 2048;
+  g.num_experts = 256;
+  g.top_k = 8;
+  g.ep_size = 8;  // 32 local experts x 29.4 MB: one chunk of all of them
+  EXPECT_EQ(routed_mxfp4_expand_chunk(g, kDefaultMxfp4ExpandBytes), 32);
+  g.ep_size = 1;  // 256: chunks of 36 (36 x 29.4 MB <= 1 GiB < 37 x)
+  const int64_t chunk = routed_mxfp4_expand_chunk(g, kDefaultMxfp4ExpandBytes);
+  EXPECT_EQ(chunk, 36);
+  EXPECT_LE(chunk * 2 * g.intermediate * g.hidden, kDefaultMxfp4ExpandBytes);
+  EXPECT_GT((chunk + 1) * 2 * g.intermediate * g.hidden, kDefaultMxfp4ExpandBytes);
+  EXPECT_EQ(routed_mxfp4_expand_chunk(g, 100 << 20), 3);  // 100 MiB: 3 x 29.4 MB
+  EXPECT_EQ(routed_mxfp4_expand_chunk(g, 1), 1);          // below one expert: still one at a time
+  int64_t bytes = -1;
+  ASSERT_TRUE(routed_mxfp4_expand_bytes("", &bytes).is_ok());
+  EXPECT_EQ(bytes, kDefaultMxfp4ExpandBytes);
+  ASSERT_TRUE(routed_mxfp4_expand_bytes("3", &bytes).is_ok());
+  EXPECT_EQ(bytes, 3 << 20);
+  for (const char* bad : {"0", "-2", "1.5", "1G", " 64", "off"}) {
+    bytes = -1;
+    const Status st = routed_mxfp4_expand_bytes(bad, &bytes);
+    ASSERT_FALSE(st.is_ok()) << bad;
+    EXPECT_NE(st.message().find(std::string("MEGAMOE_MXFP4_EXPAND_MIB='") + bad + "', must be a positive integer"),
+              std::string::npos)
+        << st.message();
+    EXPECT_EQ(bytes, -1) << bad;
+  }
+}
+
+// The prefill GEMMs of an mxfp4 layer: fp8-block GEMMs on the expansion (b), the mxfp4 images' block
+// scales (their first region) as b_scales, fp8-block's tiles; the rest as the mxfp4 GEMMs have it.
+// Every preset with mxfp4's shapes validates; other formats are refused.
+TEST(RoutedGemmArgs, TheExpandedMxfp4GemmsAreFp8BlockOnTheExpansion) {
+  int checked = 0;
+  for (const Preset& p : kPresets) {
+    if (p.hidden % 256 != 0) continue;
+    for (int64_t t_max : {1, 33, 4096}) {
+      MoeGeometry g;
+      g.hidden = p.hidden;
+      g.intermediate = p.intermediate;
+      g.num_experts = p.experts;
+      g.top_k = p.top_k;
+      g.ep_size = 1;
+      g.max_tokens_per_rank = t_max;
+      MoeConfig c;
+      c.weight_format = WeightFormat::kMxfp4;
+      const WorkspaceLayout l = WorkspaceLayout::make(workspace_params(g, c));
+      RoutedGemmBuffers b = fake_buffers(g);
+      char* const w13 = reinterpret_cast<char*>(uintptr_t(2) << 40);
+      char* const w2 = reinterpret_cast<char*>(uintptr_t(3) << 40);
+      char* const expanded = reinterpret_cast<char*>(uintptr_t(4) << 40);
+      b.w13 = w13;
+      b.w2 = w2;
+      b.w13_scales = b.w2_scales = nullptr;
+      gemm::GroupedGemmArgs m1, m2, x1, x2;
+      ASSERT_TRUE(make_routed_gemm_args(g, c, l, b, 0, 0, &m1, &m2).is_ok()) << p.name;
+      const Status st = make_routed_expanded_gemm_args(g, c, l, b, expanded, 0, &x1, &x2);
+      ASSERT_TRUE(st.is_ok()) << p.name << " T_max " << t_max << ": " << st.to_string();
+      for (const gemm::GroupedGemmArgs* x : {&x1, &x2}) {
+        EXPECT_EQ(x->dtype, gemm::GemmDtype::kFp8Block) << p.name;
+        EXPECT_EQ(x->b, expanded) << p.name;
+        EXPECT_EQ(x->tiles.fp4_math_wg, 0) << p.name;
+      }
+      EXPECT_EQ(x1.b_scales, reinterpret_cast<const float*>(w13)) << p.name;
+      EXPECT_EQ(x2.b_scales, reinterpret_cast<const float*>(w2)) << p.name;
+      EXPECT_EQ(x1.epilogue, m1.epilogue);
+      EXPECT_EQ(x2.epilogue, m2.epilogue);
+      EXPECT_EQ(x1.a, m1.a);
+      EXPECT_EQ(x1.d, m1.d);
+      EXPECT_EQ(x1.d_scales, m1.d_scales);
+      EXPECT_EQ(x2.a_scales, m2.a_scales);
+      EXPECT_EQ(x2.num_peer_d, m2.num_peer_d);
+      EXPECT_EQ(x1.expected_m_per_expert, m1.expected_m_per_expert);
+      ++checked;
+    }
+  }
+  EXPECT_GE(checked, 12);
+  MoeGeometry g;
+  g.hidden = 512;
+  g.intermediate = 256;
+  g.num_experts = 16;
+  g.top_k = 4;
+  g.max_tokens_per_rank = 8;
+  MoeConfig c;  // fp8-block
+  gemm::GroupedGemmArgs x1, x2;
+  const Status bad = make_routed_expanded_gemm_args(g, c, WorkspaceLayout::make(workspace_params(g, c)),
+                                                    fake_buffers(g), fake_buffers(g).workspace, 0, &x1, &x2);
+  EXPECT_EQ(bad.code(), StatusCode::kInternal) << bad.to_string();
+}
+
 }  // namespace
 }  // namespace megamoe

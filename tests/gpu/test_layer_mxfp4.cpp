@@ -6,7 +6,10 @@
 // unless a 128 x 128 block spans more than e4m3's binades), repeats and CUDA-graph replays bitwise;
 // T = 1, odd T and T = T_max, a rank with no tokens; EP1 and EP2 on logical ranks sharing GPU 0.
 // Routed runs every case with one and with two math warpgroups per mxfp4 tile (MEGAMOE_GEMM_FP4_MATH_WG
-// 1 / 2: test names end in _Wg1 / _Wg2); mega has one (its own role layout).
+// 1 / 2: test names end in _Wg1 / _Wg2), and some with the prefill path forced (MEGAMOE_MXFP4_EXPAND_ROWS
+// 1: the weights expanded to fp8-block before each GEMM, fp8-block's GEMM on them; names end in
+// _Expand), which is also bit for bit the in-kernel path (Sm90Mxfp4Prefill); mega has one math
+// warpgroup (its own role layout) and never expands.
 // Skips without an sm_90 GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -23,6 +26,7 @@
 
 #include "core/backends.h"
 #include "core/env.h"
+#include "kernels/routed/routed_gemm_args.h"
 #include "megamoe/formats.h"
 #include "megamoe/layer.h"
 #include "reference/error_model.h"
@@ -47,25 +51,37 @@ struct Mxfp4LayerCase {
   Routing routing;
   CombineDtype combine = CombineDtype::kBf16;
   int fp4_math_wg = 0;  // routed: MEGAMOE_GEMM_FP4_MATH_WG for the layer (0: unset)
+  bool expand = false;  // routed: MEGAMOE_MXFP4_EXPAND_ROWS=1 (every forward expands)
+  bool chunks = false;  // with expand: MEGAMOE_MXFP4_EXPAND_MIB=1 (4 tiny experts per chunk)
   std::string test_name() const {
     return std::string(to_string(backend)) + "_" + name + (R > 1 ? "_SharedGpu" : "") +
-           (fp4_math_wg > 0 ? "_Wg" + std::to_string(fp4_math_wg) : "");
+           (fp4_math_wg > 0 ? "_Wg" + std::to_string(fp4_math_wg) : "") + (expand ? "_Expand" : "") +
+           (chunks ? "Chunks" : "");
   }
 };
 
-// MEGAMOE_GEMM_FP4_MATH_WG = wg for the scope (wg 0: left unset), read again on entry and exit.
-struct Fp4MathWgScope {
-  explicit Fp4MathWgScope(int wg) {
-    if (wg > 0) setenv("MEGAMOE_GEMM_FP4_MATH_WG", std::to_string(wg).c_str(), 1);
-    else unsetenv("MEGAMOE_GEMM_FP4_MATH_WG");
+// An environment knob set to `value` for the scope (null: unset), read again on entry and exit.
+struct EnvScope {
+  EnvScope(const char* name, const char* value) : name_(name) {
+    if (value) setenv(name, value, 1);
+    else unsetenv(name);
     reload_env_knobs();
   }
-  ~Fp4MathWgScope() {
-    unsetenv("MEGAMOE_GEMM_FP4_MATH_WG");
+  ~EnvScope() {
+    unsetenv(name_);
     reload_env_knobs();
   }
-  Fp4MathWgScope(const Fp4MathWgScope&) = delete;
-  Fp4MathWgScope& operator=(const Fp4MathWgScope&) = delete;
+  EnvScope(const EnvScope&) = delete;
+  EnvScope& operator=(const EnvScope&) = delete;
+
+ private:
+  const char* name_;
+};
+
+// MEGAMOE_GEMM_FP4_MATH_WG = wg for the scope (wg 0: left unset).
+struct Fp4MathWgScope : EnvScope {
+  explicit Fp4MathWgScope(int wg)
+      : EnvScope("MEGAMOE_GEMM_FP4_MATH_WG", wg > 0 ? (wg == 1 ? "1" : "2") : nullptr) {}
 };
 
 MoeGeometry geometry(const Mxfp4LayerCase& p) {
@@ -96,6 +112,8 @@ TEST_P(Sm90Mxfp4Layer, MatchesCpuBackendOnTheSameMxfp4Weights) {
                                                    : routed_capability(problem.geometry, c);
   ASSERT_TRUE(gate.is_ok()) << gate.to_string();
   const Fp4MathWgScope knob(p.fp4_math_wg);
+  const EnvScope expand("MEGAMOE_MXFP4_EXPAND_ROWS", p.expand ? "1" : nullptr);
+  const EnvScope mib("MEGAMOE_MXFP4_EXPAND_MIB", p.chunks ? "1" : nullptr);
   Harness h(problem, c, p.R > 1 ? GroupKind::kSharedGpu : GroupKind::kNcclGpus, p.backend);
   ASSERT_TRUE(h.build());
   ASSERT_EQ(h.gpu_layer(0)->backend(), p.backend);
@@ -125,6 +143,20 @@ std::vector<Mxfp4LayerCase> all_cases() {
       c.fp4_math_wg = wg;
       out.push_back(c);
     }
+  // The prefill path at every size (forced): dropped slots, experts with no rows (skipped by the
+  // expansion), deepseek-v3's dimensions, a quantised wire, EP2 on logical ranks.
+  for (Mxfp4LayerCase c : cases_for(Backend::kRouted)) {
+    const std::string n = c.name;
+    if (n != "EP1_Tiny_T33" && n != "EP1_Top6_T33_Dropped" && n != "EP1_SingleExpert_T100" &&
+        n != "EP1_DeepSeekV3Dims_E16_T8" && n != "EP1_Tiny_T64_Mxfp8Wire" && n != "EP2_Tiny_T33")
+      continue;
+    c.expand = true;
+    out.push_back(c);
+    if (n == "EP1_Tiny_T33" || n == "EP2_Tiny_T33") {  // 256 KiB per expert: chunks of 4 in 1 MiB
+      c.chunks = true;
+      out.push_back(c);
+    }
+  }
   for (const Mxfp4LayerCase& c : cases_for(Backend::kMega)) out.push_back(c);
   return out;
 }
@@ -132,32 +164,65 @@ std::vector<Mxfp4LayerCase> all_cases() {
 INSTANTIATE_TEST_SUITE_P(Sm90, Sm90Mxfp4Layer, ::testing::ValuesIn(all_cases()),
                          [](const ::testing::TestParamInfo<Mxfp4LayerCase>& info) { return info.param.test_name(); });
 
-// Prefill sizes run the mxfp4 GEMM's 16- and 32-row tiles too (it has no larger ones): a pool of
-// thousands of rows, against the cpu backend.
-// With one and with two math warpgroups per tile.
+// Prefill sizes: a pool of 2048 rows against the cpu backend, on the mxfp4 GEMM's swapped tiles
+// (MEGAMOE_MXFP4_EXPAND_ROWS off; one and two math warpgroups per tile) and on fp8-block's tiles over
+// the expanded weights (expansion forced, all experts at once and in chunks; and by the default
+// threshold at T = 4096), the paths bit for bit equal (the same products: the expansion is the
+// GEMM's own, Mxfp4Expand in test_gemm_mxfp4).
 class Sm90Mxfp4Prefill : public ::testing::TestWithParam<int> {};
 
-TEST_P(Sm90Mxfp4Prefill, RoutedPoolOf2048Rows) {
+TEST_P(Sm90Mxfp4Prefill, RoutedPoolOf2048Rows_ExpandedEqualsInKernel) {
   MEGAMOE_REQUIRE_SM90_GPUS(1);
   const int wg = GetParam();
   Mxfp4LayerCase p{"EP1_Tiny_T512", Backend::kRouted, 512, 256, 16, 4, 1, 512, Routing::kUniform};
   MoeProblem problem = reference::make_random_problem(geometry(p), 99, {512});
   MoeConfig c;
   c.weight_format = WeightFormat::kMxfp4;
-  c.knobs.block_m = 128;  // no mxfp4 configuration: left to the heuristic (32-row tiles)
+  c.knobs.block_m = 128;  // no mxfp4 configuration: left to the heuristic (swapped tiles); fp8-block's 128
   const Fp4MathWgScope knob(wg);
-  Harness h(problem, c, GroupKind::kNcclGpus, Backend::kRouted);
-  ASSERT_TRUE(h.build());
-  std::vector<std::vector<uint16_t>> y_gpu, y_cpu;
-  ASSERT_TRUE(h.run(problem.ranks, &y_gpu, &y_cpu));
-  const double err = rel_l2_bf16(y_gpu[0], y_cpu[0]);
-  std::printf("[mxfp4] routed EP1 T512 (block_m knob 128, %d math warpgroups): rel-L2 vs cpu backend = %.3e\n", wg,
-              err);
-  EXPECT_LE(err, reference::same_points_bound_one_forward(CombineDtype::kBf16, 512).rel_l2);
+  std::vector<std::vector<uint16_t>> y[3];
+  for (int expand = 0; expand < 3; ++expand) {  // off; all 16 experts at once; chunks of 4 (1 MiB)
+    const EnvScope rows("MEGAMOE_MXFP4_EXPAND_ROWS", expand ? "1" : "off");
+    const EnvScope mib("MEGAMOE_MXFP4_EXPAND_MIB", expand == 2 ? "1" : nullptr);
+    Harness h(problem, c, GroupKind::kNcclGpus, Backend::kRouted);
+    ASSERT_TRUE(h.build());
+    std::vector<std::vector<uint16_t>> y_cpu;
+    ASSERT_TRUE(h.run(problem.ranks, &y[expand], &y_cpu));
+    const double err = rel_l2_bf16(y[expand][0], y_cpu[0]);
+    std::printf("[mxfp4] routed EP1 T512 (%s, %d math warpgroups): rel-L2 vs cpu backend = %.3e\n",
+                expand == 2 ? "expanded to fp8-block, chunks of 4 experts"
+                : expand    ? "expanded to fp8-block"
+                            : "in-kernel expansion",
+                wg, err);
+    EXPECT_LE(err, reference::same_points_bound_one_forward(CombineDtype::kBf16, 512).rel_l2);
+  }
+  for (int v = 1; v < 3; ++v) {
+    int64_t diffs = 0;
+    for (size_t i = 0; i < y[0][0].size(); ++i) diffs += y[0][0][i] != y[v][0][i];
+    std::printf("[mxfp4] routed EP1 T512: %lld of %zu outputs differ between the in-kernel and the expanded path%s\n",
+                (long long)diffs, y[0][0].size(), v == 2 ? " (chunks)" : "");
+    EXPECT_EQ(diffs, 0);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Sm90, Sm90Mxfp4Prefill, ::testing::Values(1, 2),
                          [](const ::testing::TestParamInfo<int>& info) { return "Wg" + std::to_string(info.param); });
+
+// The default threshold: T = 4096 on 16 experts of top-4 is 1024 rows per expert, past
+// kDefaultMxfp4ExpandRows, so the layer expands by itself; against the cpu backend, a repeat and a
+// graph replay (both expansions captured) bitwise.
+TEST(Sm90Mxfp4PrefillDefault, RoutedT4096ExpandsByTheDefaultThreshold) {
+  MEGAMOE_REQUIRE_SM90_GPUS(1);
+  Mxfp4LayerCase p{"EP1_Tiny_T4096_DefaultExpand", Backend::kRouted, 512, 256, 16, 4, 1, 4096, Routing::kUniform};
+  ASSERT_GE(routed_rows_per_expert(geometry(p), 4096 * 4), kDefaultMxfp4ExpandRows);
+  MoeProblem problem = reference::make_random_problem(geometry(p), 7, {4096});
+  MoeConfig c;
+  c.weight_format = WeightFormat::kMxfp4;
+  const EnvScope rows("MEGAMOE_MXFP4_EXPAND_ROWS", nullptr);
+  Harness h(problem, c, GroupKind::kNcclGpus, Backend::kRouted);
+  ASSERT_TRUE(h.build());
+  check_fp4_layer(h, problem, CombineDtype::kBf16, "mxfp4", p.test_name());
+}
 
 // A bad MEGAMOE_GEMM_FP4_MATH_WG fails the routed mxfp4 layer's warmup, naming the variable, the value
 // and the rule (and does not turn `auto` away from routed: the gate does not read it).
@@ -178,6 +243,28 @@ TEST(Sm90Mxfp4Knob, BadFp4MathWgFailsTheWarmupNamingTheKnob) {
   reload_env_knobs();
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
   EXPECT_NE(st.message().find("MEGAMOE_GEMM_FP4_MATH_WG='4', must be 1 or 2"), std::string::npos) << st.to_string();
+}
+
+// A bad MEGAMOE_MXFP4_EXPAND_ROWS likewise (read even when T_max never reaches the threshold).
+TEST(Sm90Mxfp4Knob, BadExpandRowsFailsTheWarmupNamingTheKnob) {
+  MEGAMOE_REQUIRE_SM90_GPUS(1);
+  Mxfp4LayerCase p{"EP1_Tiny_T8", Backend::kRouted, 512, 256, 16, 4, 1, 8, Routing::kUniform};
+  MoeProblem problem = reference::make_random_problem(geometry(p), 5, {8});
+  MoeConfig c;
+  c.weight_format = WeightFormat::kMxfp4;
+  c.backend = Backend::kRouted;
+  Status st;
+  {
+    const EnvScope rows("MEGAMOE_MXFP4_EXPAND_ROWS", "many");
+    EXPECT_TRUE(routed_capability(problem.geometry, c).is_ok());
+    std::unique_ptr<MoeLayer> layer;
+    st = MoeLayer::create(problem.geometry.for_rank(0), c, reference::local_weights(problem, 0), nullptr, &layer);
+    if (st.is_ok()) st = layer->warmup();
+  }
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+  EXPECT_NE(st.message().find("MEGAMOE_MXFP4_EXPAND_ROWS='many', must be 'off' or a positive integer"),
+            std::string::npos)
+      << st.to_string();
 }
 
 }  // namespace

@@ -46,6 +46,32 @@ int64_t routed_rows_per_expert(const MoeGeometry& geometry, int64_t rows);
 // else: kInvalidArgument naming the variable, the value and the rule.
 Status routed_fp4_math_wg(const std::string& knob, int32_t* out);
 
+// Prefill with mxfp4 weights: from this many rows per expert (routed_rows_per_expert of the forward's
+// T) the layer expands both weight images to fp8-block e4m3 in a scratch of its workspace key
+// (gemm::launch_expand_mxfp4, before each GEMM) and runs fp8-block's GEMM on them: the same products
+// (the expansion is the mxfp4 GEMM's own), with fp8-block's 128 x 256 tiles instead of the swapped
+// 16- to 64-row ones, which reach about half fp8-block's MMA rate. Measured crossover: docs/PERF.md.
+constexpr int64_t kDefaultMxfp4ExpandRows = 256;
+
+// MEGAMOE_MXFP4_EXPAND_ROWS as given (EnvKnobs::mxfp4_expand_rows): a positive integer, or "off" (*out
+// 0: never expand); empty (unset): kDefaultMxfp4ExpandRows. Anything else: kInvalidArgument naming
+// the variable, the value and the rule.
+Status routed_mxfp4_expand_rows(const std::string& knob, int64_t* out);
+
+// The expansion's scratch bound by default: a layer whose local experts' w13 exceeds it expands and
+// multiplies them in chunks of routed_mxfp4_expand_chunk experts (one GEMM launch per chunk), so an
+// engine at EP1 with 256 experts holds 1 GiB of e4m3 rather than 7.5 GB.
+constexpr int64_t kDefaultMxfp4ExpandBytes = int64_t(1) << 30;
+
+// MEGAMOE_MXFP4_EXPAND_MIB as given (EnvKnobs::mxfp4_expand_mib): a positive integer of MiB (*out in
+// bytes); empty (unset): kDefaultMxfp4ExpandBytes. Anything else: kInvalidArgument naming the
+// variable, the value and the rule.
+Status routed_mxfp4_expand_bytes(const std::string& knob, int64_t* out);
+
+// Experts per chunk: as many whole experts' w13 (2I x H e4m3 bytes) as fit in max_bytes, at least 1,
+// at most the local experts.
+int64_t routed_mxfp4_expand_chunk(const MoeGeometry& geometry, int64_t max_bytes);
+
 // fc1: pool_x -> SwiGLU (+ fp8 requant) -> intermediate; fc2: intermediate -> combine rows or
 // expert_out. gemm_sms > 0 bounds both grids (a shared device's SM budget). fp4_math_wg: mxfp4
 // weights' math warpgroups per tile for both (1 or 2; 0: the GEMM's default); ignored for other
@@ -53,5 +79,14 @@ Status routed_fp4_math_wg(const std::string& knob, int32_t* out);
 Status make_routed_gemm_args(const MoeGeometry& geometry, const MoeConfig& config, const WorkspaceLayout& layout,
                              const RoutedGemmBuffers& buffers, int gemm_sms, int32_t fp4_math_wg,
                              gemm::GroupedGemmArgs* fc1, gemm::GroupedGemmArgs* fc2);
+
+// The two GEMMs of an mxfp4 layer on its weights expanded into `expanded` (gemm::launch_expand_mxfp4
+// of buffers.w13, then of buffers.w2, into the same bytes): fp8-block GEMMs with b = expanded and
+// b_scales = the images' own block scales; everything else as make_routed_gemm_args makes it for
+// fp8-block weights. Validated.
+Status make_routed_expanded_gemm_args(const MoeGeometry& geometry, const MoeConfig& config,
+                                      const WorkspaceLayout& layout, const RoutedGemmBuffers& buffers,
+                                      const void* expanded, int gemm_sms, gemm::GroupedGemmArgs* fc1,
+                                      gemm::GroupedGemmArgs* fc2);
 
 }  // namespace megamoe

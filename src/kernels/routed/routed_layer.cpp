@@ -19,8 +19,10 @@
 // - the symmetric workspace (EpTransport, WorkspacePool): every layer of one WorkspaceKey (geometry,
 //   options, rank, group, device, lane);
 // - scratch of the same key (KeyScratch below): the M-major copy of the pool's activation scales that
-//   FC1 reads, and FC2's bf16 rows [pool_rows, H] where the combine reads them (a quantised wire or
-//   the owner reduce). Layers of one key run one after another on one stream, so sharing is safe;
+//   FC1 reads, FC2's bf16 rows [pool_rows, H] where the combine reads them (a quantised wire or
+//   the owner reduce), and mxfp4's prefill expansion (a chunk of experts within
+//   MEGAMOE_MXFP4_EXPAND_MIB, when T_max reaches the threshold). Layers of one key run one after
+//   another on one stream, so sharing is safe;
 //   forward() refuses two host threads inside it at once for one key (the one misuse cheap to see);
 // - per layer: the prepared weights and the GEMMs' tile counters (in the transport's scratch, zeroed
 //   by the pool build every forward before the GEMMs run).
@@ -36,7 +38,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cmath>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -49,6 +53,7 @@
 #include "core/log.h"
 #include "kernels/common/layer_buffers.h"
 #include "kernels/gemm/gemm_weights.h"
+#include "kernels/gemm/mxfp4_expand.h"
 #include "kernels/gemm/sm90_fp8_grouped_gemm.h"
 #include "kernels/routed/routed_gemm_args.h"
 #include "kernels/routed/sm90_routing.h"
@@ -64,6 +69,10 @@ std::string str(int64_t v) { return std::to_string(v); }
 struct KeyScratch {
   std::mutex mutex;
   std::shared_ptr<DeviceBuffer> a_scales, expert_out, routing;
+  // mxfp4 prefill: the fp8-block expansion of one chunk of experts' w13 (or w2: smaller),
+  // routed_mxfp4_expand_chunk x 2I x H bytes, rewritten before each GEMM launch on the stream
+  std::shared_ptr<DeviceBuffer> fp4_expanded;
+  int64_t fp4_expanded_bytes = 0;
   std::atomic<int> host_forwards{0};  // threads inside forward() for this key
 };
 
@@ -148,6 +157,30 @@ class RoutedMoeLayer final : public MoeLayer {
         MEGAMOE_RETURN_IF_ERROR(
             device_alloc(device_, geometry_.max_tokens_per_rank * geometry_.top_k * 8, &scratch->routing));
     }
+    // mxfp4: the prefill expansion's scratch when a forward of up to T_max tokens may expand
+    // (allocated here: forward() allocates nothing, so it can be captured).
+    expand_rows_ = 0;
+    int64_t expand_bytes = 0;
+    if (config_.weight_format == WeightFormat::kMxfp4) {
+      MEGAMOE_RETURN_IF_ERROR(routed_mxfp4_expand_rows(env_knobs().mxfp4_expand_rows, &expand_rows_));
+      MEGAMOE_RETURN_IF_ERROR(routed_mxfp4_expand_bytes(env_knobs().mxfp4_expand_mib, &expand_bytes));
+      expand_chunk_ = static_cast<int32_t>(routed_mxfp4_expand_chunk(geometry_, expand_bytes));
+    }
+    if (expand_rows_ > 0 && P > 0 &&
+        routed_rows_per_expert(geometry_, geometry_.max_tokens_per_rank * geometry_.top_k) >= expand_rows_) {
+      std::lock_guard<std::mutex> lock(scratch->mutex);
+      // Layers of one key may differ in the bound (the knob re-read): the scratch grows to the
+      // largest chunk, never shrinks (a captured graph of another layer may hold the old one: it is
+      // kept alive by that layer's reference).
+      const int64_t bytes = gemm::mxfp4_expanded_bytes(expand_chunk_, 2 * geometry_.intermediate, H);
+      if (!scratch->fp4_expanded || scratch->fp4_expanded_bytes < bytes) {
+        MEGAMOE_RETURN_IF_ERROR(device_alloc(device_, bytes, &scratch->fp4_expanded));
+        scratch->fp4_expanded_bytes = bytes;
+      }
+      fp4_expanded_ = scratch->fp4_expanded;
+    } else {
+      expand_rows_ = 0;  // no forward of this layer expands
+    }
     MEGAMOE_RETURN_IF_ERROR(build_gemm_args(*scratch));
     scratch_ = std::move(scratch);
     warmed_up_ = true;
@@ -223,6 +256,7 @@ class RoutedMoeLayer final : public MoeLayer {
     const Status st = transport_->release(0);
     if (!st.is_ok()) latch_broken(st);
     scratch_.reset();
+    fp4_expanded_.reset();
     w13_.reset();
     w13_scales_.reset();
     w2_.reset();
@@ -315,9 +349,15 @@ class RoutedMoeLayer final : public MoeLayer {
     gemm::GroupedGemmArgs fc1, fc2;
     MEGAMOE_RETURN_IF_ERROR(
         make_routed_gemm_args(geometry_, config_, transport_->layout(), b, gemm_sms_, fp4_math_wg, &fc1, &fc2));
+    gemm::GroupedGemmArgs fc1x, fc2x;
+    if (expand_rows_ > 0)
+      MEGAMOE_RETURN_IF_ERROR(make_routed_expanded_gemm_args(geometry_, config_, transport_->layout(), b,
+                                                             fp4_expanded_->ptr, gemm_sms_, &fc1x, &fc2x));
     fc1_ = fc1;
     fc2_ = fc2;
-    plans_.clear();  // made from fc1_ / fc2_
+    fc1x_ = fc1x;
+    fc2x_ = fc2x;
+    plans_.clear();  // made from fc1_ / fc2_ (fc1x_ / fc2x_)
     return Status::ok();
   }
 
@@ -329,7 +369,15 @@ class RoutedMoeLayer final : public MoeLayer {
   // The launches of one forward's GEMMs for this rank's T (see the top of this file).
   struct GemmPlan {
     int64_t gate_rows = -1;               // >= 0: the pool build fills the two gated offset copies
+    bool expand = false;                  // mxfp4: the weights expanded before each GEMM (fc1x_ / fc2x_)
     std::vector<gemm::GroupedGemmArgs> fc1, fc2;  // one launch each, or one per gated copy
+    // expand: per chunk of experts (routed_mxfp4_expand_chunk), each GEMM's launches on experts
+    // [first, first + count), the expansion's scratch holding that chunk's weights
+    struct Chunk {
+      int32_t first = 0, count = 0;
+      std::vector<gemm::GroupedGemmArgs> fc1, fc2;
+    };
+    std::vector<Chunk> chunks;
   };
 
   // The plan for T tokens on this rank, made once per distinct T (host only).
@@ -339,21 +387,56 @@ class RoutedMoeLayer final : public MoeLayer {
       *out = &it->second;
       return Status::ok();
     }
+    GemmPlan plan;
+    MEGAMOE_RETURN_IF_ERROR(make_plan(T, &plan));
+    if (plan.expand) MEGAMOE_RETURN_IF_ERROR(split_into_chunks(&plan));
+    *out = &plans_.emplace(T, std::move(plan)).first->second;
+    return Status::ok();
+  }
+
+  // The expanded plan's launches per chunk of experts: each GEMM argument on experts [e0, e0 + n)
+  // (their offsets, their block scales in the image; b is the scratch, which holds exactly them).
+  Status split_into_chunks(GemmPlan* plan) const {
+    const int32_t El = static_cast<int32_t>(geometry_.experts_per_rank());
+    const int32_t chunk = expand_chunk_;
+    for (int32_t e0 = 0; e0 < El; e0 += chunk) {
+      GemmPlan::Chunk c;
+      c.first = e0;
+      c.count = std::min(chunk, El - e0);
+      for (int f = 0; f < 2; ++f) {
+        for (gemm::GroupedGemmArgs a : f == 0 ? plan->fc1 : plan->fc2) {
+          a.num_experts = c.count;
+          a.expert_offsets += e0;
+          a.b_scales += static_cast<int64_t>(e0) * (a.n / 128) * (a.k / 128);
+          MEGAMOE_RETURN_IF_ERROR(gemm::validate_grouped_gemm(a));
+          (f == 0 ? c.fc1 : c.fc2).push_back(a);
+        }
+      }
+      plan->chunks.push_back(std::move(c));
+    }
+    return Status::ok();
+  }
+
+  // plan_for's launches (before any split into chunks).
+  Status make_plan(int64_t T, GemmPlan* out) {
     const int64_t k = geometry_.top_k, P = transport_->layout().pool_rows;
+    GemmPlan& plan = *out;
+    // mxfp4 at prefill: fp8-block GEMMs on the expanded weights, by this rank's T.
+    plan.expand = expand_rows_ > 0 && routed_rows_per_expert(geometry_, T * k) >= expand_rows_;
+    const gemm::GroupedGemmArgs& fc1_base = plan.expand ? fc1x_ : fc1_;
+    const gemm::GroupedGemmArgs& fc2_base = plan.expand ? fc2x_ : fc2_;
     // Bucket A: this rank's tokens as the row estimate (decode runs decode tiles); bucket B: the
     // pool's bound (every rank at max_tokens_per_rank).
-    gemm::GroupedGemmArgs fc1a = fc1_, fc2a = fc2_, fc1b = fc1_, fc2b = fc2_;
+    gemm::GroupedGemmArgs fc1a = fc1_base, fc2a = fc2_base, fc1b = fc1_base, fc2b = fc2_base;
     fc1a.expected_m_per_expert = fc2a.expected_m_per_expert = routed_rows_per_expert(geometry_, T * k);
     fc1b.expected_m_per_expert = fc2b.expected_m_per_expert =
         routed_rows_per_expert(geometry_, geometry_.max_tokens_per_rank * k);
     int32_t* counters = transport_->backend_counters();  // [8]: two words per launch
-    GemmPlan plan;
     if (!env_knobs().tile_bucket_received) {  // the bucket from this rank's T: one launch per GEMM
       fc1a.tile_counter = counters;
       fc2a.tile_counter = counters + 2;
       plan.fc1 = {fc1a};
       plan.fc2 = {fc2a};
-      *out = &plans_.emplace(T, std::move(plan)).first->second;
       return Status::ok();
     }
     gemm::GemmTileConfig t1a, t1b, t2a, t2b;
@@ -376,7 +459,7 @@ class RoutedMoeLayer final : public MoeLayer {
       if (lo >= hi) lo = hi - 1;
       while (hi - lo > 1) {
         const int64_t mid = lo + (hi - lo) / 2;
-        gemm::GroupedGemmArgs probe = by_fc1 ? fc1_ : fc2_;
+        gemm::GroupedGemmArgs probe = by_fc1 ? fc1_base : fc2_base;
         probe.expected_m_per_expert = routed_rows_per_expert(geometry_, mid);
         gemm::GemmTileConfig t;
         MEGAMOE_RETURN_IF_ERROR(gemm::planned_gemm_tiles(probe, &t));
@@ -392,10 +475,9 @@ class RoutedMoeLayer final : public MoeLayer {
         if (!fc2_same || i == 0) plan.fc2.push_back(a2);
       }
       // A GEMM whose tiles agree runs once, on the real offsets.
-      if (fc1_same) plan.fc1[0].expert_offsets = fc1_.expert_offsets;
-      if (fc2_same) plan.fc2[0].expert_offsets = fc2_.expert_offsets;
+      if (fc1_same) plan.fc1[0].expert_offsets = fc1_base.expert_offsets;
+      if (fc2_same) plan.fc2[0].expert_offsets = fc2_base.expert_offsets;
     }
-    *out = &plans_.emplace(T, std::move(plan)).first->second;
     return Status::ok();
   }
 
@@ -445,9 +527,31 @@ class RoutedMoeLayer final : public MoeLayer {
             reinterpret_cast<const int32_t*>(base + l.expert_offsets.offset) + geometry_.experts_per_rank(), P, H / 128,
             static_cast<float*>(scratch_->a_scales->ptr), P, stream));
       }
-      for (const gemm::GroupedGemmArgs& a : plan->fc1) MEGAMOE_RETURN_IF_ERROR(gemm::launch_grouped_gemm(a, stream));
-      MEGAMOE_RETURN_IF_ERROR(mark(3, stream));
-      for (const gemm::GroupedGemmArgs& a : plan->fc2) MEGAMOE_RETURN_IF_ERROR(gemm::launch_grouped_gemm(a, stream));
+      if (!plan->expand) {
+        for (const gemm::GroupedGemmArgs& a : plan->fc1) MEGAMOE_RETURN_IF_ERROR(gemm::launch_grouped_gemm(a, stream));
+        MEGAMOE_RETURN_IF_ERROR(mark(3, stream));
+        for (const gemm::GroupedGemmArgs& a : plan->fc2) MEGAMOE_RETURN_IF_ERROR(gemm::launch_grouped_gemm(a, stream));
+      } else {
+        // mxfp4 prefill: per chunk of experts, its weights expanded into the key's scratch, then the
+        // GEMM on them; FC1's chunks, then FC2's (each expansion overwrites what the GEMM before it
+        // read: the same stream orders them). Only the experts with rows are expanded.
+        const int32_t El = static_cast<int32_t>(geometry_.experts_per_rank());
+        const int32_t I = static_cast<int32_t>(geometry_.intermediate);
+        const int32_t* offsets = fc1_.expert_offsets;
+        void* expanded = fp4_expanded_->ptr;
+        for (int f = 0; f < 2; ++f) {
+          if (f == 1) MEGAMOE_RETURN_IF_ERROR(mark(3, stream));
+          for (const GemmPlan::Chunk& c : plan->chunks) {
+            MEGAMOE_CUDA_CHECK(f == 0 ? gemm::launch_expand_mxfp4(w13_->ptr, El, 2 * I, static_cast<int32_t>(H),
+                                                                  c.first, c.count, offsets, expanded, gemm_sms_,
+                                                                  stream)
+                                      : gemm::launch_expand_mxfp4(w2_->ptr, El, static_cast<int32_t>(H), I, c.first,
+                                                                  c.count, offsets, expanded, gemm_sms_, stream));
+            for (const gemm::GroupedGemmArgs& a : f == 0 ? c.fc1 : c.fc2)
+              MEGAMOE_RETURN_IF_ERROR(gemm::launch_grouped_gemm(a, stream));
+          }
+        }
+      }
     } else {
       MEGAMOE_RETURN_IF_ERROR(mark(3, stream));
     }
@@ -505,6 +609,12 @@ class RoutedMoeLayer final : public MoeLayer {
   WorkspaceKey key_;
   Status broken_;  // the first failure that left this rank out of step with its group
   gemm::GroupedGemmArgs fc1_, fc2_;  // as build_gemm_args made them (bucket from max_tokens_per_rank)
+  // mxfp4: the rows per expert from which a forward expands (0: never; routed_mxfp4_expand_rows at
+  // warmup) and the GEMMs on the expansion (make_routed_expanded_gemm_args)
+  int64_t expand_rows_ = 0;
+  int32_t expand_chunk_ = 1;  // experts per expansion (routed_mxfp4_expand_chunk)
+  std::shared_ptr<DeviceBuffer> fp4_expanded_;  // the key's scratch as this layer's plans use it
+  gemm::GroupedGemmArgs fc1x_, fc2x_;
   std::map<int64_t, GemmPlan> plans_;
   bool warmed_up_ = false;  // warmup() completed: workspace, scratch, GEMM arguments
   bool released_ = false;
@@ -564,6 +674,72 @@ Status routed_fp4_math_wg(const std::string& knob, int32_t* out) {
   return invalid_argument("environment knob", "MEGAMOE_GEMM_FP4_MATH_WG", "'" + knob + "'",
                           "must be 1 or 2 (math warpgroups per tile of the routed mxfp4 GEMMs; unset: " +
                               str(gemm::kDefaultFp4MathWG) + ")");
+}
+
+// A positive decimal integer, digits only, within int64 (the knobs below).
+bool parse_positive(const std::string& text, int64_t* out) {
+  if (text.empty() || text[0] < '0' || text[0] > '9') return false;
+  char* end = nullptr;
+  errno = 0;
+  const long long v = std::strtoll(text.c_str(), &end, 10);
+  if (errno != 0 || *end != '\0' || v <= 0) return false;
+  *out = v;
+  return true;
+}
+
+Status routed_mxfp4_expand_rows(const std::string& knob, int64_t* out) {
+  if (knob.empty()) {
+    *out = kDefaultMxfp4ExpandRows;
+    return Status::ok();
+  }
+  if (knob == "off") {
+    *out = 0;
+    return Status::ok();
+  }
+  if (int64_t v = 0; parse_positive(knob, &v)) {
+    *out = v;
+    return Status::ok();
+  }
+  return invalid_argument("environment knob", "MEGAMOE_MXFP4_EXPAND_ROWS", "'" + knob + "'",
+                          "must be 'off' or a positive integer (rows per expert from which routed mxfp4 layers "
+                          "expand their weights to fp8-block for the GEMMs; unset: " +
+                              str(kDefaultMxfp4ExpandRows) + ")");
+}
+
+Status routed_mxfp4_expand_bytes(const std::string& knob, int64_t* out) {
+  if (knob.empty()) {
+    *out = kDefaultMxfp4ExpandBytes;
+    return Status::ok();
+  }
+  int64_t mib = 0;
+  if (parse_positive(knob, &mib) && mib <= (int64_t(1) << 40)) {
+    *out = mib << 20;
+    return Status::ok();
+  }
+  return invalid_argument("environment knob", "MEGAMOE_MXFP4_EXPAND_MIB", "'" + knob + "'",
+                          "must be a positive integer of MiB, at most 2^40 (the bound of the routed mxfp4 prefill "
+                          "expansion's scratch; unset: " +
+                              str(kDefaultMxfp4ExpandBytes >> 20) + ")");
+}
+
+int64_t routed_mxfp4_expand_chunk(const MoeGeometry& g, int64_t max_bytes) {
+  const int64_t per_expert = std::max<int64_t>(1, 2 * g.intermediate * g.hidden);
+  return std::max<int64_t>(1, std::min<int64_t>(g.experts_per_rank(), max_bytes / per_expert));
+}
+
+Status make_routed_expanded_gemm_args(const MoeGeometry& g, const MoeConfig& c, const WorkspaceLayout& l,
+                                      const RoutedGemmBuffers& b, const void* expanded, int gemm_sms,
+                                      gemm::GroupedGemmArgs* fc1, gemm::GroupedGemmArgs* fc2) {
+  if (c.weight_format != WeightFormat::kMxfp4)
+    return Status(StatusCode::kInternal, std::string("expanded GEMM arguments for weight_format=") +
+                                             to_string(c.weight_format) + " (mxfp4 only)");
+  MoeConfig fp8 = c;
+  fp8.weight_format = WeightFormat::kFp8Block;
+  RoutedGemmBuffers bx = b;
+  bx.w13 = bx.w2 = expanded;
+  bx.w13_scales = gemm::mxfp4_image_block_scales(b.w13);
+  bx.w2_scales = gemm::mxfp4_image_block_scales(b.w2);
+  return make_routed_gemm_args(g, fp8, l, bx, gemm_sms, 0, fc1, fc2);
 }
 
 Status make_routed_gemm_args(const MoeGeometry& g, const MoeConfig& c, const WorkspaceLayout& l,
@@ -703,6 +879,13 @@ Status routed_format_gate(const MoeGeometry& g, const MoeConfig& c) {
   if (Status st = make_routed_gemm_args(g, c, WorkspaceLayout::make(transport.params), fake, 0, 0, &fc1, &fc2);
       !st.is_ok())
     return Status(StatusCode::kUnavailable, "the routed backend's grouped GEMM cannot run it: " + st.message());
+  if (c.weight_format == WeightFormat::kMxfp4) {  // and the prefill GEMMs on the expansion
+    if (Status st = make_routed_expanded_gemm_args(g, c, WorkspaceLayout::make(transport.params), fake, addr, 0,
+                                                   &fc1, &fc2);
+        !st.is_ok())
+      return Status(StatusCode::kUnavailable,
+                    "the routed backend's grouped GEMM cannot run the expanded mxfp4 weights: " + st.message());
+  }
   return Status::ok();
 }
 

@@ -94,15 +94,18 @@ Status mega_capability_on(const MoeGeometry& g, const MoeConfig& c, int device, 
   return mega_format_gate(g, c);
 }
 
-// The weight formats `auto` keeps off mega until mega's kernel for them is timed against routed's
-// (backend=mega runs them on request): mxfp4; nvfp4 wherever routed runs it (the bf16 wire FC2 writes
+// The weight formats `auto` keeps off mega (backend=mega runs them on request): mxfp4, timed: mega's
+// kernel has the 16-row tile only, within 4% of routed at 1-8 tokens/rank and 1.6-2.6x routed's time
+// at 128-1024 (deepseek-v3, 32 experts, EP1, one H200; docs/PERF.md "FP4 weights"); nvfp4 wherever
+// routed runs it, until timed against routed's (the bf16 wire FC2 writes
 // itself, no owner reduce: there mega is bitwise routed's and only its time is open). nvfp4 with a
 // quantised wire or the owner reduce runs on mega only, so `auto` takes mega there rather than fall
 // to cpu. The fp8-block and bf16 kernels are measured (docs/PERF.md, "Mega backend").
 Status mega_auto_format_gate(const MoeConfig& c) {
   if (c.weight_format == WeightFormat::kMxfp4)
     return Status(StatusCode::kUnavailable,
-                  "the mega backend's mxfp4 kernel has not been measured against routed's yet (auto keeps to routed "
+                  "the mega backend's mxfp4 kernel (16-row tiles only) measured within 4% of routed's time at 1-8 "
+                  "tokens/rank and 1.6-2.6x it at 128-1024 (docs/PERF.md, \"FP4 weights\"; auto keeps to routed "
                   "with weight_format=mxfp4; backend=mega runs it on request)");
   if (c.weight_format == WeightFormat::kNvfp4 && c.combine_dtype == CombineDtype::kBf16 && !c.uses_owner_reduce())
     return Status(StatusCode::kUnavailable,

@@ -344,6 +344,42 @@ TEST(RoutedGemmArgs, TheMxfp4ExpansionChunkBoundsTheScratch) {
   }
 }
 
+// What a layer allocates: the chunk's w13 in e4m3 when T_max's bucket reaches the threshold, nothing
+// below it or with the expansion off; the knobs' errors pass through.
+TEST(RoutedGemmArgs, TheMxfp4ExpansionScratchFollowsTMaxAndTheKnobs) {
+  MoeGeometry g;
+  g.hidden = 7168;
+  g.intermediate = 2048;
+  g.num_experts = 256;
+  g.top_k = 8;
+  g.ep_size = 8;
+  g.max_tokens_per_rank = 8192;  // 2048 rows per expert on average
+  RoutedMxfp4Expansion x;
+  ASSERT_TRUE(routed_mxfp4_expansion(g, "", "", &x).is_ok());
+  EXPECT_EQ(x.threshold_rows, kDefaultMxfp4ExpandRows);
+  EXPECT_EQ(x.t_max_rows, routed_rows_per_expert(g, 8192 * 8));
+  EXPECT_EQ(x.chunk_experts, 32);
+  EXPECT_EQ(x.scratch_bytes, 32 * 2 * 2048 * 7168);
+  EXPECT_TRUE(x.expands());
+  ASSERT_TRUE(routed_mxfp4_expansion(g, "off", "", &x).is_ok());
+  EXPECT_EQ(x.threshold_rows, 0);
+  EXPECT_FALSE(x.expands());
+  ASSERT_TRUE(routed_mxfp4_expansion(g, "", "100", &x).is_ok());  // 100 MiB: 3 experts per chunk
+  EXPECT_EQ(x.chunk_experts, 3);
+  EXPECT_EQ(x.scratch_bytes, 3 * 2 * 2048 * 7168);
+  g.max_tokens_per_rank = 512;  // bucket 128 + 2 sqrt(128) = 151 rows: below 256
+  ASSERT_TRUE(routed_mxfp4_expansion(g, "", "", &x).is_ok());
+  EXPECT_LT(x.t_max_rows, kDefaultMxfp4ExpandRows);
+  EXPECT_FALSE(x.expands());
+  EXPECT_EQ(x.scratch_bytes, 0);
+  ASSERT_TRUE(routed_mxfp4_expansion(g, "151", "", &x).is_ok());
+  EXPECT_TRUE(x.expands());
+  const Status bad_rows = routed_mxfp4_expansion(g, "x", "", &x);
+  EXPECT_NE(bad_rows.message().find("MEGAMOE_MXFP4_EXPAND_ROWS='x'"), std::string::npos) << bad_rows.message();
+  const Status bad_mib = routed_mxfp4_expansion(g, "", "0", &x);
+  EXPECT_NE(bad_mib.message().find("MEGAMOE_MXFP4_EXPAND_MIB='0'"), std::string::npos) << bad_mib.message();
+}
+
 // The prefill GEMMs of an mxfp4 layer: fp8-block GEMMs on the expansion (b), the mxfp4 images' block
 // scales (their first region) as b_scales, fp8-block's tiles; the rest as the mxfp4 GEMMs have it.
 // Every preset with mxfp4's shapes validates; other formats are refused.

@@ -10,6 +10,7 @@
 #include "commands.h"
 #include "core/device.h"
 #include "core/env.h"
+#include "kernels/routed/routed_gemm_args.h"
 #include "megamoe/knobs.h"
 #include "megamoe/layer.h"
 #include "megamoe/workspace.h"
@@ -152,6 +153,24 @@ int run_info(const InfoOptions& o) {
   std::printf("\nexpert weights per rank (%s): %s (%lld experts x %lld bytes)\n", to_string(c.weight_format),
               format_mib(per_expert * g.experts_per_rank()).c_str(), static_cast<long long>(g.experts_per_rank()),
               static_cast<long long>(per_expert));
+  if (c.weight_format == WeightFormat::kMxfp4) {
+    RoutedMxfp4Expansion x;
+    const EnvKnobs& env = env_knobs();
+    if (Status st = routed_mxfp4_expansion(g, env.mxfp4_expand_rows, env.mxfp4_expand_mib, &x); !st.is_ok())
+      std::printf("routed mxfp4 prefill expansion: %s\n", st.message().c_str());
+    else if (x.threshold_rows == 0)
+      std::printf("routed mxfp4 prefill expansion: off (MEGAMOE_MXFP4_EXPAND_ROWS=off)\n");
+    else if (!x.expands())
+      std::printf("routed mxfp4 prefill expansion: from %lld rows per expert; none here (T_max's bucket: %lld rows), "
+                  "no scratch\n",
+                  static_cast<long long>(x.threshold_rows), static_cast<long long>(x.t_max_rows));
+    else
+      std::printf("routed mxfp4 prefill expansion: from %lld rows per expert (T_max's bucket: %lld); scratch per "
+                  "workspace key %s (%lld of %lld experts per chunk)\n",
+                  static_cast<long long>(x.threshold_rows), static_cast<long long>(x.t_max_rows),
+                  format_mib(x.scratch_bytes).c_str(), static_cast<long long>(x.chunk_experts),
+                  static_cast<long long>(g.experts_per_rank()));
+  }
   const HostMemoryEstimate check_mem = estimate_host_memory(g, c, Backend::kCpu, tokens, true);
   int64_t limit = 0;
   const bool fits = fits_host_memory(check_mem, &limit);

@@ -72,6 +72,19 @@ Status routed_mxfp4_expand_bytes(const std::string& knob, int64_t* out);
 // at most the local experts.
 int64_t routed_mxfp4_expand_chunk(const MoeGeometry& geometry, int64_t max_bytes);
 
+// What a routed mxfp4 layer of this geometry does at prefill, from the two knobs as given (EnvKnobs::
+// mxfp4_expand_rows, mxfp4_expand_mib): the layer's warmup allocates scratch_bytes and `megamoe info`
+// prints them. Errors: the knobs' (kInvalidArgument naming the variable).
+struct RoutedMxfp4Expansion {
+  int64_t threshold_rows = 0;  // rows per expert from which a forward expands; 0: off
+  int64_t t_max_rows = 0;      // routed_rows_per_expert at max_tokens_per_rank (the largest bucket)
+  int64_t chunk_experts = 1;   // routed_mxfp4_expand_chunk
+  int64_t scratch_bytes = 0;   // chunk_experts x 2I x H; 0 when no forward expands (off, or T_max below)
+  bool expands() const { return scratch_bytes > 0; }
+};
+Status routed_mxfp4_expansion(const MoeGeometry& geometry, const std::string& rows_knob, const std::string& mib_knob,
+                              RoutedMxfp4Expansion* out);
+
 // fc1: pool_x -> SwiGLU (+ fp8 requant) -> intermediate; fc2: intermediate -> combine rows or
 // expert_out. gemm_sms > 0 bounds both grids (a shared device's SM budget). fp4_math_wg: mxfp4
 // weights' math warpgroups per tile for both (1 or 2; 0: the GEMM's default); ignored for other

@@ -159,27 +159,29 @@ class RoutedMoeLayer final : public MoeLayer {
     }
     // mxfp4: the prefill expansion's scratch when a forward of up to T_max tokens may expand
     // (allocated here: forward() allocates nothing, so it can be captured).
-    expand_rows_ = 0;
-    int64_t expand_bytes = 0;
-    if (config_.weight_format == WeightFormat::kMxfp4) {
-      MEGAMOE_RETURN_IF_ERROR(routed_mxfp4_expand_rows(env_knobs().mxfp4_expand_rows, &expand_rows_));
-      MEGAMOE_RETURN_IF_ERROR(routed_mxfp4_expand_bytes(env_knobs().mxfp4_expand_mib, &expand_bytes));
-      expand_chunk_ = static_cast<int32_t>(routed_mxfp4_expand_chunk(geometry_, expand_bytes));
-    }
-    if (expand_rows_ > 0 && P > 0 &&
-        routed_rows_per_expert(geometry_, geometry_.max_tokens_per_rank * geometry_.top_k) >= expand_rows_) {
+    RoutedMxfp4Expansion expansion;
+    if (config_.weight_format == WeightFormat::kMxfp4)
+      MEGAMOE_RETURN_IF_ERROR(routed_mxfp4_expansion(geometry_, env_knobs().mxfp4_expand_rows,
+                                                     env_knobs().mxfp4_expand_mib, &expansion));
+    expand_rows_ = expansion.expands() && P > 0 ? expansion.threshold_rows : 0;  // 0: no forward expands
+    expand_chunk_ = static_cast<int32_t>(expansion.chunk_experts);
+    if (expand_rows_ > 0) {
       std::lock_guard<std::mutex> lock(scratch->mutex);
       // Layers of one key may differ in the bound (the knob re-read): the scratch grows to the
       // largest chunk, never shrinks (a captured graph of another layer may hold the old one: it is
       // kept alive by that layer's reference).
-      const int64_t bytes = gemm::mxfp4_expanded_bytes(expand_chunk_, 2 * geometry_.intermediate, H);
+      const int64_t bytes = expansion.scratch_bytes;
       if (!scratch->fp4_expanded || scratch->fp4_expanded_bytes < bytes) {
-        MEGAMOE_RETURN_IF_ERROR(device_alloc(device_, bytes, &scratch->fp4_expanded));
+        if (Status st = device_alloc(device_, bytes, &scratch->fp4_expanded); !st.is_ok())
+          return Status(st.code(), "the routed mxfp4 layer's prefill expansion scratch (" + str(bytes) + " bytes: " +
+                                       str(expansion.chunk_experts) + " experts x 2I x H e4m3, from " +
+                                       str(expansion.threshold_rows) +
+                                       " rows per expert; MEGAMOE_MXFP4_EXPAND_MIB bounds it, "
+                                       "MEGAMOE_MXFP4_EXPAND_ROWS=off drops it): " +
+                                       st.message());
         scratch->fp4_expanded_bytes = bytes;
       }
       fp4_expanded_ = scratch->fp4_expanded;
-    } else {
-      expand_rows_ = 0;  // no forward of this layer expands
     }
     MEGAMOE_RETURN_IF_ERROR(build_gemm_args(*scratch));
     scratch_ = std::move(scratch);
@@ -725,6 +727,20 @@ Status routed_mxfp4_expand_bytes(const std::string& knob, int64_t* out) {
 int64_t routed_mxfp4_expand_chunk(const MoeGeometry& g, int64_t max_bytes) {
   const int64_t per_expert = std::max<int64_t>(1, 2 * g.intermediate * g.hidden);
   return std::max<int64_t>(1, std::min<int64_t>(g.experts_per_rank(), max_bytes / per_expert));
+}
+
+Status routed_mxfp4_expansion(const MoeGeometry& g, const std::string& rows_knob, const std::string& mib_knob,
+                              RoutedMxfp4Expansion* out) {
+  RoutedMxfp4Expansion x;
+  int64_t max_bytes = 0;
+  MEGAMOE_RETURN_IF_ERROR(routed_mxfp4_expand_rows(rows_knob, &x.threshold_rows));
+  MEGAMOE_RETURN_IF_ERROR(routed_mxfp4_expand_bytes(mib_knob, &max_bytes));
+  x.t_max_rows = routed_rows_per_expert(g, g.max_tokens_per_rank * g.top_k);
+  x.chunk_experts = routed_mxfp4_expand_chunk(g, max_bytes);
+  if (x.threshold_rows > 0 && g.max_tokens_per_rank > 0 && x.t_max_rows >= x.threshold_rows)
+    x.scratch_bytes = gemm::mxfp4_expanded_bytes(x.chunk_experts, 2 * g.intermediate, g.hidden);
+  *out = x;
+  return Status::ok();
 }
 
 Status make_routed_expanded_gemm_args(const MoeGeometry& g, const MoeConfig& c, const WorkspaceLayout& l,

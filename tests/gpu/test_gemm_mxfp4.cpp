@@ -248,7 +248,6 @@ TEST_P(Mxfp4Gemm, BitEqualToFp8BlockOnTheExpansion_AndDeterministic) {
   REQUIRE_SM90();
   const Mxfp4Case& c = std::get<0>(GetParam());
   const int wg = std::get<1>(GetParam());
-  if (c.block_m == 64 && wg == 1) GTEST_SKIP() << "64-row mxfp4 tiles run two math warpgroups only";
   Mxfp4Problem p = make_problem(c, 777u + c.N + c.K);
   if (c.swiglu) reorder_for_swiglu(&p);
   gemm::GemmTileConfig used_fp8, used;
@@ -272,7 +271,6 @@ TEST_P(Mxfp4Gemm, MatchesFloat64OnTheMxfp4Values) {
   REQUIRE_SM90();
   const Mxfp4Case& c = std::get<0>(GetParam());
   const int wg = std::get<1>(GetParam());
-  if (c.block_m == 64 && wg == 1) GTEST_SKIP() << "64-row mxfp4 tiles run two math warpgroups only";
   if (c.swiglu) GTEST_SKIP() << "the SwiGLU output is checked bit for bit against the fp8-block path";
   const Mxfp4Problem p = make_problem(c, 999u + c.N + c.K);
   const std::vector<double> ref = reference(p);
@@ -299,26 +297,33 @@ TEST_P(Mxfp4Gemm, MatchesFloat64OnTheMxfp4Values) {
   EXPECT_EQ(poisoned_ok, outside) << "rows outside every segment were written";
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Cases, Mxfp4Gemm,
-    ::testing::Combine(::testing::Values(
-        Mxfp4Case{"Masked_BM16_N512_K1024", GroupedLayout::kMasked, 512, 1024, {1, 16, 0, 9}, 16, false, 15},
-        Mxfp4Case{"Masked_BM32_N768_K512", GroupedLayout::kMasked, 768, 512, {32, 3, 17}, 32, false, 6},
-        Mxfp4Case{"Contiguous_BM16_N256_K2048_Uneven", GroupedLayout::kContiguous, 256, 2048, {7, 0, 40, 1}, 16, false,
-                  15},
-        Mxfp4Case{"Contiguous_BM32_DeepSeekFc2Shape", GroupedLayout::kContiguous, 7168, 2048, {8, 8}, 32, false, 4},
-        Mxfp4Case{"Masked_BM16_24Binades", GroupedLayout::kMasked, 256, 512, {5, 12}, 16, false, 24},
-        Mxfp4Case{"Swiglu_Masked_BM16_I256_K1024", GroupedLayout::kMasked, 512, 1024, {3, 16, 0}, 16, true, 15},
-        Mxfp4Case{"Swiglu_Contiguous_BM32_I512_K768", GroupedLayout::kContiguous, 1024, 768, {20, 33, 1}, 32, true, 8},
-        Mxfp4Case{"Masked_BM64_N512_K1024", GroupedLayout::kMasked, 512, 1024, {64, 37, 0, 90}, 64, false, 6},
-        Mxfp4Case{"Contiguous_BM64_DeepSeekFc2Shape", GroupedLayout::kContiguous, 7168, 2048, {100, 64, 1}, 64, false,
-                  4},
-        Mxfp4Case{"Swiglu_Contiguous_BM64_I512_K768", GroupedLayout::kContiguous, 1024, 768, {70, 33, 128}, 64, true,
-                  8}),
-        ::testing::Values(1, 2)),
-    [](const ::testing::TestParamInfo<std::tuple<Mxfp4Case, int>>& i) {
-      return std::get<0>(i.param).name + "_Wg" + std::to_string(std::get<1>(i.param));
-    });
+// Every case with one and with two math warpgroups per tile, but the 64-row ones (two only).
+std::vector<std::tuple<Mxfp4Case, int>> gemm_cases() {
+  const Mxfp4Case cases[] = {
+      Mxfp4Case{"Masked_BM16_N512_K1024", GroupedLayout::kMasked, 512, 1024, {1, 16, 0, 9}, 16, false, 15},
+      Mxfp4Case{"Masked_BM32_N768_K512", GroupedLayout::kMasked, 768, 512, {32, 3, 17}, 32, false, 6},
+      Mxfp4Case{"Contiguous_BM16_N256_K2048_Uneven", GroupedLayout::kContiguous, 256, 2048, {7, 0, 40, 1}, 16, false,
+                15},
+      Mxfp4Case{"Contiguous_BM32_DeepSeekFc2Shape", GroupedLayout::kContiguous, 7168, 2048, {8, 8}, 32, false, 4},
+      Mxfp4Case{"Masked_BM16_24Binades", GroupedLayout::kMasked, 256, 512, {5, 12}, 16, false, 24},
+      Mxfp4Case{"Swiglu_Masked_BM16_I256_K1024", GroupedLayout::kMasked, 512, 1024, {3, 16, 0}, 16, true, 15},
+      Mxfp4Case{"Swiglu_Contiguous_BM32_I512_K768", GroupedLayout::kContiguous, 1024, 768, {20, 33, 1}, 32, true, 8},
+      Mxfp4Case{"Masked_BM64_N512_K1024", GroupedLayout::kMasked, 512, 1024, {64, 37, 0, 90}, 64, false, 6},
+      Mxfp4Case{"Contiguous_BM64_DeepSeekFc2Shape", GroupedLayout::kContiguous, 7168, 2048, {100, 64, 1}, 64, false,
+                4},
+      Mxfp4Case{"Swiglu_Contiguous_BM64_I512_K768", GroupedLayout::kContiguous, 1024, 768, {70, 33, 128}, 64, true,
+                8}};
+  std::vector<std::tuple<Mxfp4Case, int>> out;
+  for (const Mxfp4Case& c : cases)
+    for (int wg : {1, 2})
+      if (c.block_m != 64 || wg == 2) out.emplace_back(c, wg);
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, Mxfp4Gemm, ::testing::ValuesIn(gemm_cases()),
+                         [](const ::testing::TestParamInfo<std::tuple<Mxfp4Case, int>>& i) {
+                           return std::get<0>(i.param).name + "_Wg" + std::to_string(std::get<1>(i.param));
+                         });
 
 // gemm::launch_expand_mxfp4: the e4m3 codes of fmt::mxfp4_to_fp8_128x128 bit for bit (blocks within
 // e4m3's binades and blocks beyond them, whose groups round), the block scales the image's first

@@ -159,6 +159,29 @@ TEST(Tool, Info_DeepseekV3_EP8_WorkspaceMatchesLayout) {
     EXPECT_TRUE(contains(r.out, megamoe::WorkspaceLayout::region_formula(i))) << i;
 }
 
+// With mxfp4 weights: the routed layer's prefill expansion, its scratch per workspace key (deepseek-v3
+// at EP8, T_max 8192: 32 experts x 2I x H e4m3 = 896 MiB), none when T_max's bucket stays below the
+// threshold, off by the knob, and a bad knob's message instead of a number.
+TEST(Tool, Info_Mxfp4_PrintsThePrefillExpansionScratch) {
+  const std::string base = "info --preset deepseek-v3 --ep 8 --weight-format mxfp4 ";
+  ToolRun r = run_tool(base + "--tokens 8192");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_TRUE(contains(r.out, "routed mxfp4 prefill expansion: from 256 rows per expert")) << r.out;
+  EXPECT_TRUE(contains(r.out, "scratch per workspace key 896.000 MiB (32 of 32 experts per chunk)")) << r.out;
+  r = run_tool(base + "--tokens 64");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_TRUE(contains(r.out, "none here (T_max's bucket: 24 rows), no scratch")) << r.out;
+  ASSERT_EQ(setenv("MEGAMOE_MXFP4_EXPAND_ROWS", "off", 1), 0);
+  r = run_tool(base + "--tokens 8192");
+  EXPECT_TRUE(contains(r.out, "routed mxfp4 prefill expansion: off (MEGAMOE_MXFP4_EXPAND_ROWS=off)")) << r.out;
+  ASSERT_EQ(setenv("MEGAMOE_MXFP4_EXPAND_ROWS", "some", 1), 0);
+  r = run_tool(base + "--tokens 8192");
+  EXPECT_TRUE(contains(r.out, "MEGAMOE_MXFP4_EXPAND_ROWS='some', must be 'off' or a positive integer")) << r.out;
+  ASSERT_EQ(unsetenv("MEGAMOE_MXFP4_EXPAND_ROWS"), 0);
+  r = run_tool("info --preset deepseek-v3 --ep 8 --tokens 8192");  // fp8-block: no such line
+  EXPECT_FALSE(contains(r.out, "prefill expansion")) << r.out;
+}
+
 // ---- flag and value errors ----
 
 TEST(Tool, BadFlag_NonZeroWithMessage) {

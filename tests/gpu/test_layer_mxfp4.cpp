@@ -224,23 +224,27 @@ TEST(Sm90Mxfp4PrefillDefault, RoutedT4096ExpandsByTheDefaultThreshold) {
   check_fp4_layer(h, problem, CombineDtype::kBf16, "mxfp4", p.test_name());
 }
 
-// A bad MEGAMOE_GEMM_FP4_MATH_WG fails the routed mxfp4 layer's warmup, naming the variable, the value
-// and the rule (and does not turn `auto` away from routed: the gate does not read it).
-TEST(Sm90Mxfp4Knob, BadFp4MathWgFailsTheWarmupNamingTheKnob) {
-  MEGAMOE_REQUIRE_SM90_GPUS(1);
+// A tiny routed mxfp4 layer built and warmed up with environment knob `name` = `value`; the status of
+// the first step that failed (ok when both did). Checks that the capability gate does not read it.
+Status tiny_mxfp4_warmup_with(const char* name, const char* value) {
   Mxfp4LayerCase p{"EP1_Tiny_T8", Backend::kRouted, 512, 256, 16, 4, 1, 8, Routing::kUniform};
   MoeProblem problem = reference::make_random_problem(geometry(p), 5, {8});
   MoeConfig c;
   c.weight_format = WeightFormat::kMxfp4;
   c.backend = Backend::kRouted;
-  setenv("MEGAMOE_GEMM_FP4_MATH_WG", "4", 1);
-  reload_env_knobs();
-  EXPECT_TRUE(routed_capability(problem.geometry, c).is_ok());
+  const EnvScope knob(name, value);
+  EXPECT_TRUE(routed_capability(problem.geometry, c).is_ok()) << name << "=" << value;
   std::unique_ptr<MoeLayer> layer;
   Status st = MoeLayer::create(problem.geometry.for_rank(0), c, reference::local_weights(problem, 0), nullptr, &layer);
   if (st.is_ok()) st = layer->warmup();
-  unsetenv("MEGAMOE_GEMM_FP4_MATH_WG");
-  reload_env_knobs();
+  return st;
+}
+
+// A bad MEGAMOE_GEMM_FP4_MATH_WG fails the routed mxfp4 layer's warmup, naming the variable, the value
+// and the rule (and does not turn `auto` away from routed: the gate does not read it).
+TEST(Sm90Mxfp4Knob, BadFp4MathWgFailsTheWarmupNamingTheKnob) {
+  MEGAMOE_REQUIRE_SM90_GPUS(1);
+  const Status st = tiny_mxfp4_warmup_with("MEGAMOE_GEMM_FP4_MATH_WG", "4");
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
   EXPECT_NE(st.message().find("MEGAMOE_GEMM_FP4_MATH_WG='4', must be 1 or 2"), std::string::npos) << st.to_string();
 }
@@ -248,19 +252,7 @@ TEST(Sm90Mxfp4Knob, BadFp4MathWgFailsTheWarmupNamingTheKnob) {
 // A bad MEGAMOE_MXFP4_EXPAND_ROWS likewise (read even when T_max never reaches the threshold).
 TEST(Sm90Mxfp4Knob, BadExpandRowsFailsTheWarmupNamingTheKnob) {
   MEGAMOE_REQUIRE_SM90_GPUS(1);
-  Mxfp4LayerCase p{"EP1_Tiny_T8", Backend::kRouted, 512, 256, 16, 4, 1, 8, Routing::kUniform};
-  MoeProblem problem = reference::make_random_problem(geometry(p), 5, {8});
-  MoeConfig c;
-  c.weight_format = WeightFormat::kMxfp4;
-  c.backend = Backend::kRouted;
-  Status st;
-  {
-    const EnvScope rows("MEGAMOE_MXFP4_EXPAND_ROWS", "many");
-    EXPECT_TRUE(routed_capability(problem.geometry, c).is_ok());
-    std::unique_ptr<MoeLayer> layer;
-    st = MoeLayer::create(problem.geometry.for_rank(0), c, reference::local_weights(problem, 0), nullptr, &layer);
-    if (st.is_ok()) st = layer->warmup();
-  }
+  const Status st = tiny_mxfp4_warmup_with("MEGAMOE_MXFP4_EXPAND_ROWS", "many");
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
   EXPECT_NE(st.message().find("MEGAMOE_MXFP4_EXPAND_ROWS='many', must be 'off' or a positive integer"),
             std::string::npos)

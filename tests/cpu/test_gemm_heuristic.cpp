@@ -386,6 +386,45 @@ TEST(GemmValidate, Mxfp4RulesNameTheirField) {
               std::string::npos)
         << st.message();
   }
+  // CTAs per SM: 0 (the default), 1 or 2; two with 16-row tiles (or the GEMM's choice) of two math warpgroups
+  a.tiles.fp4_math_wg = 0;
+  for (int32_t bm : {0, 16}) {
+    a.tiles.block_m = bm;
+    for (int32_t cps : {0, 1, 2}) {
+      a.tiles.ctas_per_sm = cps;
+      EXPECT_TRUE(validate_grouped_gemm(a).is_ok()) << bm << " " << cps << ": " << validate_grouped_gemm(a).message();
+    }
+  }
+  for (int32_t cps : {-1, 3}) {
+    a.tiles.ctas_per_sm = cps;
+    st = validate_grouped_gemm(a);
+    EXPECT_NE(st.message().find("tiles.ctas_per_sm=" + std::to_string(cps) + ", must be 0 (the default, " +
+                                    std::to_string(megamoe::gemm::kDefaultFp4CtasPerSm) + "), 1 or 2"),
+              std::string::npos)
+        << st.message();
+  }
+  a.tiles.ctas_per_sm = 2;
+  a.tiles.block_m = 32;
+  st = validate_grouped_gemm(a);
+  EXPECT_NE(st.message().find("tiles.ctas_per_sm=2, two CTAs per SM run 16-row mxfp4 tiles only (tiles.block_m 32)"),
+            std::string::npos)
+      << st.message();
+  a.tiles.block_m = 16;
+  a.tiles.fp4_math_wg = 1;
+  st = validate_grouped_gemm(a);
+  EXPECT_NE(st.message().find("tiles.ctas_per_sm=2, two CTAs per SM run two math warpgroups per tile"),
+            std::string::npos)
+      << st.message();
+  a.tiles.fp4_math_wg = 0;
+  a.dtype = GemmDtype::kFp8Block;  // mxfp4 tiles only
+  a.b_scales = reinterpret_cast<const float*>(dummy);
+  st = validate_grouped_gemm(a);
+  EXPECT_NE(st.message().find("tiles.ctas_per_sm=2, must be 0 with dtype fp8-block"), std::string::npos)
+      << st.message();
+  a.tiles.ctas_per_sm = 0;
+  a.tiles.block_m = 32;
+  a.dtype = GemmDtype::kMxfp4;
+  a.b_scales = nullptr;
   a.tiles.fp4_math_wg = 2;  // mxfp4 tiles only
   a.dtype = GemmDtype::kFp8Block;
   a.b_scales = reinterpret_cast<const float*>(dummy);

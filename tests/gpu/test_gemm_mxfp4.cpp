@@ -9,7 +9,8 @@
 //   spanning more binades than e4m3 holds (those groups round: still within the bound);
 // - every run the same bits (static and dynamic schedules, all SMs and 3 CTAs);
 // each with one and with two math warpgroups per tile (GemmTileConfig::fp4_math_wg; test names end in
-// _Wg1 / _Wg2): both are bit for bit the fp8-block path, so also each other;
+// _Wg1 / _Wg2), and the 16-row cases also at two CTAs per SM (GemmTileConfig::ctas_per_sm; _Wg2x2):
+// all are bit for bit the fp8-block path, so also each other;
 // - the device expansion of an image into fp8-block weights (gemm::launch_expand_mxfp4, the routed
 //   backend's prefill path) bit for bit the host's, and fp8-block's 128-row tiles on it bit for bit
 //   the mxfp4 GEMM's swapped tiles.
@@ -188,9 +189,14 @@ struct Outputs {
   std::vector<float> d_scales;  // SwiGLU
 };
 
+// The mxfp4 launch's tiles: math warpgroups per tile and CTAs per SM (the fp8-block launch ignores them).
+struct Fp4Tiles {
+  int math_wg = 0;
+  int ctas_per_sm = 0;
+};
+
 // One launch with `dtype` (kMxfp4: the mxfp4 image; kFp8Block: the expansion), everything else equal.
-// fp4_math_wg: the mxfp4 launch's math warpgroups per tile (the fp8-block launch ignores it).
-Outputs run(const Mxfp4Case& c, const Mxfp4Problem& p, GemmDtype dtype, int fp4_math_wg, int32_t* counter,
+Outputs run(const Mxfp4Case& c, const Mxfp4Problem& p, GemmDtype dtype, Fp4Tiles fp4, int32_t* counter,
             int num_sms, gemm::GemmTileConfig* used) {
   DevBuf<uint8_t> a(p.a);
   DevBuf<float> sa(p.a_scales);
@@ -230,7 +236,8 @@ Outputs run(const Mxfp4Case& c, const Mxfp4Problem& p, GemmDtype dtype, int fp4_
   g.tiles.block_n = 256;
   g.tiles.cluster = 1;
   g.tiles.num_sms = num_sms;
-  g.tiles.fp4_math_wg = dtype == GemmDtype::kMxfp4 ? fp4_math_wg : 0;
+  g.tiles.fp4_math_wg = dtype == GemmDtype::kMxfp4 ? fp4.math_wg : 0;
+  g.tiles.ctas_per_sm = dtype == GemmDtype::kMxfp4 ? fp4.ctas_per_sm : 0;
   g.tile_counter = counter;
   const megamoe::Status st = gemm::launch_grouped_gemm(g, nullptr, used);
   EXPECT_TRUE(st.is_ok()) << st.to_string();
@@ -241,23 +248,29 @@ Outputs run(const Mxfp4Case& c, const Mxfp4Problem& p, GemmDtype dtype, int fp4_
   return o;
 }
 
-// (case, math warpgroups per tile)
-class Mxfp4Gemm : public ::testing::TestWithParam<std::tuple<Mxfp4Case, int>> {};
+// (case, math warpgroups per tile, CTAs per SM)
+class Mxfp4Gemm : public ::testing::TestWithParam<std::tuple<Mxfp4Case, int, int>> {};
 
 TEST_P(Mxfp4Gemm, BitEqualToFp8BlockOnTheExpansion_AndDeterministic) {
   REQUIRE_SM90();
   const Mxfp4Case& c = std::get<0>(GetParam());
-  const int wg = std::get<1>(GetParam());
+  const int wg = std::get<1>(GetParam()), cps = std::get<2>(GetParam());
   Mxfp4Problem p = make_problem(c, 777u + c.N + c.K);
   if (c.swiglu) reorder_for_swiglu(&p);
   gemm::GemmTileConfig used_fp8, used;
-  const Outputs want = run(c, p, GemmDtype::kFp8Block, 0, nullptr, 0, &used_fp8);
+  const Outputs want = run(c, p, GemmDtype::kFp8Block, Fp4Tiles{}, nullptr, 0, &used_fp8);
   EXPECT_EQ(used_fp8.fp4_math_wg, 0);
+  EXPECT_EQ(used_fp8.ctas_per_sm, 0);
   DevBuf<int32_t> counter(std::vector<int32_t>{0, 0});
   for (int r = 0; r < 3; ++r) {
-    const Outputs got = run(c, p, GemmDtype::kMxfp4, wg, r == 1 ? counter.p : nullptr, r == 2 ? 3 : 0, &used);
+    const Outputs got =
+        run(c, p, GemmDtype::kMxfp4, Fp4Tiles{wg, cps}, r == 1 ? counter.p : nullptr, r == 2 ? 3 : 0, &used);
     EXPECT_EQ(used.block_m, used_fp8.block_m);
     EXPECT_EQ(used.fp4_math_wg, wg);
+    EXPECT_EQ(used.ctas_per_sm, cps);
+    if (r == 2) {
+      EXPECT_EQ(used.grid, 3 * cps);  // 3 SMs
+    }
     int64_t diffs = 0;
     for (size_t i = 0; i < got.d.size(); ++i) diffs += got.d[i] != want.d[i];
     std::printf("  [%s] run %d %s: %lld of %zu output bytes differ from fp8-block on the expansion\n", c.name.c_str(), r,
@@ -270,13 +283,14 @@ TEST_P(Mxfp4Gemm, BitEqualToFp8BlockOnTheExpansion_AndDeterministic) {
 TEST_P(Mxfp4Gemm, MatchesFloat64OnTheMxfp4Values) {
   REQUIRE_SM90();
   const Mxfp4Case& c = std::get<0>(GetParam());
-  const int wg = std::get<1>(GetParam());
+  const int wg = std::get<1>(GetParam()), cps = std::get<2>(GetParam());
   if (c.swiglu) GTEST_SKIP() << "the SwiGLU output is checked bit for bit against the fp8-block path";
   const Mxfp4Problem p = make_problem(c, 999u + c.N + c.K);
   const std::vector<double> ref = reference(p);
   gemm::GemmTileConfig used;
-  const Outputs o = run(c, p, GemmDtype::kMxfp4, wg, nullptr, 0, &used);
+  const Outputs o = run(c, p, GemmDtype::kMxfp4, Fp4Tiles{wg, cps}, nullptr, 0, &used);
   EXPECT_EQ(used.fp4_math_wg, wg);
+  EXPECT_EQ(used.ctas_per_sm, cps);
   double num = 0, den = 0;
   int64_t poisoned_ok = 0, outside = 0;
   for (size_t i = 0; i < ref.size(); ++i) {
@@ -297,8 +311,9 @@ TEST_P(Mxfp4Gemm, MatchesFloat64OnTheMxfp4Values) {
   EXPECT_EQ(poisoned_ok, outside) << "rows outside every segment were written";
 }
 
-// Every case with one and with two math warpgroups per tile, but the 64-row ones (two only).
-std::vector<std::tuple<Mxfp4Case, int>> gemm_cases() {
+// Every case with one and with two math warpgroups per tile, but the 64-row ones (two only); the 16-row
+// ones also with two at two CTAs per SM.
+std::vector<std::tuple<Mxfp4Case, int, int>> gemm_cases() {
   const Mxfp4Case cases[] = {
       Mxfp4Case{"Masked_BM16_N512_K1024", GroupedLayout::kMasked, 512, 1024, {1, 16, 0, 9}, 16, false, 15},
       Mxfp4Case{"Masked_BM32_N768_K512", GroupedLayout::kMasked, 768, 512, {32, 3, 17}, 32, false, 6},
@@ -313,16 +328,19 @@ std::vector<std::tuple<Mxfp4Case, int>> gemm_cases() {
                 4},
       Mxfp4Case{"Swiglu_Contiguous_BM64_I512_K768", GroupedLayout::kContiguous, 1024, 768, {70, 33, 128}, 64, true,
                 8}};
-  std::vector<std::tuple<Mxfp4Case, int>> out;
-  for (const Mxfp4Case& c : cases)
+  std::vector<std::tuple<Mxfp4Case, int, int>> out;
+  for (const Mxfp4Case& c : cases) {
     for (int wg : {1, 2})
-      if (c.block_m != 64 || wg == 2) out.emplace_back(c, wg);
+      if (c.block_m != 64 || wg == 2) out.emplace_back(c, wg, 1);
+    if (c.block_m == 16) out.emplace_back(c, 2, 2);
+  }
   return out;
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, Mxfp4Gemm, ::testing::ValuesIn(gemm_cases()),
-                         [](const ::testing::TestParamInfo<std::tuple<Mxfp4Case, int>>& i) {
-                           return std::get<0>(i.param).name + "_Wg" + std::to_string(std::get<1>(i.param));
+                         [](const ::testing::TestParamInfo<std::tuple<Mxfp4Case, int, int>>& i) {
+                           return std::get<0>(i.param).name + "_Wg" + std::to_string(std::get<1>(i.param)) +
+                                  (std::get<2>(i.param) == 2 ? "x2" : "");
                          });
 
 // gemm::launch_expand_mxfp4: the e4m3 codes of fmt::mxfp4_to_fp8_128x128 bit for bit (blocks within
@@ -379,12 +397,12 @@ TEST(Mxfp4Expand, Fp8BlockTilesOnTheExpansionEqualTheMxfp4Gemm) {
     Mxfp4Problem p = make_problem(c, 5151u + swiglu);
     if (swiglu) reorder_for_swiglu(&p);
     gemm::GemmTileConfig used_fp8, used;
-    const Outputs want = run(c, p, GemmDtype::kFp8Block, 0, nullptr, 0, &used_fp8);
+    const Outputs want = run(c, p, GemmDtype::kFp8Block, Fp4Tiles{}, nullptr, 0, &used_fp8);
     EXPECT_EQ(used_fp8.block_m, 128);
     for (int bm : {32, 64}) {
       Mxfp4Case m = c;
       m.block_m = bm;
-      const Outputs got = run(m, p, GemmDtype::kMxfp4, 2, nullptr, 0, &used);
+      const Outputs got = run(m, p, GemmDtype::kMxfp4, Fp4Tiles{2, 0}, nullptr, 0, &used);
       EXPECT_EQ(used.block_m, bm);
       int64_t diffs = 0;
       for (size_t i = 0; i < got.d.size(); ++i) diffs += got.d[i] != want.d[i];

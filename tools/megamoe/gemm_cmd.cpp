@@ -73,6 +73,7 @@ struct BenchOptions {
   std::string weight_format = "fp8-block";
   bool mxfp4() const { return weight_format == "mxfp4"; }
   int fp4_math_wg = 0;  // mxfp4: math warpgroups per tile, 1 or 2 (0: the GEMM's default)
+  int ctas_per_sm = 0;  // mxfp4: CTAs per SM of the 16-row tiles, 1 or 2 (0: the GEMM's default)
 };
 
 [[noreturn]] void fail(int code, const std::string& msg) { throw ToolError(code, msg); }
@@ -233,6 +234,10 @@ std::vector<GemmCase> plan_gemm_cases(const BenchOptions& o) {
     fail(kExitUsage, "invalid value for --fp4-math-wg: " + std::to_string(o.fp4_math_wg) +
                          ", needs --weight-format mxfp4 (math warpgroups of the mxfp4 tiles; --weight-format is " +
                          o.weight_format + ")");
+  if (o.ctas_per_sm != 0 && !o.mxfp4())
+    fail(kExitUsage, "invalid value for --ctas-per-sm: " + std::to_string(o.ctas_per_sm) +
+                         ", needs --weight-format mxfp4 (two CTAs per SM run mxfp4 16-row tiles; --weight-format is " +
+                         o.weight_format + ")");
   std::vector<GemmCase> cases;
   for (const std::string& mname : split_list(o.presets)) {
     const ModelShape* ms = nullptr;
@@ -345,6 +350,7 @@ GroupedGemmArgs gemm_args(const GemmCase& c, const GemmBuffers& buf, const Bench
   g.tiles.num_sms = o.num_sms;
   g.tiles.cluster = o.cluster;
   g.tiles.fp4_math_wg = o.fp4_math_wg;
+  g.tiles.ctas_per_sm = o.ctas_per_sm;
   g.tile_counter = tile_counter;
   g.tile_order = o.schedule == "static"    ? gemm::GemmTileOrder::kRoundRobin
                  : o.schedule == "dynamic" ? gemm::GemmTileOrder::kCounter
@@ -394,6 +400,7 @@ std::string gemm_command(const GemmCase& c, const BenchOptions& o) {
       << " --layout " << (c.masked ? "masked" : "contiguous");
   if (o.mxfp4()) cmd << " --weight-format mxfp4";
   if (o.fp4_math_wg != 0) cmd << " --fp4-math-wg " << o.fp4_math_wg;
+  if (o.ctas_per_sm != 0) cmd << " --ctas-per-sm " << o.ctas_per_sm;
   if (o.empty_every > 0) cmd << " --empty-every " << o.empty_every;
   return cmd.str();
 }
@@ -444,6 +451,7 @@ nlohmann::json run_gemm_case(const GemmCase& c, const BenchOptions& o, GroupedGe
   r["tiles"] = std::to_string(used.block_m) + "x" + std::to_string(used.block_n) +
                (used.cluster > 1 ? " x" + std::to_string(used.cluster) + " g" + std::to_string(used.grid) : "") +
                (used.fp4_math_wg > 0 ? " wg" + std::to_string(used.fp4_math_wg) : "") +
+               (used.ctas_per_sm > 1 ? " " + std::to_string(used.ctas_per_sm) + "/sm" : "") +
                (used.round_robin ? " static" : "") + (o.probe != "none" ? " probe:" + o.probe : "");
   r["us_median"] = ours.events.median;
   r["us_min"] = ours.events.min;
@@ -547,6 +555,11 @@ CLI::App* add_flags(CLI::App* app, BenchOptions* o) {
   sub->add_option("--fp4-math-wg", o->fp4_math_wg,
                   "mxfp4: math warpgroups per tile, 1 or 2 (two split each weight tile's expansion and wgmmas; "
                   "default: the GEMM's, 2)")
+      ->check(CLI::IsMember({1, 2}));
+  sub->add_option("--ctas-per-sm", o->ctas_per_sm,
+                  "mxfp4: CTAs per SM of the 16-row tiles, 1 or 2 (two: each with half of the SM's registers and "
+                  "shared memory, two tiles at once per SM; default: the GEMM's, " +
+                      std::to_string(gemm::kDefaultFp4CtasPerSm) + ")")
       ->check(CLI::IsMember({1, 2}));
   sub->add_option("--block-m", o->block_m, "tile rows: 16, 32, 64 or 128 (default: heuristic)")->check(CLI::IsMember({16, 32, 64, 128}));
   sub->add_option("--block-n", o->block_n, "tile columns: 128 or 256 (default: heuristic)")->check(CLI::IsMember({128, 256}));

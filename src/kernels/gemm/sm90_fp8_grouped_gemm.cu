@@ -43,7 +43,7 @@ std::string GemmTileConfig::to_string() const {
   std::ostringstream s;
   s << "GemmTileConfig(block_m=" << block_m << ", block_n=" << block_n << ", num_sms=" << num_sms
     << ", order=" << (round_robin ? "round-robin" : "counter") << ", cluster=" << cluster
-    << ", fp4_math_wg=" << fp4_math_wg << ", grid=" << grid << ")";
+    << ", fp4_math_wg=" << fp4_math_wg << ", ctas_per_sm=" << ctas_per_sm << ", grid=" << grid << ")";
   return s.str();
 }
 
@@ -220,9 +220,20 @@ Status validate_grouped_gemm(const GroupedGemmArgs& a) {
     if (t.fp4_math_wg < 0 || t.fp4_math_wg > 2)
       return bad("tiles.fp4_math_wg", std::to_string(t.fp4_math_wg),
                  "must be 0 (the default, " + std::to_string(kDefaultFp4MathWG) + "), 1 or 2 math warpgroups per tile");
+    if (t.ctas_per_sm < 0 || t.ctas_per_sm > 2)
+      return bad("tiles.ctas_per_sm", std::to_string(t.ctas_per_sm),
+                 "must be 0 (the default, " + std::to_string(kDefaultFp4CtasPerSm) + "), 1 or 2 CTAs per SM");
+    if (t.ctas_per_sm == 2 && t.block_m != 0 && t.block_m != 16)
+      return bad("tiles.ctas_per_sm", "2", "two CTAs per SM run 16-row mxfp4 tiles only (tiles.block_m " +
+                                               std::to_string(t.block_m) + ")");
+    if (t.ctas_per_sm == 2 && t.fp4_math_wg == 1)
+      return bad("tiles.ctas_per_sm", "2", "two CTAs per SM run two math warpgroups per tile (tiles.fp4_math_wg 1)");
   } else if (t.fp4_math_wg != 0) {
     return bad("tiles.fp4_math_wg", std::to_string(t.fp4_math_wg),
                std::string("must be 0 with dtype ") + to_string(a.dtype) + " (math warpgroups of the mxfp4 tiles)");
+  } else if (t.ctas_per_sm != 0) {
+    return bad("tiles.ctas_per_sm", std::to_string(t.ctas_per_sm),
+               std::string("must be 0 with dtype ") + to_string(a.dtype) + " (two CTAs per SM: mxfp4 16-row tiles)");
   }
   if (int32_t(a.dtype) < 0 || int32_t(a.dtype) > int32_t(GemmDtype::kMxfp4))
     return bad("dtype", std::to_string(int(a.dtype)), "must be fp8-block, bf16 or mxfp4");
@@ -261,8 +272,11 @@ Status plan_grouped_gemm(const GroupedGemmArgs& args, GroupedGemmPlan* plan) {
     cfg.block_m = select_mxfp4_block_m(hint.m_per_expert, args.tiles.block_m, cfg.fp4_math_wg);
     cfg.block_n = 256;
     cfg.cluster = 1;
+    const int32_t cps = args.tiles.ctas_per_sm != 0 ? args.tiles.ctas_per_sm : kDefaultFp4CtasPerSm;
+    cfg.ctas_per_sm = cfg.block_m == 16 && cfg.fp4_math_wg == 2 ? cps : 1;
   } else {
     cfg.fp4_math_wg = 0;
+    cfg.ctas_per_sm = 0;
   }
   if (args.tile_order != GemmTileOrder::kAuto) cfg.round_robin = args.tile_order == GemmTileOrder::kRoundRobin;
   if (args.tile_counter == nullptr) cfg.round_robin = true;
@@ -334,8 +348,8 @@ Status plan_grouped_gemm(const GroupedGemmArgs& args, GroupedGemmPlan* plan) {
   p.trace_max_tiles = args.trace_max_tiles;
   p.probe = p.trace != nullptr ? int32_t(args.probe) : 0;
 
-  // Persistent grid: all SMs, fewer when the contiguous pool cannot have that many tiles.
-  int64_t grid = cfg.num_sms > 0 ? std::min(cfg.num_sms, dev.sms) : dev.sms;
+  // Persistent grid: all SMs (times the CTAs per SM), fewer when the contiguous pool cannot have that many tiles.
+  int64_t grid = (cfg.num_sms > 0 ? std::min(cfg.num_sms, dev.sms) : dev.sms) * std::max(cfg.ctas_per_sm, 1);
   if (!masked) {
     const int64_t max_tiles = (args.m_rows / cfg.block_m + args.num_experts) * (args.n / cfg.block_n);
     grid = std::min(grid, std::max<int64_t>(max_tiles, 1));
@@ -368,9 +382,10 @@ Status launch_grouped_gemm_plan(const GroupedGemmPlan& plan, cudaStream_t stream
   if (!w4 && cfg.block_m == BM && cfg.block_n == BN && fp8 == FP8 && p_epi == EPI && cfg.cluster == CL)         \
     err = launch_grouped_gemm_config<GroupedGemmConfig<BM, BN, FP8, EPI, CL>>(plan.tmap_a, plan.tmap_b, plan.tmap_sfa, \
                                                                          plan.tmap_d, p, plan.grid, stream, &launched);
-#define MEGAMOE_DISPATCH_FP4(BM, BN, FP8, EPI, CL, W4, WG)                                                      \
-  if (w4 && cfg.block_m == BM && cfg.block_n == BN && p_epi == EPI && cfg.fp4_math_wg == WG)                   \
-    err = launch_grouped_gemm_config<GroupedGemmConfig<BM, BN, FP8, EPI, CL, W4, WG>>(                           \
+#define MEGAMOE_DISPATCH_FP4(BM, BN, FP8, EPI, CL, W4, WG, CPS)                                                 \
+  if (w4 && cfg.block_m == BM && cfg.block_n == BN && p_epi == EPI && cfg.fp4_math_wg == WG &&                  \
+      cfg.ctas_per_sm == CPS)                                                                                    \
+    err = launch_grouped_gemm_config<GroupedGemmConfig<BM, BN, FP8, EPI, CL, W4, WG, CPS>>(                      \
         plan.tmap_a, plan.tmap_b, plan.tmap_sfa, plan.tmap_d, p, plan.grid, stream, &launched);
   MEGAMOE_GROUPED_GEMM_CONFIGS_FP8(MEGAMOE_DISPATCH)
   MEGAMOE_GROUPED_GEMM_CONFIGS_BF16(MEGAMOE_DISPATCH)

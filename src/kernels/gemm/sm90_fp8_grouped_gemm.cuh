@@ -67,7 +67,7 @@ constexpr bool kGemmTraceBuilt = MEGAMOE_GEMM_TRACE != 0;
 // kTrace: the instantiation that stamps GroupedGemmParams::trace (bench tools); the other one has no
 // trace code at all (its stamps cost the math loop registers and K-loop instructions).
 template <class Cfg, bool kTrace>
-__global__ void __launch_bounds__(Cfg::kNumThreads, 1)
+__global__ void __launch_bounds__(Cfg::kNumThreads, Cfg::kCtasPerSm)
     sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
                              const __grid_constant__ CUtensorMap tmap_sfa, const __grid_constant__ CUtensorMap tmap_d,
                              const __grid_constant__ GroupedGemmParams p) {
@@ -239,6 +239,7 @@ template <class Cfg>
 cudaError_t launch_grouped_gemm_config(const CUtensorMap& tmap_a, const CUtensorMap& tmap_b, const CUtensorMap& tmap_sfa,
                                        const CUtensorMap& tmap_d, const GroupedGemmParams& p, int grid, cudaStream_t stream,
                                        int* launched) {
+  static_assert(Cfg::smem_bytes(Cfg::kMaxExperts) <= Cfg::kSmemPerCta, "the ring fits the shared memory a CTA holds");
   const int smem = Cfg::smem_bytes(p.num_experts);
   // invariant: the dynamic limit is raised once per configuration and device (a function attribute
   // is per device) to the largest it can need (kMaxExperts), so launches inside CUDA-graph capture
@@ -324,30 +325,35 @@ cudaError_t launch_grouped_gemm_config(const CUtensorMap& tmap_a, const CUtensor
   X(64, 256, false, GemmEpilogue::kSwigluBf16Scaled, 1) \
   X(128, 256, false, GemmEpilogue::kSwigluBf16Scaled, 1)
 
-// mxfp4 weights: X(BLOCK_M, BLOCK_N, fp8 A, epilogue, cluster, weight fp4, math warpgroups), one list
-// per math-warpgroup count (GemmTileConfig::fp4_math_wg) and one of the 64-row tiles (two math
-// warpgroups only), each instantiated in a translation unit of its own (sm90_grouped_gemm_mxfp4_inst.cu,
-// sm90_grouped_gemm_mxfp4_2wg_inst.cu, sm90_grouped_gemm_mxfp4_64_inst.cu).
-#define MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4_WG(X, WG)        \
-  X(16, 256, true, GemmEpilogue::kStoreBf16, 1, true, WG)   \
-  X(16, 256, true, GemmEpilogue::kSwigluFp8, 1, true, WG)   \
-  X(32, 256, true, GemmEpilogue::kStoreBf16, 1, true, WG)   \
-  X(32, 256, true, GemmEpilogue::kSwigluFp8, 1, true, WG)
+// mxfp4 weights: X(BLOCK_M, BLOCK_N, fp8 A, epilogue, cluster, weight fp4, math warpgroups, CTAs per SM),
+// one list per math-warpgroup count (GemmTileConfig::fp4_math_wg), one of the 64-row tiles (two math
+// warpgroups only) and one of the 16-row tiles at two CTAs per SM (GemmTileConfig::ctas_per_sm), each
+// instantiated in a translation unit of its own (sm90_grouped_gemm_mxfp4_inst.cu,
+// sm90_grouped_gemm_mxfp4_2wg_inst.cu, sm90_grouped_gemm_mxfp4_64_inst.cu, sm90_grouped_gemm_mxfp4_2cta_inst.cu).
+#define MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4_WG(X, WG)          \
+  X(16, 256, true, GemmEpilogue::kStoreBf16, 1, true, WG, 1)  \
+  X(16, 256, true, GemmEpilogue::kSwigluFp8, 1, true, WG, 1)  \
+  X(32, 256, true, GemmEpilogue::kStoreBf16, 1, true, WG, 1)  \
+  X(32, 256, true, GemmEpilogue::kSwigluFp8, 1, true, WG, 1)
 #define MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4_1WG(X) MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4_WG(X, 1)
 #define MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4_2WG(X) MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4_WG(X, 2)
-#define MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4_64(X)        \
-  X(64, 256, true, GemmEpilogue::kStoreBf16, 1, true, 2) \
-  X(64, 256, true, GemmEpilogue::kSwigluFp8, 1, true, 2)
+#define MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4_64(X)           \
+  X(64, 256, true, GemmEpilogue::kStoreBf16, 1, true, 2, 1) \
+  X(64, 256, true, GemmEpilogue::kSwigluFp8, 1, true, 2, 1)
+#define MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4_2CTA(X)         \
+  X(16, 256, true, GemmEpilogue::kStoreBf16, 1, true, 2, 2) \
+  X(16, 256, true, GemmEpilogue::kSwigluFp8, 1, true, 2, 2)
 #define MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4(X) \
   MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4_1WG(X)   \
   MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4_2WG(X)   \
-  MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4_64(X)
-#define MEGAMOE_GROUPED_GEMM_EXTERN_FP4(BM, BN, FP8, EPI, CL, W4, WG)                                          \
-  extern template cudaError_t launch_grouped_gemm_config<GroupedGemmConfig<BM, BN, FP8, EPI, CL, W4, WG>>(     \
+  MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4_64(X)    \
+  MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4_2CTA(X)
+#define MEGAMOE_GROUPED_GEMM_EXTERN_FP4(BM, BN, FP8, EPI, CL, W4, WG, CPS)                                     \
+  extern template cudaError_t launch_grouped_gemm_config<GroupedGemmConfig<BM, BN, FP8, EPI, CL, W4, WG, CPS>>( \
       const CUtensorMap&, const CUtensorMap&, const CUtensorMap&, const CUtensorMap&, const GroupedGemmParams&, int,  \
       cudaStream_t, int*);
-#define MEGAMOE_GROUPED_GEMM_INSTANTIATE_FP4(BM, BN, FP8, EPI, CL, W4, WG)                                     \
-  template cudaError_t launch_grouped_gemm_config<GroupedGemmConfig<BM, BN, FP8, EPI, CL, W4, WG>>(            \
+#define MEGAMOE_GROUPED_GEMM_INSTANTIATE_FP4(BM, BN, FP8, EPI, CL, W4, WG, CPS)                                \
+  template cudaError_t launch_grouped_gemm_config<GroupedGemmConfig<BM, BN, FP8, EPI, CL, W4, WG, CPS>>(        \
       const CUtensorMap&, const CUtensorMap&, const CUtensorMap&, const CUtensorMap&, const GroupedGemmParams&, int,  \
       cudaStream_t, int*);
 

@@ -80,12 +80,18 @@ struct GemmTileConfig {
   // dtype mxfp4: math warpgroups per tile, 1 or 2 (two: each expands and multiplies half of every
   // weight tile, docs/GEMM.md "FP4 weights"); 0 = kDefaultFp4MathWG. Other dtypes: 0 (as `used`, too).
   int32_t fp4_math_wg = 0;
+  // dtype mxfp4: CTAs per SM, 1 or 2, for the 16-row tiles of two math warpgroups (two: each CTA holds
+  // half of the SM's registers and shared memory, the SM runs two tiles at once; other tiles run one);
+  // 0 = kDefaultFp4CtasPerSm. Other dtypes: 0. `used`: what ran (1 or 2 with dtype mxfp4).
+  int32_t ctas_per_sm = 0;
   int32_t grid = 0;  // output (launch_grouped_gemm's `used`): the CTAs launched
   std::string to_string() const;
 };
 
 // The mxfp4 GEMM's math warpgroups per tile where GemmTileConfig::fp4_math_wg leaves it to the GEMM.
 constexpr int32_t kDefaultFp4MathWG = 2;
+// The CTAs per SM of the mxfp4 16-row tiles where GemmTileConfig::ctas_per_sm leaves it to the GEMM.
+constexpr int32_t kDefaultFp4CtasPerSm = 1;
 
 // Timeline words (GroupedGemmArgs::trace): a header per CTA, then one record per tile id.
 constexpr int kTraceWordsHeader = 4;

@@ -69,7 +69,7 @@ __device__ __forceinline__ const uint8_t* mxfp4_pieces(const GroupedGemmParams& 
 }
 
 template <int kBlockM_, int kBlockN_, bool kFp8_, GemmEpilogue kEpilogue_, int kCluster_ = 1, bool kWeightFp4_ = false,
-          int kFp4MathWG_ = 1>
+          int kFp4MathWG_ = 1, int kCtasPerSm_ = 1>
 struct GroupedGemmConfig {
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
@@ -86,6 +86,11 @@ struct GroupedGemmConfig {
   // the SwiGLU order), so each expands half the codes and issues half the wgmmas of a K block; both
   // read the same token tile and release every slot (the empty barrier counts all math warps).
   static constexpr int kFp4MathWG = kFp4MathWG_;
+  // CTAs resident per SM, 1 or 2 (mxfp4 16-row tiles only). Two: each CTA gets half of the SM's
+  // registers and shared memory, so an SM runs four math warpgroups on two tiles whose K loops (the
+  // expansion's serial chain of shared-memory loads, expansion, wgmma issue and wait) do not line
+  // up, and an SM whose CTA ran out of tiles still has the other's at work in the last wave.
+  static constexpr int kCtasPerSm = kCtasPerSm_;
   // CTAs per cluster. 2: the pair of CTAs runs tiles 2u and 2u + 1 of the schedule at once (pair
   // tile u); when both are the same expert's n-block (two m-blocks sharing one weight tile) each CTA
   // loads half of the weight tile and multicasts it to both, so L2 sends each weight byte once per
@@ -128,8 +133,11 @@ struct GroupedGemmConfig {
                                        ? (kSwapAB ? kBlockM * kBlockN * 2 : kNumMathWG * 4 * 2048)
                                    : kSwapAB ? kBlockM * 128 + kNumMathWG * 4 * kBlockM * 4
                                              : 0;
+  // Per CTA: the 227 KiB a CTA may hold with one per SM; with two, half of the SM's 228 KiB less the
+  // 1 KiB the hardware reserves per CTA.
+  static constexpr int kSmemPerCta = kCtasPerSm == 1 ? 227 * 1024 : 228 * 1024 / kCtasPerSm - 1024;
   static constexpr int kSmemBudget =
-      227 * 1024 - 1024 /* alignment slack */ - 8 * 1024 /* tables */ - kStageOut - kClaimBytes - kFp4TableBytes;
+      kSmemPerCta - 1024 /* alignment slack */ - 8 * 1024 /* tables */ - kStageOut - kClaimBytes - kFp4TableBytes;
   static_assert(kStageOut % 128 == 0, "the A-scale slots after the staging are TMA destinations");
   static constexpr int kStagesFit = kSmemBudget / kStageBytes;
   static constexpr int kStages = kStagesFit > 12 ? 12 : kStagesFit;
@@ -141,9 +149,16 @@ struct GroupedGemmConfig {
   // 128-row tiles: the producer shrinks to 56 (the tile counter's loop spilled at 48), the math grows to
   // 224. Two on mxfp4 tiles: the bulk-copy producer spills at 56, so 88; each math warpgroup holds half
   // the A registers and accumulators of the tile, 208 leave it room.
-  static constexpr uint32_t kLaunchRegs = (65536 / kNumThreads) / 8 * 8 > 256 ? 256 : (65536 / kNumThreads) / 8 * 8;
-  static constexpr uint32_t kProducerRegs = kNumMathWG == 1 ? 96 : kWeightFp4 ? 88 : 56;
-  static constexpr uint32_t kMathRegs = kNumMathWG == 1 ? 256 : kWeightFp4 ? 208 : 224;  // scheduler tables: 3 * (E + 1) int32 <= 8 KiB
+  // Two CTAs per SM (384 threads each): 80 registers per thread at launch; the producer gives 40 back
+  // and the math warpgroups (16 tokens, half a tile's A registers and accumulators each) take 96.
+  static constexpr uint32_t kLaunchRegs = (65536 / (kNumThreads * kCtasPerSm)) / 8 * 8 > 256
+                                              ? 256
+                                              : (65536 / (kNumThreads * kCtasPerSm)) / 8 * 8;
+  static constexpr uint32_t kProducerRegs = kCtasPerSm == 2 ? 40 : kNumMathWG == 1 ? 96 : kWeightFp4 ? 88 : 56;
+  static constexpr uint32_t kMathRegs = kCtasPerSm == 2    ? 96
+                                        : kNumMathWG == 1 ? 256
+                                        : kWeightFp4      ? 208
+                                                          : 224;  // scheduler tables: 3 * (E + 1) int32 <= 8 KiB
   static_assert(128 * kProducerRegs + kMathThreads * kMathRegs <= kNumThreads * kLaunchRegs,
                 "setmaxnreg budgets fit the registers the CTA launches with");
   static_assert(kBlockM == 16 || kBlockM == 32 || kBlockM == 64 || kBlockM == 128, "BLOCK_M is 16, 32, 64 or 128");
@@ -161,6 +176,8 @@ struct GroupedGemmConfig {
                 "mxfp4 64-row tiles: two math warpgroups (one would hold 2 x 128 accumulators + 64 A registers)");
   static_assert(kFp4MathWG == 1 || (kFp4MathWG == 2 && kWeightFp4), "two math warpgroups per tile: mxfp4 weights");
   static_assert(!kSwapAB || kSwapHalves * kNumMathWG == 2, "the swapped chunk's two halves split over the math warpgroups");
+  static_assert(kCtasPerSm == 1 || (kCtasPerSm == 2 && kWeightFp4 && kBlockM == 16 && kFp4MathWG == 2),
+                "two CTAs per SM: mxfp4 16-row tiles with two math warpgroups");
   static_assert(kStageB % 1024 == 0, "the weight and staging slots after B stay 1024-aligned");
 
   // Dynamic shared memory: 1 KiB alignment slack + ring + barriers + tables.

@@ -53,6 +53,7 @@ EnvKnobs read_env() {
     return std::string(v ? v : "");
   };
   k.gemm_fp4_math_wg = text("MEGAMOE_GEMM_FP4_MATH_WG");
+  k.gemm_fp4_ctas_per_sm = text("MEGAMOE_GEMM_FP4_CTAS_PER_SM");
   k.mxfp4_expand_rows = text("MEGAMOE_MXFP4_EXPAND_ROWS");
   k.mxfp4_expand_mib = text("MEGAMOE_MXFP4_EXPAND_MIB");
   k.rank = text("MEGAMOE_RANK");

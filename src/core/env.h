@@ -29,6 +29,10 @@ struct EnvKnobs {
   // (default 2). Kept as given; empty = unset. routed_fp4_math_wg() validates it at the layer's warmup
   // and names the variable.
   std::string gemm_fp4_math_wg;
+  // MEGAMOE_GEMM_FP4_CTAS_PER_SM: the CTAs per SM of the routed mxfp4 GEMMs' 16-row tiles, "1" or "2"
+  // (default: gemm::kDefaultFp4CtasPerSm). Kept as given; empty = unset. routed_fp4_ctas_per_sm()
+  // validates it at the layer's warmup and names the variable.
+  std::string gemm_fp4_ctas_per_sm;
   // MEGAMOE_MXFP4_EXPAND_ROWS: from how many rows per expert (the routed GEMMs' bucket) a routed mxfp4
   // layer expands its weights to fp8-block each forward and runs fp8-block's GEMM tiles, "off" or a
   // positive integer (default: routed_mxfp4_expand_rows's). Kept as given; empty = unset; validated

@@ -4,6 +4,7 @@
 // and top-6 at T_max = 33 were refused at warmup). No GPU: any 16-byte aligned addresses do.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -279,6 +280,90 @@ TEST(RoutedGemmArgs, TheFp4MathWgKnobReachesBothMxfp4Gemms) {
   const Status bad = make_routed_gemm_args(g, c, l, b, 0, 3, &fc1, &fc2);
   ASSERT_FALSE(bad.is_ok());
   EXPECT_NE(bad.message().find("tiles.fp4_math_wg=3"), std::string::npos) << bad.message();
+}
+
+// MEGAMOE_GEMM_FP4_CTAS_PER_SM: "1" or "2" (unset: 0, chosen per forward); any other value refused
+// naming the variable, the value and the rule, the output untouched. set_fp4_ctas_per_sm puts 2 only
+// on tiles that can run it (16-row tiles or the GEMM's choice, not one math warpgroup), and the
+// GEMM's validation takes what it leaves.
+TEST(RoutedGemmArgs, TheFp4CtasPerSmKnobParsesAndLandsOnlyWhereItRuns) {
+  int32_t cps = -1;
+  ASSERT_TRUE(routed_fp4_ctas_per_sm("", &cps).is_ok());
+  EXPECT_EQ(cps, 0);
+  for (const char* value : {"1", "2"}) {
+    ASSERT_TRUE(routed_fp4_ctas_per_sm(value, &cps).is_ok()) << value;
+    EXPECT_EQ(cps, value[0] - '0');
+  }
+  for (const char* bad : {"0", "3", "-1", "two", " 2", "2 ", "1.0"}) {
+    cps = -1;
+    const Status st = routed_fp4_ctas_per_sm(bad, &cps);
+    ASSERT_FALSE(st.is_ok()) << bad;
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(st.message().find(std::string("MEGAMOE_GEMM_FP4_CTAS_PER_SM='") + bad + "', must be 1 or 2"),
+              std::string::npos)
+        << st.message();
+    EXPECT_EQ(cps, -1) << bad;
+  }
+  ASSERT_EQ(setenv("MEGAMOE_GEMM_FP4_CTAS_PER_SM", "2", 1), 0);
+  reload_env_knobs();
+  EXPECT_EQ(env_knobs().gemm_fp4_ctas_per_sm, "2");
+  ASSERT_EQ(unsetenv("MEGAMOE_GEMM_FP4_CTAS_PER_SM"), 0);
+  reload_env_knobs();
+  EXPECT_EQ(env_knobs().gemm_fp4_ctas_per_sm, "");
+
+  MoeGeometry g;
+  g.hidden = 7168;
+  g.intermediate = 2048;
+  g.num_experts = 32;
+  g.top_k = 8;
+  g.ep_size = 1;
+  g.max_tokens_per_rank = 8;
+  MoeConfig c;
+  c.weight_format = WeightFormat::kMxfp4;
+  const WorkspaceLayout l = WorkspaceLayout::make(workspace_params(g, c));
+  RoutedGemmBuffers b = fake_buffers(g);
+  b.w13_scales = b.w2_scales = nullptr;
+  for (int32_t want : {0, 1, 2}) {
+    for (int32_t bm : {0, 16, 32}) {
+      for (int32_t wg : {0, 1, 2}) {
+        gemm::GroupedGemmArgs fc1, fc2;
+        ASSERT_TRUE(make_routed_gemm_args(g, c, l, b, 0, wg, &fc1, &fc2).is_ok());
+        fc1.tiles.block_m = bm;
+        set_fp4_ctas_per_sm(want, &fc1.tiles);
+        const bool can = (bm == 0 || bm == 16) && wg != 1;
+        EXPECT_EQ(fc1.tiles.ctas_per_sm, want == 2 && !can ? 0 : want) << want << " " << bm << " " << wg;
+        EXPECT_TRUE(gemm::validate_grouped_gemm(fc1).is_ok()) << gemm::validate_grouped_gemm(fc1).message();
+      }
+    }
+  }
+}
+
+// The per-forward choice: the expected 16-row tiles (experts hit x m-blocks x n-blocks) against
+// kFp4TwoCtasMinTilesPerSm per SM, as measured for deepseek-v3's dims on 132 SMs: 32 experts at 1 and
+// 8 tokens keep FC1 at one CTA per SM (113 and 442 tiles) and FC2 from 8 tokens on at two (773); 256
+// experts at 8 tokens both at two (909 and 1591).
+TEST(RoutedGemmArgs, TwoCtasPerSmFromFiveTilesPerSm) {
+  MoeGeometry g;
+  g.hidden = 7168;
+  g.intermediate = 2048;
+  g.num_experts = 32;
+  g.top_k = 8;
+  g.ep_size = 1;
+  const int64_t n1 = 2 * g.intermediate, n2 = g.hidden;
+  EXPECT_EQ(routed_fp4_expected_tiles(g, 0, n1), 0.0);
+  EXPECT_NEAR(routed_fp4_expected_tiles(g, 1, n1), 16.0, 1e-9);  // one expert, 16 n-blocks
+  EXPECT_NEAR(routed_fp4_expected_tiles(g, 8, n1), 16.0 * 32 * (1 - std::pow(31.0 / 32, 8)), 1e-9);
+  EXPECT_NEAR(routed_fp4_expected_tiles(g, 64, n1), 16.0 * 32 * (1 - std::pow(31.0 / 32, 64)), 1e-9);
+  EXPECT_NEAR(routed_fp4_expected_tiles(g, 32 * 40, n2), 32.0 * 3 * 28, 1e-6);  // 40 rows per expert: 3 m-blocks
+  EXPECT_EQ(routed_fp4_auto_ctas_per_sm(g, 8, n1, 132), 1);
+  EXPECT_EQ(routed_fp4_auto_ctas_per_sm(g, 8, n2, 132), 1);
+  EXPECT_EQ(routed_fp4_auto_ctas_per_sm(g, 64, n1, 132), 1);
+  EXPECT_EQ(routed_fp4_auto_ctas_per_sm(g, 64, n2, 132), 2);
+  EXPECT_EQ(routed_fp4_auto_ctas_per_sm(g, 64, n2, 200), 1);  // more SMs: fewer tiles each
+  g.num_experts = 256;
+  EXPECT_EQ(routed_fp4_auto_ctas_per_sm(g, 64, n1, 132), 2);
+  EXPECT_EQ(routed_fp4_auto_ctas_per_sm(g, 64, n2, 132), 2);
+  EXPECT_EQ(routed_fp4_auto_ctas_per_sm(g, 64, n1, 0), 2);  // no SM count: as one SM
 }
 
 // MEGAMOE_MXFP4_EXPAND_ROWS: a positive integer or "off" (0: never); unset: the default; anything else

@@ -8,7 +8,9 @@
 // Routed runs every case with one and with two math warpgroups per mxfp4 tile (MEGAMOE_GEMM_FP4_MATH_WG
 // 1 / 2: test names end in _Wg1 / _Wg2), and some with the prefill path forced (MEGAMOE_MXFP4_EXPAND_ROWS
 // 1: the weights expanded to fp8-block before each GEMM, fp8-block's GEMM on them; names end in
-// _Expand), which is also bit for bit the in-kernel path (Sm90Mxfp4Prefill); mega has one math
+// _Expand), which is also bit for bit the in-kernel path (Sm90Mxfp4Prefill), and some with two CTAs
+// per SM on the 16-row tiles (MEGAMOE_GEMM_FP4_CTAS_PER_SM 2: names end in _2PerSm; bit for bit one
+// per SM, Sm90Mxfp4TwoCtasPerSm); mega has one math
 // warpgroup (its own role layout) and never expands.
 // Skips without an sm_90 GPU.
 #include <cuda_runtime.h>
@@ -53,10 +55,11 @@ struct Mxfp4LayerCase {
   int fp4_math_wg = 0;  // routed: MEGAMOE_GEMM_FP4_MATH_WG for the layer (0: unset)
   bool expand = false;  // routed: MEGAMOE_MXFP4_EXPAND_ROWS=1 (every forward expands)
   bool chunks = false;  // with expand: MEGAMOE_MXFP4_EXPAND_MIB=1 (4 tiny experts per chunk)
+  int ctas_per_sm = 0;  // routed: MEGAMOE_GEMM_FP4_CTAS_PER_SM for the layer (0: unset)
   std::string test_name() const {
     return std::string(to_string(backend)) + "_" + name + (R > 1 ? "_SharedGpu" : "") +
            (fp4_math_wg > 0 ? "_Wg" + std::to_string(fp4_math_wg) : "") + (expand ? "_Expand" : "") +
-           (chunks ? "Chunks" : "");
+           (chunks ? "Chunks" : "") + (ctas_per_sm == 2 ? "_2PerSm" : "");
   }
 };
 
@@ -114,6 +117,7 @@ TEST_P(Sm90Mxfp4Layer, MatchesCpuBackendOnTheSameMxfp4Weights) {
   const Fp4MathWgScope knob(p.fp4_math_wg);
   const EnvScope expand("MEGAMOE_MXFP4_EXPAND_ROWS", p.expand ? "1" : nullptr);
   const EnvScope mib("MEGAMOE_MXFP4_EXPAND_MIB", p.chunks ? "1" : nullptr);
+  const EnvScope cps("MEGAMOE_GEMM_FP4_CTAS_PER_SM", p.ctas_per_sm == 2 ? "2" : nullptr);
   Harness h(problem, c, p.R > 1 ? GroupKind::kSharedGpu : GroupKind::kNcclGpus, p.backend);
   ASSERT_TRUE(h.build());
   ASSERT_EQ(h.gpu_layer(0)->backend(), p.backend);
@@ -156,6 +160,17 @@ std::vector<Mxfp4LayerCase> all_cases() {
       c.chunks = true;
       out.push_back(c);
     }
+  }
+  // Two CTAs per SM forced (the layer's own choice needs ~5 tiles per SM): T = 1, dropped slots, one
+  // expert, deepseek-v3's dimensions, a quantised wire, EP2 on logical ranks.
+  for (Mxfp4LayerCase c : cases_for(Backend::kRouted)) {
+    const std::string n = c.name;
+    if (n != "EP1_Tiny_T1" && n != "EP1_Top6_T33_Dropped" && n != "EP1_SingleExpert_T100" &&
+        n != "EP1_DeepSeekV3Dims_E16_T8" && n != "EP1_Tiny_T64_Mxfp8Wire" && n != "EP2_Tiny_T33")
+      continue;
+    c.fp4_math_wg = 2;
+    c.ctas_per_sm = 2;
+    out.push_back(c);
   }
   for (const Mxfp4LayerCase& c : cases_for(Backend::kMega)) out.push_back(c);
   return out;
@@ -224,6 +239,33 @@ TEST(Sm90Mxfp4PrefillDefault, RoutedT4096ExpandsByTheDefaultThreshold) {
   check_fp4_layer(h, problem, CombineDtype::kBf16, "mxfp4", p.test_name());
 }
 
+// Two CTAs per SM compute every tile as one does (the same K loop and epilogue, only where the tile
+// runs differs): deepseek-v3's dimensions on 16 experts at 8 tokens (16-row tiles), bit for bit.
+TEST(Sm90Mxfp4TwoCtasPerSm, BitEqualToOnePerSm) {
+  MEGAMOE_REQUIRE_SM90_GPUS(1);
+  Mxfp4LayerCase p{"EP1_DeepSeekV3Dims_E16_T8", Backend::kRouted, 7168, 2048, 16, 8, 1, 8, Routing::kUniform};
+  MoeProblem problem = reference::make_random_problem(geometry(p), 31, {8});
+  MoeConfig c;
+  c.weight_format = WeightFormat::kMxfp4;
+  std::vector<std::vector<uint16_t>> y[2];
+  for (int v = 0; v < 2; ++v) {
+    const EnvScope cps("MEGAMOE_GEMM_FP4_CTAS_PER_SM", v == 0 ? "1" : "2");
+    Harness h(problem, c, GroupKind::kNcclGpus, Backend::kRouted);
+    ASSERT_TRUE(h.build());
+    std::vector<std::vector<uint16_t>> y_cpu;
+    ASSERT_TRUE(h.run(problem.ranks, &y[v], &y_cpu));
+    const double err = rel_l2_bf16(y[v][0], y_cpu[0]);
+    std::printf("[mxfp4] routed EP1 deepseek-v3 dims T8, %d CTA(s) per SM: rel-L2 vs cpu backend = %.3e\n", v + 1,
+                err);
+    EXPECT_LE(err, reference::same_points_bound_one_forward(CombineDtype::kBf16, 8).rel_l2);
+  }
+  int64_t diffs = 0;
+  for (size_t i = 0; i < y[0][0].size(); ++i) diffs += y[0][0][i] != y[1][0][i];
+  std::printf("[mxfp4] routed EP1 deepseek-v3 dims T8: %lld of %zu outputs differ between 1 and 2 CTAs per SM\n",
+              (long long)diffs, y[0][0].size());
+  EXPECT_EQ(diffs, 0);
+}
+
 // A tiny routed mxfp4 layer built and warmed up with environment knob `name` = `value`; the status of
 // the first step that failed (ok when both did). Checks that the capability gate does not read it.
 Status tiny_mxfp4_warmup_with(const char* name, const char* value) {
@@ -247,6 +289,15 @@ TEST(Sm90Mxfp4Knob, BadFp4MathWgFailsTheWarmupNamingTheKnob) {
   const Status st = tiny_mxfp4_warmup_with("MEGAMOE_GEMM_FP4_MATH_WG", "4");
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
   EXPECT_NE(st.message().find("MEGAMOE_GEMM_FP4_MATH_WG='4', must be 1 or 2"), std::string::npos) << st.to_string();
+}
+
+// A bad MEGAMOE_GEMM_FP4_CTAS_PER_SM likewise.
+TEST(Sm90Mxfp4Knob, BadFp4CtasPerSmFailsTheWarmupNamingTheKnob) {
+  MEGAMOE_REQUIRE_SM90_GPUS(1);
+  const Status st = tiny_mxfp4_warmup_with("MEGAMOE_GEMM_FP4_CTAS_PER_SM", "3");
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+  EXPECT_NE(st.message().find("MEGAMOE_GEMM_FP4_CTAS_PER_SM='3', must be 1 or 2"), std::string::npos)
+      << st.to_string();
 }
 
 // A bad MEGAMOE_MXFP4_EXPAND_ROWS likewise (read even when T_max never reaches the threshold).

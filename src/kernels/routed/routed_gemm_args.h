@@ -46,6 +46,27 @@ int64_t routed_rows_per_expert(const MoeGeometry& geometry, int64_t rows);
 // else: kInvalidArgument naming the variable, the value and the rule.
 Status routed_fp4_math_wg(const std::string& knob, int32_t* out);
 
+// The CTAs per SM of the mxfp4 GEMMs' 16-row tiles (GemmTileConfig::ctas_per_sm) from
+// MEGAMOE_GEMM_FP4_CTAS_PER_SM as given (EnvKnobs::gemm_fp4_ctas_per_sm): "1" or "2"; empty (unset): 0,
+// chosen per forward (routed_fp4_auto_ctas_per_sm). Anything else: kInvalidArgument naming the
+// variable, the value and the rule.
+Status routed_fp4_ctas_per_sm(const std::string& knob, int32_t* out);
+// `tiles` of an mxfp4 GEMM with that many CTAs per SM where they can run it (the GEMM's choice of 16-row
+// tiles with two math warpgroups, or 16-row tiles asked for); elsewhere as they are.
+void set_fp4_ctas_per_sm(int32_t ctas_per_sm, gemm::GemmTileConfig* tiles);
+
+// Two CTAs per SM pay off from this many 16-row tiles per SM (measured on the H200, deepseek-v3 dims,
+// docs/perf-history/2026-12-03-mxfp4-two-ctas-per-sm.md): with 784-2600 tiles on 132 SMs they ran
+// 5-11% faster; with 448-512 the same to 7% slower and unstable (two CTAs of one SM may take the last
+// tiles while others idle); with 128, 36% slower (pairs of tiles on one SM, other SMs empty).
+constexpr double kFp4TwoCtasMinTilesPerSm = 5.0;
+// The expected 16-row tiles of one mxfp4 GEMM of `n` output columns over `rows` routed rows on this
+// rank's experts (each row one expert, uniformly: E_l (1 - (1 - 1/E_l)^rows) experts hit, ceil(rows
+// per hit expert / 16) m-blocks each, n / 256 n-blocks).
+double routed_fp4_expected_tiles(const MoeGeometry& geometry, int64_t rows, int64_t n);
+// CTAs per SM for that GEMM: 2 from kFp4TwoCtasMinTilesPerSm x sms expected tiles on, else 1.
+int32_t routed_fp4_auto_ctas_per_sm(const MoeGeometry& geometry, int64_t rows, int64_t n, int sms);
+
 // Prefill with mxfp4 weights: from this many rows per expert (routed_rows_per_expert of the forward's
 // T) the layer expands both weight images to fp8-block e4m3 in a scratch of its workspace key
 // (gemm::launch_expand_mxfp4, before each GEMM) and runs fp8-block's GEMM on them: the same products

@@ -89,7 +89,7 @@ std::shared_ptr<KeyScratch> key_scratch(const WorkspaceKey& key) {
 
 bool same_tiles(const gemm::GemmTileConfig& a, const gemm::GemmTileConfig& b) {
   return a.block_m == b.block_m && a.block_n == b.block_n && a.num_sms == b.num_sms && a.cluster == b.cluster &&
-         a.round_robin == b.round_robin && a.fp4_math_wg == b.fp4_math_wg;
+         a.round_robin == b.round_robin && a.fp4_math_wg == b.fp4_math_wg && a.ctas_per_sm == b.ctas_per_sm;
 }
 
 class RoutedMoeLayer final : public MoeLayer {
@@ -345,12 +345,23 @@ class RoutedMoeLayer final : public MoeLayer {
     b.num_ranks = targets.num_ranks;
     b.rows_per_rank = targets.rows_per_rank;
     for (int r = 0; r < targets.num_ranks; ++r) b.peer_combine[r] = targets.peer_combine[r];
-    int32_t fp4_math_wg = 0;  // mxfp4 weights only: the knob, validated here (warmup) so a bad value fails there
-    if (config_.weight_format == WeightFormat::kMxfp4)
+    // mxfp4 weights only: the knobs, validated here (warmup) so a bad value fails there
+    int32_t fp4_math_wg = 0, fp4_ctas_per_sm = 0;
+    if (config_.weight_format == WeightFormat::kMxfp4) {
       MEGAMOE_RETURN_IF_ERROR(routed_fp4_math_wg(env_knobs().gemm_fp4_math_wg, &fp4_math_wg));
+      MEGAMOE_RETURN_IF_ERROR(routed_fp4_ctas_per_sm(env_knobs().gemm_fp4_ctas_per_sm, &fp4_ctas_per_sm));
+    }
     gemm::GroupedGemmArgs fc1, fc2;
     MEGAMOE_RETURN_IF_ERROR(
         make_routed_gemm_args(geometry_, config_, transport_->layout(), b, gemm_sms_, fp4_math_wg, &fc1, &fc2));
+    if (config_.weight_format == WeightFormat::kMxfp4) {
+      set_fp4_ctas_per_sm(fp4_ctas_per_sm, &fc1.tiles);
+      set_fp4_ctas_per_sm(fp4_ctas_per_sm, &fc2.tiles);
+      fp4_ctas_per_sm_ = fp4_ctas_per_sm;
+      int device_sms = 0;
+      MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount, device_));
+      gemm_grid_sms_ = gemm_sms_ > 0 ? std::min(gemm_sms_, device_sms) : device_sms;
+    }
     gemm::GroupedGemmArgs fc1x, fc2x;
     if (expand_rows_ > 0)
       MEGAMOE_RETURN_IF_ERROR(make_routed_expanded_gemm_args(geometry_, config_, transport_->layout(), b,
@@ -433,6 +444,15 @@ class RoutedMoeLayer final : public MoeLayer {
     fc1a.expected_m_per_expert = fc2a.expected_m_per_expert = routed_rows_per_expert(geometry_, T * k);
     fc1b.expected_m_per_expert = fc2b.expected_m_per_expert =
         routed_rows_per_expert(geometry_, geometry_.max_tokens_per_rank * k);
+    if (config_.weight_format == WeightFormat::kMxfp4 && !plan.expand && fp4_ctas_per_sm_ == 0) {
+      // mxfp4 decode tiles: two CTAs per SM where the rows make enough tiles (per bucket)
+      const int64_t rows_a = T * k, rows_b = geometry_.max_tokens_per_rank * k;
+      const int64_t n1 = 2 * geometry_.intermediate, n2 = geometry_.hidden;
+      set_fp4_ctas_per_sm(routed_fp4_auto_ctas_per_sm(geometry_, rows_a, n1, gemm_grid_sms_), &fc1a.tiles);
+      set_fp4_ctas_per_sm(routed_fp4_auto_ctas_per_sm(geometry_, rows_a, n2, gemm_grid_sms_), &fc2a.tiles);
+      set_fp4_ctas_per_sm(routed_fp4_auto_ctas_per_sm(geometry_, rows_b, n1, gemm_grid_sms_), &fc1b.tiles);
+      set_fp4_ctas_per_sm(routed_fp4_auto_ctas_per_sm(geometry_, rows_b, n2, gemm_grid_sms_), &fc2b.tiles);
+    }
     int32_t* counters = transport_->backend_counters();  // [8]: two words per launch
     if (!env_knobs().tile_bucket_received) {  // the bucket from this rank's T: one launch per GEMM
       fc1a.tile_counter = counters;
@@ -615,6 +635,10 @@ class RoutedMoeLayer final : public MoeLayer {
   // warmup) and the GEMMs on the expansion (make_routed_expanded_gemm_args)
   int64_t expand_rows_ = 0;
   int32_t expand_chunk_ = 1;  // experts per expansion (routed_mxfp4_expand_chunk)
+  // mxfp4: MEGAMOE_GEMM_FP4_CTAS_PER_SM (1 or 2), 0 = chosen per forward (routed_fp4_auto_ctas_per_sm)
+  // on the SMs the GEMMs' grids span (gemm_grid_sms_).
+  int32_t fp4_ctas_per_sm_ = 0;
+  int gemm_grid_sms_ = 132;
   std::shared_ptr<DeviceBuffer> fp4_expanded_;  // the key's scratch as this layer's plans use it
   gemm::GroupedGemmArgs fc1x_, fc2x_;
   std::map<int64_t, GemmPlan> plans_;
@@ -662,6 +686,33 @@ bool routed_fc2_writes_combine(const MoeConfig& c) {
 int64_t routed_rows_per_expert(const MoeGeometry& g, int64_t rows) {
   const double mean = static_cast<double>(std::max<int64_t>(rows, 0)) / std::max<int64_t>(g.experts_per_rank(), 1);
   return std::max<int64_t>(1, static_cast<int64_t>(std::ceil(mean + 2.0 * std::sqrt(mean))));
+}
+
+Status routed_fp4_ctas_per_sm(const std::string& knob, int32_t* out) {
+  if (knob.empty() || knob == "1" || knob == "2") {
+    *out = knob.empty() ? 0 : knob == "1" ? 1 : 2;
+    return Status::ok();
+  }
+  return invalid_argument("environment knob", "MEGAMOE_GEMM_FP4_CTAS_PER_SM", "'" + knob + "'",
+                          "must be 1 or 2 (CTAs per SM of the routed mxfp4 GEMMs' 16-row tiles; unset: " +
+                              str(gemm::kDefaultFp4CtasPerSm) + ")");
+}
+
+double routed_fp4_expected_tiles(const MoeGeometry& g, int64_t rows, int64_t n) {
+  const double E = static_cast<double>(std::max<int64_t>(g.experts_per_rank(), 1));
+  const double r = static_cast<double>(std::max<int64_t>(rows, 0));
+  const double hit = E * (1.0 - std::pow(1.0 - 1.0 / E, r));
+  if (hit <= 0.0) return 0.0;
+  return hit * std::ceil(r / hit / 16.0) * static_cast<double>(n / 256);
+}
+
+int32_t routed_fp4_auto_ctas_per_sm(const MoeGeometry& g, int64_t rows, int64_t n, int sms) {
+  return routed_fp4_expected_tiles(g, rows, n) >= kFp4TwoCtasMinTilesPerSm * std::max(sms, 1) ? 2 : 1;
+}
+
+void set_fp4_ctas_per_sm(int32_t ctas_per_sm, gemm::GemmTileConfig* tiles) {
+  const bool can = (tiles->block_m == 0 || tiles->block_m == 16) && tiles->fp4_math_wg != 1;
+  tiles->ctas_per_sm = can || ctas_per_sm != 2 ? ctas_per_sm : 0;
 }
 
 Status routed_fp4_math_wg(const std::string& knob, int32_t* out) {

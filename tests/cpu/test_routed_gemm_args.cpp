@@ -26,6 +26,18 @@ const Preset kPresets[] = {{"deepseek-v3", 7168, 2048, 256, 8},    {"deepseek-v4
                            {"qwen3-235b-a22b", 4096, 1536, 128, 8}, {"qwen3-30b-a3b", 2048, 768, 128, 8},
                            {"mixtral-8x7b", 4096, 14336, 8, 2},     {"tiny", 512, 256, 16, 4}};
 
+// deepseek-v3's dimensions (H 7168, I 2048, top-8) with `experts`, EP `ep` and T_max `t_max`.
+MoeGeometry deepseek_v3_geometry(int64_t experts, int64_t ep, int64_t t_max) {
+  MoeGeometry g;
+  g.hidden = 7168;
+  g.intermediate = 2048;
+  g.num_experts = experts;
+  g.top_k = 8;
+  g.ep_size = ep;
+  g.max_tokens_per_rank = t_max;
+  return g;
+}
+
 RoutedGemmBuffers fake_buffers(const MoeGeometry& g) {
   RoutedGemmBuffers b;
   char* const addr = reinterpret_cast<char*>(uintptr_t(1) << 40);
@@ -186,25 +198,14 @@ TEST(RoutedGemmArgs, Nvfp4WeightsRunTheBf16GemmsWithTheGlobalScalesInFp32) {
 }
 
 TEST(RoutedGemmArgs, TheBucketHintFollowsTheRowsReceived) {
-  MoeGeometry g;
-  g.hidden = 7168;
-  g.intermediate = 2048;
-  g.num_experts = 256;
-  g.top_k = 8;
-  g.ep_size = 2;  // 128 local experts
+  MoeGeometry g = deepseek_v3_geometry(256, 2, 0);  // 128 local experts
   EXPECT_EQ(routed_rows_per_expert(g, 0), 1);
   EXPECT_EQ(routed_rows_per_expert(g, 128 * 64), 64 + 16);  // mean 64: + 2 sqrt(64)
   EXPECT_GT(routed_rows_per_expert(g, 2 * 8192 * 8), routed_rows_per_expert(g, 8 * 8));
 }
 
 TEST(RoutedGemmArgs, TheTileOrderKnobReachesBothGemms) {
-  MoeGeometry g;
-  g.hidden = 7168;
-  g.intermediate = 2048;
-  g.num_experts = 256;
-  g.top_k = 8;
-  g.ep_size = 2;
-  g.max_tokens_per_rank = 128;
+  MoeGeometry g = deepseek_v3_geometry(256, 2, 128);
   const gemm::GemmTileOrder want[] = {gemm::GemmTileOrder::kAuto, gemm::GemmTileOrder::kCounter,
                                       gemm::GemmTileOrder::kRoundRobin};
   for (int32_t order : {0, 1, 2}) {
@@ -236,13 +237,7 @@ TEST(RoutedGemmArgs, TheFp4MathWgKnobReachesBothMxfp4Gemms) {
     EXPECT_NE(st.message().find("must be 1 or 2"), std::string::npos) << st.message();
     EXPECT_EQ(wg, -1) << bad;
   }
-  MoeGeometry g;
-  g.hidden = 7168;
-  g.intermediate = 2048;
-  g.num_experts = 256;
-  g.top_k = 8;
-  g.ep_size = 2;
-  g.max_tokens_per_rank = 8;
+  MoeGeometry g = deepseek_v3_geometry(256, 2, 8);
   for (const char* value : {"1", "2"}) {
     ASSERT_EQ(setenv("MEGAMOE_GEMM_FP4_MATH_WG", value, 1), 0);
     reload_env_knobs();
@@ -311,13 +306,7 @@ TEST(RoutedGemmArgs, TheFp4CtasPerSmKnobParsesAndLandsOnlyWhereItRuns) {
   reload_env_knobs();
   EXPECT_EQ(env_knobs().gemm_fp4_ctas_per_sm, "");
 
-  MoeGeometry g;
-  g.hidden = 7168;
-  g.intermediate = 2048;
-  g.num_experts = 32;
-  g.top_k = 8;
-  g.ep_size = 1;
-  g.max_tokens_per_rank = 8;
+  MoeGeometry g = deepseek_v3_geometry(32, 1, 8);
   MoeConfig c;
   c.weight_format = WeightFormat::kMxfp4;
   const WorkspaceLayout l = WorkspaceLayout::make(workspace_params(g, c));
@@ -343,12 +332,7 @@ TEST(RoutedGemmArgs, TheFp4CtasPerSmKnobParsesAndLandsOnlyWhereItRuns) {
 // 8 tokens keep FC1 at one CTA per SM (113 and 442 tiles) and FC2 from 8 tokens on at two (773); 256
 // experts at 8 tokens both at two (909 and 1591).
 TEST(RoutedGemmArgs, TwoCtasPerSmFromFiveTilesPerSm) {
-  MoeGeometry g;
-  g.hidden = 7168;
-  g.intermediate = 2048;
-  g.num_experts = 32;
-  g.top_k = 8;
-  g.ep_size = 1;
+  MoeGeometry g = deepseek_v3_geometry(32, 1, 0);
   const int64_t n1 = 2 * g.intermediate, n2 = g.hidden;
   EXPECT_EQ(routed_fp4_expected_tiles(g, 0, n1), 0.0);
   EXPECT_NEAR(routed_fp4_expected_tiles(g, 1, n1), 16.0, 1e-9);  // one expert, 16 n-blocks
@@ -399,12 +383,7 @@ TEST(RoutedGemmArgs, TheMxfp4ExpandRowsKnobParses) {
 // The expansion's chunks: whole experts within the bound, at least one, at most E_l; the bound from
 // MEGAMOE_MXFP4_EXPAND_MIB (MiB; unset: 1 GiB), anything but a positive integer refused naming it.
 TEST(RoutedGemmArgs, TheMxfp4ExpansionChunkBoundsTheScratch) {
-  MoeGeometry g;
-  g.hidden = 7168;
-  g.intermediate = 2048;
-  g.num_experts = 256;
-  g.top_k = 8;
-  g.ep_size = 8;  // 32 local experts x 29.4 MB: one chunk of all of them
+  MoeGeometry g = deepseek_v3_geometry(256, 8, 0);  // 32 local experts x 29.4 MB: one chunk of all of them
   EXPECT_EQ(routed_mxfp4_expand_chunk(g, kDefaultMxfp4ExpandBytes), 32);
   g.ep_size = 1;  // 256: chunks of 36 (36 x 29.4 MB <= 1 GiB < 37 x)
   const int64_t chunk = routed_mxfp4_expand_chunk(g, kDefaultMxfp4ExpandBytes);
@@ -432,13 +411,7 @@ TEST(RoutedGemmArgs, TheMxfp4ExpansionChunkBoundsTheScratch) {
 // What a layer allocates: the chunk's w13 in e4m3 when T_max's bucket reaches the threshold, nothing
 // below it or with the expansion off; the knobs' errors pass through.
 TEST(RoutedGemmArgs, TheMxfp4ExpansionScratchFollowsTMaxAndTheKnobs) {
-  MoeGeometry g;
-  g.hidden = 7168;
-  g.intermediate = 2048;
-  g.num_experts = 256;
-  g.top_k = 8;
-  g.ep_size = 8;
-  g.max_tokens_per_rank = 8192;  // 2048 rows per expert on average
+  MoeGeometry g = deepseek_v3_geometry(256, 8, 8192);  // 2048 rows per expert on average
   RoutedMxfp4Expansion x;
   ASSERT_TRUE(routed_mxfp4_expansion(g, "", "", &x).is_ok());
   EXPECT_EQ(x.threshold_rows, kDefaultMxfp4ExpandRows);

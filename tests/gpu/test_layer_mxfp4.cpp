@@ -162,11 +162,11 @@ std::vector<Mxfp4LayerCase> all_cases() {
     }
   }
   // Two CTAs per SM forced (the layer's own choice needs ~5 tiles per SM): T = 1, dropped slots, one
-  // expert, deepseek-v3's dimensions, a quantised wire, EP2 on logical ranks.
+  // expert, deepseek-v3's dimensions, a quantised wire (EP1: logical ranks sharing a GPU run one).
   for (Mxfp4LayerCase c : cases_for(Backend::kRouted)) {
     const std::string n = c.name;
     if (n != "EP1_Tiny_T1" && n != "EP1_Top6_T33_Dropped" && n != "EP1_SingleExpert_T100" &&
-        n != "EP1_DeepSeekV3Dims_E16_T8" && n != "EP1_Tiny_T64_Mxfp8Wire" && n != "EP2_Tiny_T33")
+        n != "EP1_DeepSeekV3Dims_E16_T8" && n != "EP1_Tiny_T64_Mxfp8Wire")
       continue;
     c.fp4_math_wg = 2;
     c.ctas_per_sm = 2;

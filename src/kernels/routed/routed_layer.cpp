@@ -350,6 +350,9 @@ class RoutedMoeLayer final : public MoeLayer {
     if (config_.weight_format == WeightFormat::kMxfp4) {
       MEGAMOE_RETURN_IF_ERROR(routed_fp4_math_wg(env_knobs().gemm_fp4_math_wg, &fp4_math_wg));
       MEGAMOE_RETURN_IF_ERROR(routed_fp4_ctas_per_sm(env_knobs().gemm_fp4_ctas_per_sm, &fp4_ctas_per_sm));
+      // A shared device: one CTA per SM, so the GEMMs' grids stay within sm_budget() CTAs (the
+      // invariant above) rather than half-filling twice as many SMs.
+      if (gemm_sms_ > 0) fp4_ctas_per_sm = 1;
     }
     gemm::GroupedGemmArgs fc1, fc2;
     MEGAMOE_RETURN_IF_ERROR(

@@ -59,7 +59,7 @@ void set_fp4_ctas_per_sm(int32_t ctas_per_sm, gemm::GemmTileConfig* tiles);
 // docs/perf-history/2026-12-03-mxfp4-two-ctas-per-sm.md): with 784-2600 tiles on 132 SMs they ran
 // 5-11% faster; with 448-512 the same to 7% slower and unstable (two CTAs of one SM may take the last
 // tiles while others idle); with 128, 36% slower (pairs of tiles on one SM, other SMs empty).
-constexpr double kFp4TwoCtasMinTilesPerSm = 5.0;
+constexpr int64_t kFp4TwoCtasMinTilesPerSm = 5;
 // The expected 16-row tiles of one mxfp4 GEMM of `n` output columns over `rows` routed rows on this
 // rank's experts (each row one expert, uniformly: E_l (1 - (1 - 1/E_l)^rows) experts hit, ceil(rows
 // per hit expert / 16) m-blocks each, n / 256 n-blocks).

@@ -697,8 +697,8 @@ Status routed_fp4_ctas_per_sm(const std::string& knob, int32_t* out) {
     return Status::ok();
   }
   return invalid_argument("environment knob", "MEGAMOE_GEMM_FP4_CTAS_PER_SM", "'" + knob + "'",
-                          "must be 1 or 2 (CTAs per SM of the routed mxfp4 GEMMs' 16-row tiles; unset: " +
-                              str(gemm::kDefaultFp4CtasPerSm) + ")");
+                          "must be 1 or 2 (CTAs per SM of the routed mxfp4 GEMMs' 16-row tiles; unset: chosen per "
+                          "forward, 2 from " + str(kFp4TwoCtasMinTilesPerSm) + " expected tiles per SM)");
 }
 
 double routed_fp4_expected_tiles(const MoeGeometry& g, int64_t rows, int64_t n) {
@@ -710,7 +710,7 @@ double routed_fp4_expected_tiles(const MoeGeometry& g, int64_t rows, int64_t n) 
 }
 
 int32_t routed_fp4_auto_ctas_per_sm(const MoeGeometry& g, int64_t rows, int64_t n, int sms) {
-  return routed_fp4_expected_tiles(g, rows, n) >= kFp4TwoCtasMinTilesPerSm * std::max(sms, 1) ? 2 : 1;
+  return routed_fp4_expected_tiles(g, rows, n) >= double(kFp4TwoCtasMinTilesPerSm * std::max(sms, 1)) ? 2 : 1;
 }
 
 void set_fp4_ctas_per_sm(int32_t ctas_per_sm, gemm::GemmTileConfig* tiles) {

@@ -180,6 +180,27 @@ TEST(Tool, Info_Mxfp4_PrintsThePrefillExpansionScratch) {
   ASSERT_EQ(unsetenv("MEGAMOE_MXFP4_EXPAND_ROWS"), 0);
   r = run_tool("info --preset deepseek-v3 --ep 8 --tokens 8192");  // fp8-block: no such line
   EXPECT_FALSE(contains(r.out, "prefill expansion")) << r.out;
+  EXPECT_FALSE(contains(r.out, "decode tiles")) << r.out;
+}
+
+// The decode GEMMs' CTAs per SM (no GPU here: an H200's 132 SMs): deepseek-v3 EP1 (256 experts) runs
+// FC2 at two from 4 tokens (32 rows: 30 experts x 28 n-blocks) and FC1 from 6; EP8's 32 experts never
+// reach 5 FC1 tiles per SM (at most 512); the knob forces it, a bad value prints the rule.
+TEST(Tool, Info_Mxfp4_PrintsTheDecodeTilesCtasPerSm) {
+  ToolRun r = run_tool("info --preset deepseek-v3 --weight-format mxfp4 --tokens 128");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_TRUE(contains(r.out, "routed mxfp4 decode tiles (16 rows up to T = 128): two CTAs per SM for FC1 from T = 6, "
+                              "FC2 from T = 4 (5 expected tiles per SM on 132 SMs"))
+      << r.out;
+  r = run_tool("info --preset deepseek-v3 --ep 8 --weight-format mxfp4 --tokens 128");
+  EXPECT_TRUE(contains(r.out, "(16 rows up to T = 39): two CTAs per SM for FC1 never, FC2 from T = 6")) << r.out;
+  ASSERT_EQ(setenv("MEGAMOE_GEMM_FP4_CTAS_PER_SM", "1", 1), 0);
+  r = run_tool("info --preset deepseek-v3 --weight-format mxfp4 --tokens 128");
+  EXPECT_TRUE(contains(r.out, "routed mxfp4 decode tiles: 1 CTA(s) per SM (MEGAMOE_GEMM_FP4_CTAS_PER_SM=1)")) << r.out;
+  ASSERT_EQ(setenv("MEGAMOE_GEMM_FP4_CTAS_PER_SM", "4", 1), 0);
+  r = run_tool("info --preset deepseek-v3 --weight-format mxfp4 --tokens 128");
+  EXPECT_TRUE(contains(r.out, "MEGAMOE_GEMM_FP4_CTAS_PER_SM='4', must be 1 or 2")) << r.out;
+  ASSERT_EQ(unsetenv("MEGAMOE_GEMM_FP4_CTAS_PER_SM"), 0);
 }
 
 // ---- flag and value errors ----

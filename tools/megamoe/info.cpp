@@ -76,6 +76,35 @@ void print_build_and_devices() {
   std::printf("host: %s physical memory\n", format_bytes(physical_memory_bytes()).c_str());
 }
 
+// The routed mxfp4 decode GEMMs' CTAs per SM by tokens per rank (routed_fp4_auto_ctas_per_sm on this
+// machine's first GPU, an H200's 132 SMs without one), or what MEGAMOE_GEMM_FP4_CTAS_PER_SM forces.
+void print_mxfp4_decode_ctas(const MoeGeometry& g, const EnvKnobs& env) {
+  int32_t forced = 0;
+  if (Status st = routed_fp4_ctas_per_sm(env.gemm_fp4_ctas_per_sm, &forced); !st.is_ok()) {
+    std::printf("routed mxfp4 decode tiles: %s\n", st.message().c_str());
+    return;
+  }
+  if (forced != 0) {
+    std::printf("routed mxfp4 decode tiles: %d CTA(s) per SM (MEGAMOE_GEMM_FP4_CTAS_PER_SM=%d)\n", forced, forced);
+    return;
+  }
+  const std::vector<CudaDeviceInfo> devices = cuda_devices();
+  const int sms = devices.empty() ? 132 : devices.front().num_sms;
+  // 16-row tiles while the bucket holds at most 16 rows per expert; the first T of two CTAs per SM
+  int64_t last16 = 0, from[2] = {0, 0};
+  const int64_t n[2] = {2 * g.intermediate, g.hidden};
+  for (int64_t t = 1; t <= g.max_tokens_per_rank && routed_rows_per_expert(g, t * g.top_k) <= 16; ++t) {
+    last16 = t;
+    for (int f = 0; f < 2; ++f)
+      if (from[f] == 0 && routed_fp4_auto_ctas_per_sm(g, t * g.top_k, n[f], sms) == 2) from[f] = t;
+  }
+  const auto when = [](int64_t t) { return t > 0 ? "from T = " + std::to_string(t) : std::string("never"); };
+  std::printf("routed mxfp4 decode tiles (16 rows up to T = %lld): two CTAs per SM for FC1 %s, FC2 %s (%lld expected "
+              "tiles per SM on %d SMs%s; a GPU shared by logical ranks runs one)\n",
+              static_cast<long long>(last16), when(from[0]).c_str(), when(from[1]).c_str(),
+              static_cast<long long>(kFp4TwoCtasMinTilesPerSm), sms, devices.empty() ? ", an H200's: no CUDA device" : "");
+}
+
 void print_presets() {
   std::printf("presets (--preset):\n");
   for (const Preset& p : all_presets()) {
@@ -170,6 +199,7 @@ int run_info(const InfoOptions& o) {
                   static_cast<long long>(x.threshold_rows), static_cast<long long>(x.t_max_rows),
                   format_mib(x.scratch_bytes).c_str(), static_cast<long long>(x.chunk_experts),
                   static_cast<long long>(g.experts_per_rank()));
+    print_mxfp4_decode_ctas(g, env);
   }
   const HostMemoryEstimate check_mem = estimate_host_memory(g, c, Backend::kCpu, tokens, true);
   int64_t limit = 0;

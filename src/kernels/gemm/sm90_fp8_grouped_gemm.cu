@@ -223,11 +223,6 @@ Status validate_grouped_gemm(const GroupedGemmArgs& a) {
     if (t.ctas_per_sm < 0 || t.ctas_per_sm > 2)
       return bad("tiles.ctas_per_sm", std::to_string(t.ctas_per_sm),
                  "must be 0 (the default, " + std::to_string(kDefaultFp4CtasPerSm) + "), 1 or 2 CTAs per SM");
-    if (t.ctas_per_sm == 2 && t.block_m != 0 && t.block_m != 16)
-      return bad("tiles.ctas_per_sm", "2", "two CTAs per SM run 16-row mxfp4 tiles only (tiles.block_m " +
-                                               std::to_string(t.block_m) + ")");
-    if (t.ctas_per_sm == 2 && t.fp4_math_wg == 1)
-      return bad("tiles.ctas_per_sm", "2", "two CTAs per SM run two math warpgroups per tile (tiles.fp4_math_wg 1)");
   } else if (t.fp4_math_wg != 0) {
     return bad("tiles.fp4_math_wg", std::to_string(t.fp4_math_wg),
                std::string("must be 0 with dtype ") + to_string(a.dtype) + " (math warpgroups of the mxfp4 tiles)");

@@ -81,8 +81,9 @@ struct GemmTileConfig {
   // weight tile, docs/GEMM.md "FP4 weights"); 0 = kDefaultFp4MathWG. Other dtypes: 0 (as `used`, too).
   int32_t fp4_math_wg = 0;
   // dtype mxfp4: CTAs per SM, 1 or 2, for the 16-row tiles of two math warpgroups (two: each CTA holds
-  // half of the SM's registers and shared memory, the SM runs two tiles at once; other tiles run one);
-  // 0 = kDefaultFp4CtasPerSm. Other dtypes: 0. `used`: what ran (1 or 2 with dtype mxfp4).
+  // half of the SM's registers and shared memory, the SM runs two tiles at once); other tiles (32 or 64
+  // rows, one math warpgroup) run one whatever it says. 0 = kDefaultFp4CtasPerSm. Other dtypes: 0.
+  // `used`: what ran (1 or 2 with dtype mxfp4).
   int32_t ctas_per_sm = 0;
   int32_t grid = 0;  // output (launch_grouped_gemm's `used`): the CTAs launched
   std::string to_string() const;

@@ -51,9 +51,6 @@ Status routed_fp4_math_wg(const std::string& knob, int32_t* out);
 // chosen per forward (routed_fp4_auto_ctas_per_sm). Anything else: kInvalidArgument naming the
 // variable, the value and the rule.
 Status routed_fp4_ctas_per_sm(const std::string& knob, int32_t* out);
-// `tiles` of an mxfp4 GEMM with that many CTAs per SM where they can run it (the GEMM's choice of 16-row
-// tiles with two math warpgroups, or 16-row tiles asked for); elsewhere as they are.
-void set_fp4_ctas_per_sm(int32_t ctas_per_sm, gemm::GemmTileConfig* tiles);
 
 // Two CTAs per SM pay off from this many 16-row tiles per SM (measured on the H200, deepseek-v3 dims,
 // docs/perf-history/2026-12-03-mxfp4-two-ctas-per-sm.md): with 784-2600 tiles on 132 SMs they ran

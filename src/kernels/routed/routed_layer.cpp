@@ -358,8 +358,7 @@ class RoutedMoeLayer final : public MoeLayer {
     MEGAMOE_RETURN_IF_ERROR(
         make_routed_gemm_args(geometry_, config_, transport_->layout(), b, gemm_sms_, fp4_math_wg, &fc1, &fc2));
     if (config_.weight_format == WeightFormat::kMxfp4) {
-      set_fp4_ctas_per_sm(fp4_ctas_per_sm, &fc1.tiles);
-      set_fp4_ctas_per_sm(fp4_ctas_per_sm, &fc2.tiles);
+      fc1.tiles.ctas_per_sm = fc2.tiles.ctas_per_sm = fp4_ctas_per_sm;  // the GEMM applies it to 16-row tiles
       fp4_ctas_per_sm_ = fp4_ctas_per_sm;
       int device_sms = 0;
       MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount, device_));
@@ -451,10 +450,10 @@ class RoutedMoeLayer final : public MoeLayer {
       // mxfp4 decode tiles: two CTAs per SM where the rows make enough tiles (per bucket)
       const int64_t rows_a = T * k, rows_b = geometry_.max_tokens_per_rank * k;
       const int64_t n1 = 2 * geometry_.intermediate, n2 = geometry_.hidden;
-      set_fp4_ctas_per_sm(routed_fp4_auto_ctas_per_sm(geometry_, rows_a, n1, gemm_grid_sms_), &fc1a.tiles);
-      set_fp4_ctas_per_sm(routed_fp4_auto_ctas_per_sm(geometry_, rows_a, n2, gemm_grid_sms_), &fc2a.tiles);
-      set_fp4_ctas_per_sm(routed_fp4_auto_ctas_per_sm(geometry_, rows_b, n1, gemm_grid_sms_), &fc1b.tiles);
-      set_fp4_ctas_per_sm(routed_fp4_auto_ctas_per_sm(geometry_, rows_b, n2, gemm_grid_sms_), &fc2b.tiles);
+      fc1a.tiles.ctas_per_sm = routed_fp4_auto_ctas_per_sm(geometry_, rows_a, n1, gemm_grid_sms_);
+      fc2a.tiles.ctas_per_sm = routed_fp4_auto_ctas_per_sm(geometry_, rows_a, n2, gemm_grid_sms_);
+      fc1b.tiles.ctas_per_sm = routed_fp4_auto_ctas_per_sm(geometry_, rows_b, n1, gemm_grid_sms_);
+      fc2b.tiles.ctas_per_sm = routed_fp4_auto_ctas_per_sm(geometry_, rows_b, n2, gemm_grid_sms_);
     }
     int32_t* counters = transport_->backend_counters();  // [8]: two words per launch
     if (!env_knobs().tile_bucket_received) {  // the bucket from this rank's T: one launch per GEMM
@@ -691,14 +690,26 @@ int64_t routed_rows_per_expert(const MoeGeometry& g, int64_t rows) {
   return std::max<int64_t>(1, static_cast<int64_t>(std::ceil(mean + 2.0 * std::sqrt(mean))));
 }
 
-Status routed_fp4_ctas_per_sm(const std::string& knob, int32_t* out) {
+namespace {
+
+// An environment knob of "1" or "2" (EnvKnobs keeps it as given): *out = 1 or 2, `unset` when empty;
+// anything else is kInvalidArgument naming the variable, the value and "must be 1 or 2 (`what`)".
+Status one_or_two_knob(const char* name, const std::string& knob, int32_t unset, const std::string& what,
+                       int32_t* out) {
   if (knob.empty() || knob == "1" || knob == "2") {
-    *out = knob.empty() ? 0 : knob == "1" ? 1 : 2;
+    *out = knob.empty() ? unset : knob == "1" ? 1 : 2;
     return Status::ok();
   }
-  return invalid_argument("environment knob", "MEGAMOE_GEMM_FP4_CTAS_PER_SM", "'" + knob + "'",
-                          "must be 1 or 2 (CTAs per SM of the routed mxfp4 GEMMs' 16-row tiles; unset: chosen per "
-                          "forward, 2 from " + str(kFp4TwoCtasMinTilesPerSm) + " expected tiles per SM)");
+  return invalid_argument("environment knob", name, "'" + knob + "'", "must be 1 or 2 (" + what + ")");
+}
+
+}  // namespace
+
+Status routed_fp4_ctas_per_sm(const std::string& knob, int32_t* out) {
+  return one_or_two_knob("MEGAMOE_GEMM_FP4_CTAS_PER_SM", knob, 0,
+                         "CTAs per SM of the routed mxfp4 GEMMs' 16-row tiles; unset: chosen per forward, 2 from " +
+                             str(kFp4TwoCtasMinTilesPerSm) + " expected tiles per SM",
+                         out);
 }
 
 double routed_fp4_expected_tiles(const MoeGeometry& g, int64_t rows, int64_t n) {
@@ -713,23 +724,10 @@ int32_t routed_fp4_auto_ctas_per_sm(const MoeGeometry& g, int64_t rows, int64_t 
   return routed_fp4_expected_tiles(g, rows, n) >= double(kFp4TwoCtasMinTilesPerSm * std::max(sms, 1)) ? 2 : 1;
 }
 
-void set_fp4_ctas_per_sm(int32_t ctas_per_sm, gemm::GemmTileConfig* tiles) {
-  const bool can = (tiles->block_m == 0 || tiles->block_m == 16) && tiles->fp4_math_wg != 1;
-  tiles->ctas_per_sm = can || ctas_per_sm != 2 ? ctas_per_sm : 0;
-}
-
 Status routed_fp4_math_wg(const std::string& knob, int32_t* out) {
-  if (knob.empty()) {
-    *out = gemm::kDefaultFp4MathWG;
-    return Status::ok();
-  }
-  if (knob == "1" || knob == "2") {
-    *out = knob == "1" ? 1 : 2;
-    return Status::ok();
-  }
-  return invalid_argument("environment knob", "MEGAMOE_GEMM_FP4_MATH_WG", "'" + knob + "'",
-                          "must be 1 or 2 (math warpgroups per tile of the routed mxfp4 GEMMs; unset: " +
-                              str(gemm::kDefaultFp4MathWG) + ")");
+  return one_or_two_knob("MEGAMOE_GEMM_FP4_MATH_WG", knob, gemm::kDefaultFp4MathWG,
+                         "math warpgroups per tile of the routed mxfp4 GEMMs; unset: " + str(gemm::kDefaultFp4MathWG),
+                         out);
 }
 
 // A positive decimal integer, digits only, within int64 (the knobs below).

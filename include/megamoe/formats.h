@@ -473,6 +473,35 @@ MEGAMOE_FMT_HD void fp4_word_to_e4m3(uint32_t w, uint32_t row_lo, uint32_t row_h
   *out_hi = byte_perm(row_lo, row_hi, (w >> 16) & 0x7777u) | ((w << 4) & 0x80808080u);
 }
 
+// ---- nvfp4 weights in the grouped GEMM (gemm_weights.h): a fragment word to bf16 -----------------------
+//
+// The word is pack_fp4_word's (codes e0..e7); the four bf16x2 results are (e0, e1), (e2, e3), (e4, e5),
+// (e6, e7), each the code's e2m1 value times 2^120 with its sign: kNvfp4Bf16Mag{Lo,Hi}{0,1} are the low
+// and high bytes of the eight magnitudes' bf16 (0, 0.5, 1, 1.5, 2, 3, 4, 6) x 2^120, codes 0..3 and 4..7.
+// A block scale byte b (an e4m3 code with sign 0, not NaN: gemm_weights.h folds the sign into the codes)
+// is the bf16 bits b << 4 = e4m3(b) x 2^-120 exactly (the e4m3 exponent and mantissa bits land on
+// bf16's; e4m3 subnormals on bf16 subnormals), so one bf16 multiply per pair gives e2m1 x scale, which
+// has at most 6 significant bits and lies in [2^-10, 2688]: exact in bf16, as expand_nvfp4_to_bf16's.
+// Twelve byte permutes and logic operations per word, the same bits on host and device:
+//   lo = PRMT(kLo0, kLo1, sel), hi = PRMT(kHi0, kHi1, sel) | signs, pairs = PRMT(lo, hi, 0x5140 / 0x7362)
+constexpr uint32_t kNvfp4Bf16MagLo0 = 0xC0800000u, kNvfp4Bf16MagLo1 = 0xC0804000u;
+constexpr uint32_t kNvfp4Bf16MagHi0 = 0x7B7B7B00u, kNvfp4Bf16MagHi1 = 0x7C7C7C7Cu;
+MEGAMOE_FMT_HD void fp4_word_to_bf16x2_pow120(uint32_t w, uint32_t (&out)[4]) {
+  const uint32_t s0 = w & 0x7777u, s1 = (w >> 16) & 0x7777u;
+  const uint32_t lo0 = byte_perm(kNvfp4Bf16MagLo0, kNvfp4Bf16MagLo1, s0);
+  const uint32_t hi0 = byte_perm(kNvfp4Bf16MagHi0, kNvfp4Bf16MagHi1, s0) | (w & 0x80808080u);
+  const uint32_t lo1 = byte_perm(kNvfp4Bf16MagLo0, kNvfp4Bf16MagLo1, s1);
+  const uint32_t hi1 = byte_perm(kNvfp4Bf16MagHi0, kNvfp4Bf16MagHi1, s1) | ((w << 4) & 0x80808080u);
+  out[0] = byte_perm(lo0, hi0, 0x5140u);
+  out[1] = byte_perm(lo0, hi0, 0x7362u);
+  out[2] = byte_perm(lo1, hi1, 0x5140u);
+  out[3] = byte_perm(lo1, hi1, 0x7362u);
+}
+// Block scale byte j of a word of four, as the bf16x2 (b << 4, b << 4) the pairs are multiplied by.
+MEGAMOE_FMT_HD uint32_t nvfp4_scale_bf16x2(uint32_t scale_word, int j) {
+  return byte_perm(scale_word, 0u, 0x4040u | (static_cast<uint32_t>(j) << 8) | static_cast<uint32_t>(j)) << 4;
+}
+
 // The fragment word of codes c[0..7] (each in the low 4 bits: sign at bit 3), and code e of a word.
 MEGAMOE_FMT_HD uint32_t pack_fp4_word(const uint8_t* c) {
   uint32_t w = 0;

@@ -224,5 +224,84 @@ TEST(GemmNvfp4Weights, ExpertBf16ImagesAreTheCpuBackendsDequantisationWithoutThe
   EXPECT_EQ(scaled_off, 0);
 }
 
+// ---- nvfp4 in the pipeline (gemm_weights.h: the fragment layout of bf16 k16 steps) ----
+
+// Every element read back through the layout and the word expansion (what the math warpgroup does:
+// fmt::fp4_word_to_bf16x2_pow120 and one bf16 multiply by the scale's b << 4) is expand_nvfp4_to_bf16's
+// bf16 bit for bit, for every scale code but NaN (negative scales, e4m3 subnormals and zero included).
+TEST(GemmNvfp4Layout, ReadsBackTheBf16ExpansionForEveryScaleCode) {
+  const int64_t E = 2, N = 128, K = 256;
+  std::vector<uint8_t> packed(E * N * K / 2), scales(E * N * K / 16);
+  std::mt19937 rng(5);
+  for (auto& b : packed) b = static_cast<uint8_t>(rng());
+  for (size_t i = 0; i < scales.size(); ++i) {
+    uint8_t sc = static_cast<uint8_t>(i % 256);  // every code, then random ones
+    if (i >= 256) sc = static_cast<uint8_t>(rng());
+    if ((sc & 0x7Fu) == 0x7Fu) sc = 0x7Eu;
+    scales[i] = sc;
+  }
+  const std::vector<float> g = {0.75f, 3.f};
+  Nvfp4GemmWeights w;
+  int64_t bad = -1;
+  ASSERT_TRUE(prepare_nvfp4_for_gemm(packed.data(), scales.data(), g.data(), E, N, K, &w, &bad));
+  ASSERT_EQ(static_cast<int64_t>(w.slabs.size()), E * (K / kNvfp4BlockK) * (N / 64) * kNvfp4SlabBytes);
+  std::vector<uint16_t> want(E * N * K);
+  expand_nvfp4_to_bf16(packed.data(), scales.data(), E, N, K, want.data());
+  int64_t diffs = 0;
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t r = 0; r < N; ++r)
+      for (int64_t c = 0; c < K; ++c) diffs += nvfp4_gemm_bf16(w, e, r, c) != want[(e * N + r) * K + c];
+  EXPECT_EQ(diffs, 0);
+  const std::vector<uint8_t> img = device_image(w);
+  ASSERT_EQ(static_cast<int64_t>(img.size()), nvfp4_pieces_offset(E) + static_cast<int64_t>(w.slabs.size()));
+  float g1 = 0;
+  std::memcpy(&g1, img.data() + 4, 4);
+  EXPECT_EQ(g1, 3.f);
+}
+
+// Every code nibble and scale byte of every piece is written (no magnitude nibble left 0, every scale
+// byte the scale), and the layout still reads back the expansion.
+TEST(GemmNvfp4Layout, EveryCodeAndScaleByteWritten) {
+  const int64_t E = 1, N = 128, K = 128;
+  std::vector<uint8_t> packed(E * N * K / 2, 0x11), scales(E * N * K / 16, 0x38);
+  // code of element i: its index mod 7 + 1 (never 0), so a slot written twice or never shows
+  for (int64_t i = 0; i < E * N * K; ++i) {
+    const uint8_t code = static_cast<uint8_t>(i % 7 + 1);
+    packed[i / 2] = static_cast<uint8_t>((packed[i / 2] & ((i & 1) ? 0x0Fu : 0xF0u)) | (code << ((i & 1) * 4)));
+  }
+  const float g = 1.f;
+  Nvfp4GemmWeights w;
+  int64_t bad = -1;
+  ASSERT_TRUE(prepare_nvfp4_for_gemm(packed.data(), scales.data(), &g, E, N, K, &w, &bad));
+  // no zero magnitude nibble anywhere: every nibble was written
+  int64_t zero_nibbles = 0;
+  for (int64_t pc = 0; pc < (K / kNvfp4BlockK) * (N / 64); ++pc)
+    for (int64_t b = 0; b < kNvfp4SlabCodeBytes; b += 4) {
+      uint32_t word = 0;
+      std::memcpy(&word, w.slabs.data() + pc * kNvfp4SlabBytes + b, 4);
+      for (int e = 0; e < 8; ++e) zero_nibbles += ((word >> (4 * e)) & 7u) == 0;
+    }
+  EXPECT_EQ(zero_nibbles, 0);
+  for (int64_t pc = 0; pc < (K / kNvfp4BlockK) * (N / 64); ++pc)
+    for (int64_t b = kNvfp4SlabCodeBytes; b < kNvfp4SlabBytes; ++b) EXPECT_EQ(w.slabs[pc * kNvfp4SlabBytes + b], 0x38);
+  std::vector<uint16_t> want(E * N * K);
+  expand_nvfp4_to_bf16(packed.data(), scales.data(), E, N, K, want.data());
+  int64_t diffs = 0;
+  for (int64_t r = 0; r < N; ++r)
+    for (int64_t c = 0; c < K; ++c) diffs += nvfp4_gemm_bf16(w, 0, r, c) != want[r * K + c];
+  EXPECT_EQ(diffs, 0);
+}
+
+// A NaN block scale is refused with its index (the GPU layout holds finite, sign-free scales).
+TEST(GemmNvfp4Layout, NanScaleIsRefusedWithItsIndex) {
+  std::vector<uint8_t> packed(64 * 128 / 2, 0x22), scales(64 * 128 / 16, 0x38);
+  scales[37] = 0xFF;
+  const float g = 1.f;
+  Nvfp4GemmWeights w;
+  int64_t bad = -1;
+  EXPECT_FALSE(prepare_nvfp4_for_gemm(packed.data(), scales.data(), &g, 1, 64, 128, &w, &bad));
+  EXPECT_EQ(bad, 37);
+}
+
 }  // namespace
 }  // namespace megamoe::gemm

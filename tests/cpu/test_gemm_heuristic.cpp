@@ -500,4 +500,36 @@ TEST(GemmWeights, SwigluInterleaveKeepsScaleBlocks) {
   EXPECT_EQ(sd[(4 + 3) * kb + 1], s[(4 + 3) * kb + 1]);
 }
 
+// Bad arguments name the field, the value and the rule.
+TEST(GemmValidate, Nvfp4RefusesScalesAndTilesItDoesNotRun) {
+  GroupedGemmArgs a;
+  a.dtype = GemmDtype::kNvfp4;
+  a.num_experts = 2;
+  a.n = 512;
+  a.k = 256;
+  a.m_rows = 32;
+  a.layout = GroupedLayout::kMasked;
+  a.masked_counts = reinterpret_cast<const int32_t*>(0x1000);
+  a.a = reinterpret_cast<const void*>(0x1000);
+  a.b = reinterpret_cast<const void*>(0x2000);
+  a.d = reinterpret_cast<void*>(0x3000);
+  EXPECT_TRUE(validate_grouped_gemm(a).is_ok()) << validate_grouped_gemm(a).to_string();
+  GroupedGemmArgs b = a;
+  b.tiles.block_m = 64;
+  EXPECT_NE(validate_grouped_gemm(b).message().find("tiles.block_m"), std::string::npos);
+  b = a;
+  b.b_scales = reinterpret_cast<const float*>(0x4000);
+  EXPECT_NE(validate_grouped_gemm(b).message().find("b_scales"), std::string::npos);
+  b = a;
+  b.epilogue = GemmEpilogue::kSwigluBf16Scaled;
+  b.b_expert_scale = reinterpret_cast<const float*>(0x4000);
+  EXPECT_NE(validate_grouped_gemm(b).message().find("b_expert_scale"), std::string::npos);
+  b = a;
+  b.epilogue = GemmEpilogue::kSwigluBf16;
+  EXPECT_NE(validate_grouped_gemm(b).message().find("swiglu-bf16-scaled"), std::string::npos);
+  b = a;
+  b.tiles.ctas_per_sm = 2;
+  EXPECT_NE(validate_grouped_gemm(b).message().find("ctas_per_sm"), std::string::npos);
+}
+
 }  // namespace

@@ -68,10 +68,13 @@ struct BenchOptions {
   std::string trace;                 // per-CTA timeline of one more launch per case, as JSON (empty: none)
   int iters = 20, warmup = 3;
   std::string json;
-  // fp8-block (e4m3 + 128x128 scales) or mxfp4 (the weights' image of gemm_weights.h: 16-, 32-
-  // and 64-row tiles; no cuBLASLt peer; wGB/s counts the FP4 bytes, E * N * K / 2)
+  // fp8-block (e4m3 + 128x128 scales), mxfp4 (the weights' image of gemm_weights.h: 16-, 32- and
+  // 64-row tiles) or nvfp4 (its image: 16- and 32-row tiles, bf16 tokens, FC1 the scaled bf16 SwiGLU);
+  // FP4: no cuBLASLt peer, wGB/s counts the FP4 bytes, E * N * K / 2
   std::string weight_format = "fp8-block";
   bool mxfp4() const { return weight_format == "mxfp4"; }
+  bool nvfp4() const { return weight_format == "nvfp4"; }
+  bool fp4() const { return mxfp4() || nvfp4(); }
   int fp4_math_wg = 0;  // mxfp4: math warpgroups per tile, 1 or 2 (0: the GEMM's default)
   int ctas_per_sm = 0;  // mxfp4: CTAs per SM of the 16-row tiles, 1 or 2 (0: the GEMM's default)
 };
@@ -283,20 +286,27 @@ struct GemmBuffers {
   float *sa = nullptr, *sb = nullptr, *sd = nullptr;
   int32_t* segments = nullptr;  // masked: counts; contiguous: offsets
   uint64_t* probe_trace = nullptr;
-  GemmBuffers(const GemmCase& c, int empty_every, bool probe, bool mxfp4, cudaStream_t s) {
+  GemmBuffers(const GemmCase& c, int empty_every, bool probe, bool mxfp4, bool nvfp4, cudaStream_t s) {
     const int64_t E = c.experts, T = c.tokens, N = c.n, K = c.k, M = E * T, M4 = (M + 3) / 4 * 4;
-    cuda_check(cudaMalloc(&a, M * K), "cudaMalloc(A)");
-    const int64_t b_bytes = mxfp4 ? gemm::mxfp4_pieces_offset(E, N, K) + E * (K / 128) * (N / gemm::kFp4SlabRows) *
-                                                                             gemm::kFp4SlabBytes
-                                  : E * N * K;
+    cuda_check(cudaMalloc(&a, M * K * (nvfp4 ? 2 : 1)), "cudaMalloc(A)");
+    const int64_t b_bytes = mxfp4   ? gemm::mxfp4_pieces_offset(E, N, K) + E * (K / 128) * (N / gemm::kFp4SlabRows) *
+                                                                               gemm::kFp4SlabBytes
+                            : nvfp4 ? gemm::nvfp4_pieces_offset(E) + E * (K / gemm::kNvfp4BlockK) * (N / 64) *
+                                                                         gemm::kNvfp4SlabBytes
+                                    : E * N * K;
     cuda_check(cudaMalloc(&b, b_bytes), "cudaMalloc(B)");
     cuda_check(cudaMalloc(&d, M * N * 2), "cudaMalloc(D)");
     cuda_check(cudaMalloc(&sa, M4 * (K / 128) * 4 + 64), "cudaMalloc(SFA)");
     cuda_check(cudaMalloc(&sb, E * (N / 128) * (K / 128) * 4), "cudaMalloc(SFB)");
     cuda_check(cudaMalloc(&sd, M4 * (N / 256 + 1) * 4), "cudaMalloc(SFD)");
     cuda_check(cudaMalloc(&segments, (E + 1) * 4), "cudaMalloc(segments)");
-    cuda_check(gemm::fill_random_e4m3(a, M * K, 1, s), "fill A");
-    if (mxfp4)
+    if (nvfp4)
+      cuda_check(gemm::fill_random_bf16(a, M * K, 1, s), "fill A (bf16)");
+    else
+      cuda_check(gemm::fill_random_e4m3(a, M * K, 1, s), "fill A");
+    if (nvfp4)
+      cuda_check(gemm::fill_random_nvfp4_image(b, E, N, K, 2, s), "fill B (nvfp4)");
+    else if (mxfp4)
       cuda_check(gemm::fill_random_mxfp4_image(b, E, N, K, 2, s), "fill B (mxfp4)");
     else
       cuda_check(gemm::fill_random_e4m3(b, E * N * K, 2, s), "fill B");
@@ -328,22 +338,23 @@ GroupedGemmArgs gemm_args(const GemmCase& c, const GemmBuffers& buf, const Bench
   const bool swiglu = c.epilogue == GemmEpilogue::kSwigluFp8;
   const int64_t M = c.experts * c.tokens;
   GroupedGemmArgs g;
-  g.dtype = o.mxfp4() ? GemmDtype::kMxfp4 : GemmDtype::kFp8Block;
+  g.dtype = o.mxfp4() ? GemmDtype::kMxfp4 : o.nvfp4() ? GemmDtype::kNvfp4 : GemmDtype::kFp8Block;
   g.layout = c.masked ? GroupedLayout::kMasked : GroupedLayout::kContiguous;
-  g.epilogue = c.epilogue;
+  // nvfp4: FC1's SwiGLU is the scaled bf16 one (the image's global scales), tokens bf16 without scales
+  g.epilogue = o.nvfp4() && swiglu ? GemmEpilogue::kSwigluBf16Scaled : c.epilogue;
   g.num_experts = int32_t(c.experts);
   g.n = int32_t(c.n);
   g.k = int32_t(c.k);
   g.a = buf.a;
   g.m_rows = c.masked ? c.tokens : M;
-  g.a_scales = buf.sa;
+  g.a_scales = o.nvfp4() ? nullptr : buf.sa;
   g.ld_a_scales = c.masked ? (c.tokens + 3) / 4 * 4 : (M + 3) / 4 * 4;
   g.expert_offsets = c.masked ? nullptr : buf.segments;
   g.masked_counts = c.masked ? buf.segments : nullptr;
   g.b = buf.b;
-  g.b_scales = o.mxfp4() ? nullptr : buf.sb;  // mxfp4: the image holds its block scales
+  g.b_scales = o.fp4() ? nullptr : buf.sb;  // FP4: the image holds its scales
   g.d = buf.d;
-  g.d_scales = swiglu ? buf.sd : nullptr;
+  g.d_scales = swiglu && !o.nvfp4() ? buf.sd : nullptr;
   g.expected_m_per_expert = c.tokens;
   g.tiles.block_m = o.block_m;
   g.tiles.block_n = swiglu && o.block_n == 128 ? 0 : o.block_n;
@@ -398,7 +409,7 @@ std::string gemm_command(const GemmCase& c, const BenchOptions& o) {
   if (o.intermediate > 0) cmd << " --intermediate " << o.intermediate;
   cmd << " --experts " << c.experts << " --tokens " << c.tokens << " --fc " << (c.fc == "fc2" ? "fc2" : "fc1")
       << " --layout " << (c.masked ? "masked" : "contiguous");
-  if (o.mxfp4()) cmd << " --weight-format mxfp4";
+  if (o.fp4()) cmd << " --weight-format " << o.weight_format;
   if (o.fp4_math_wg != 0) cmd << " --fp4-math-wg " << o.fp4_math_wg;
   if (o.ctas_per_sm != 0) cmd << " --ctas-per-sm " << o.ctas_per_sm;
   if (o.empty_every > 0) cmd << " --empty-every " << o.empty_every;
@@ -436,7 +447,7 @@ nlohmann::json run_gemm_case(const GemmCase& c, const BenchOptions& o, GroupedGe
   }
   // the rows and weights the launch works on (idle experts excluded)
   const double flops = 2.0 * double(M_real) * double(c.n) * double(c.k);
-  const double wbytes = double(c.busy) * double(c.n) * double(c.k) / (o.mxfp4() ? 2 : 1);
+  const double wbytes = double(c.busy) * double(c.n) * double(c.k) / (o.fp4() ? 2 : 1);
   const double t = ours.events.median * 1e-6;
   nlohmann::json r;
   r["model"] = c.model.name;
@@ -498,7 +509,7 @@ int run_bench_gemm(const BenchOptions& o) {
   int32_t* tile_counter = nullptr;  // the GEMM leaves it zero after each launch
   cuda_check(cudaMalloc(&tile_counter, 2 * sizeof(int32_t)), "cudaMalloc(tile counter)");
   cuda_check(cudaMemset(tile_counter, 0, 2 * sizeof(int32_t)), "cudaMemset(tile counter)");
-  std::unique_ptr<CublasFp8> cublas = o.cublas && !o.mxfp4() ? std::make_unique<CublasFp8>() : nullptr;
+  std::unique_ptr<CublasFp8> cublas = o.cublas && !o.fp4() ? std::make_unique<CublasFp8>() : nullptr;
   std::ofstream trace_json;
   if (!o.trace.empty()) {
     trace_json.open(o.trace);
@@ -507,14 +518,14 @@ int run_bench_gemm(const BenchOptions& o) {
   }
   nlohmann::json records = nlohmann::json::array();
   for (const GemmCase& c : cases) {
-    const GemmBuffers buf(c, o.empty_every, o.probe != "none", o.mxfp4(), s);
+    const GemmBuffers buf(c, o.empty_every, o.probe != "none", o.mxfp4(), o.nvfp4(), s);
     GroupedGemmArgs args;
     const nlohmann::json r = run_gemm_case(c, o, &args, cublas.get(), flush, device, s, tile_counter, buf);
     std::printf("%s   # %s\n", gemm_printer().row(r).c_str(), r["command"].get<std::string>().c_str());
     std::fflush(stdout);
     if (!o.trace.empty()) {
       if (!records.empty()) trace_json << ",\n";
-      trace_case(args, flush, s, double(c.busy) * double(c.n) * double(c.k) / (o.mxfp4() ? 2 : 1),
+      trace_case(args, flush, s, double(c.busy) * double(c.n) * double(c.k) / (o.fp4() ? 2 : 1),
                  c.model.name + std::string(" ") + c.fc + " " + std::to_string(c.experts) + "x" + std::to_string(c.tokens),
                  &trace_json);
       std::fflush(stdout);
@@ -548,9 +559,10 @@ CLI::App* add_flags(CLI::App* app, BenchOptions* o) {
   sub->add_flag("!--no-swiglu", o->swiglu, "skip the FC1 + SwiGLU + fp8 requant rows");
   sub->add_flag("!--no-cublas", o->cublas, "skip the cuBLASLt peer");
   sub->add_option("--weight-format", o->weight_format,
-                  "fp8-block, or mxfp4 (e2m1 expanded in the kernel; 16-, 32- and 64-row tiles, no cuBLASLt peer, wGB/s "
-                  "of FP4 bytes)")
-      ->check(CLI::IsMember({"fp8-block", "mxfp4"}))
+                  "fp8-block, mxfp4 (e2m1 expanded to e4m3 in the kernel; 16-, 32- and 64-row tiles) or nvfp4 (e2m1 x "
+                  "e4m3 scale expanded to bf16 in the kernel, bf16 tokens; 16- and 32-row tiles); FP4: no cuBLASLt "
+                  "peer, wGB/s of FP4 bytes")
+      ->check(CLI::IsMember({"fp8-block", "mxfp4", "nvfp4"}))
       ->capture_default_str();
   sub->add_option("--fp4-math-wg", o->fp4_math_wg,
                   "mxfp4: math warpgroups per tile, 1 or 2 (two split each weight tile's expansion and wgmmas; "

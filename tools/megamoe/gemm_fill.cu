@@ -49,6 +49,16 @@ __global__ void fill_mxfp4_pieces_kernel(uint8_t* pieces, int64_t count, uint64_
   }
 }
 
+// The pieces of an nvfp4 image: random code bytes, block scale bytes e4m3 in [2^-2, 2^2) (0x28 .. 0x47).
+__global__ void fill_nvfp4_pieces_kernel(uint8_t* pieces, int64_t count, uint64_t seed) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count; i += stride) {
+    const uint64_t h = mix64(seed * 0x9e3779b97f4a7c15ull + uint64_t(i));
+    const bool scale = i % kNvfp4SlabBytes >= kNvfp4SlabCodeBytes;
+    pieces[i] = scale ? uint8_t(0x28 + h % 32) : uint8_t(h);
+  }
+}
+
 // Reads every 16-byte word of src; writes *sink only when the xor of all of them equals a value no
 // buffer of the benchmark holds in practice (so the loads cannot be optimised away).
 __global__ void read_kernel(const uint4* src, int64_t count, uint32_t* sink) {
@@ -91,6 +101,16 @@ cudaError_t fill_random_mxfp4_image(void* image, int64_t num_experts, int64_t n,
   cudaError_t e = fill_random_f32(static_cast<float*>(image), scales, 0.5f, 2.f, seed, stream);
   if (e != cudaSuccess) return e;
   fill_mxfp4_pieces_kernel<<<blocks_for(pieces), 256, 0, stream>>>(static_cast<uint8_t*>(image) + off, pieces, seed + 1);
+  return cudaGetLastError();
+}
+
+cudaError_t fill_random_nvfp4_image(void* image, int64_t num_experts, int64_t n, int64_t k, uint64_t seed,
+                                    cudaStream_t stream) {
+  const int64_t off = nvfp4_pieces_offset(num_experts);
+  const int64_t pieces = num_experts * (k / kNvfp4BlockK) * (n / 64) * kNvfp4SlabBytes;
+  cudaError_t e = fill_random_f32(static_cast<float*>(image), num_experts, 0.5f, 2.f, seed, stream);
+  if (e != cudaSuccess) return e;
+  fill_nvfp4_pieces_kernel<<<blocks_for(pieces), 256, 0, stream>>>(static_cast<uint8_t*>(image) + off, pieces, seed + 1);
   return cudaGetLastError();
 }
 

@@ -20,6 +20,11 @@ cudaError_t fill_random_f32(float* dst, int64_t count, float lo, float hi, uint6
 cudaError_t fill_random_mxfp4_image(void* image, int64_t num_experts, int64_t n, int64_t k, uint64_t seed,
                                     cudaStream_t stream);
 
+// A random nvfp4 weight image (gemm_weights.h's Nvfp4GemmWeights device_image for E x N x K): global
+// scales in [0.5, 2), random codes, block scales in [2^-2, 2^2).
+cudaError_t fill_random_nvfp4_image(void* image, int64_t num_experts, int64_t n, int64_t k, uint64_t seed,
+                                    cudaStream_t stream);
+
 // Reads `bytes` (a multiple of 16) of src, 16-byte aligned: an L2 flush that leaves L2 holding clean
 // lines (a memset leaves them dirty, and the next kernel's loads pay for their write-back).
 cudaError_t read_through(const void* src, int64_t bytes, uint32_t* sink, cudaStream_t stream);

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace megamoe::gemm {
@@ -41,6 +42,55 @@ void expand_nvfp4_to_bf16(const uint8_t* packed, const uint8_t* scales, int64_t 
 void prepare_nvfp4_expert_bf16(const uint8_t* w13_packed, const uint8_t* w13_scales, const uint8_t* w2_packed,
                                const uint8_t* w2_scales, int64_t num_experts, int64_t hidden, int64_t intermediate,
                                std::vector<uint16_t>* w13_bf16, std::vector<uint16_t>* w2_bf16);
+
+// ---- nvfp4 weights as the grouped GEMM reads them (docs/GEMM.md, "nvfp4 in the pipeline") ----
+//
+// FP4 stays FP4 in HBM: the math warpgroups expand each e2m1 code times its e4m3 block scale into a bf16
+// wgmma A register (fmt::fp4_word_to_bf16x2_pow120, then one bf16 multiply by the scale): exact, the
+// values expand_nvfp4_to_bf16 gives. Per expert, K block of 128 and slab of 64 weight rows, one piece of
+// kNvfp4SlabBytes:
+//   bytes [0, 4096): the codes, two halves of 2048 (half j: k16 steps 4j .. 4j + 3). Thread t of the
+//     warpgroup (warp w = t / 32, lane l, q = l % 4, fragment row m0 = 16 w + l / 4) reads 16 bytes at
+//     2048 j + 16 t: the words (fmt::pack_fp4_word) {steps 4j, 4j+1 row m0; the same row m0 + 8; steps
+//     4j+2, 4j+3 row m0; the same row m0 + 8}. The word of (steps s, s + 1, row r; s even) holds code e of
+//     column 16 (s + e / 4) + 2q + (e % 2) + 8 ((e / 2) % 2): its four bf16x2 results are the A registers
+//     a0 / a2 (row m0) or a1 / a3 (row m0 + 8) of k16 steps s and s + 1.
+//   bytes [4096, 4608): the block scale of each (row, k16 step) [64 rows][8 steps], an e4m3 code with
+//     sign 0: a negative scale's sign is folded into its 16 codes (exact), a NaN scale is refused.
+// Pieces are ordered [E][K / 128][N / 64]. The per-expert fp32 global scale stays outside the codes (as
+// for the bf16 path: FC1's scaled SwiGLU, FC2's row weights); the image starts with them.
+constexpr int64_t kNvfp4BlockK = 128;
+constexpr int64_t kNvfp4SlabCodeBytes = 4096;
+constexpr int64_t kNvfp4SlabBytes = kNvfp4SlabCodeBytes + 64 * 8;
+
+struct Nvfp4GemmWeights {
+  int64_t num_experts = 0, n = 0, k = 0;
+  std::vector<uint8_t> slabs;         // [E][K/128][N/64][kNvfp4SlabBytes]
+  std::vector<float> global_scales;   // [E]
+};
+
+// The device image of `w` (what GroupedGemmArgs::b points at for dtype nvfp4): the global scales, zero
+// padding to a multiple of 128 bytes, then the pieces.
+constexpr int64_t nvfp4_pieces_offset(int64_t num_experts) { return (num_experts * 4 + 127) / 128 * 128; }
+std::vector<uint8_t> device_image(const Nvfp4GemmWeights& w);
+
+// packed [E, N, K/2] (element 2i in the low nibble), scales [E, N, K/16] e4m3 and global_scales [E], in
+// GEMM row order (w13 reordered for the SwiGLU epilogue already). N a multiple of 64, K of 128. False
+// (and *bad = the index of the first such scale) when a block scale is NaN.
+bool prepare_nvfp4_for_gemm(const uint8_t* packed, const uint8_t* scales, const float* global_scales,
+                            int64_t num_experts, int64_t n, int64_t k, Nvfp4GemmWeights* out, int64_t* bad);
+
+// One layer's nvfp4 experts (weights.h's layout) as the GEMM's two device images: w13's code and scale
+// rows reordered for the SwiGLU epilogue, then both through prepare_nvfp4_for_gemm. False with
+// *what naming the matrix and the scale index of a NaN block scale.
+bool prepare_nvfp4_expert_images(const uint8_t* w13_packed, const uint8_t* w13_scales, const float* w13_global,
+                                 const uint8_t* w2_packed, const uint8_t* w2_scales, const float* w2_global,
+                                 int64_t num_experts, int64_t hidden, int64_t intermediate,
+                                 std::vector<uint8_t>* w13_image, std::vector<uint8_t>* w2_image, std::string* what);
+
+// The bf16 bits the GEMM computes with for element (expert e, row, column) of `w`, read back through
+// the fragment layout and the word expansion (what the device does): expand_nvfp4_to_bf16's.
+uint16_t nvfp4_gemm_bf16(const Nvfp4GemmWeights& w, int64_t e, int64_t row, int64_t col);
 
 // ---- mxfp4 weights as the grouped GEMM reads them (docs/GEMM.md, "FP4 weights") ----
 //

@@ -1,4 +1,5 @@
-// mxfp4_expand.h — an mxfp4 GEMM image (gemm_weights.h) expanded on the device into fp8-block weights.
+// mxfp4_expand.h — an mxfp4 GEMM image (gemm_weights.h) expanded on the device into fp8-block weights; an
+// nvfp4 one into bf16 weights (below).
 //
 // The e4m3 codes are the ones the mxfp4 GEMM computes with (gemm::mxfp4_gemm_e4m3, i.e.
 // fmt::mxfp4_to_fp8_128x128's), written row-major [E, N, K]; the 128 x 128 block scales are the
@@ -30,6 +31,19 @@ constexpr int64_t mxfp4_expanded_bytes(int64_t num_experts, int64_t n, int64_t k
 // many as keep the copy at HBM speed. Launches on `stream`, no host synchronisation, capturable.
 // cudaErrorInvalidValue for a shape or range outside those rules.
 cudaError_t launch_expand_mxfp4(const void* image, int32_t num_experts, int32_t n, int32_t k, int32_t first_expert,
+                                int32_t count, const int32_t* expert_offsets, void* out, int max_ctas,
+                                cudaStream_t stream);
+
+// nvfp4: the bf16 values the nvfp4 GEMM computes with (gemm::nvfp4_gemm_bf16 = expand_nvfp4_to_bf16's:
+// e2m1 x e4m3 block scale, exact), row-major [E, N, K] bf16; the global scales stay the image's first
+// region (nvfp4_image_global_scales), which a kBf16 GEMM takes as b_expert_scale (the scaled SwiGLU) or
+// the caller folds into its row weights. What the routed backend runs at prefill: bf16's 64- and
+// 128-row tiles on the expansion instead of re-expanding the codes for every 32 rows.
+inline const float* nvfp4_image_global_scales(const void* image) { return static_cast<const float*>(image); }
+constexpr int64_t nvfp4_expanded_bytes(int64_t num_experts, int64_t n, int64_t k) { return num_experts * n * k * 2; }
+// As launch_expand_mxfp4 (the same rules for the range, the skipped experts and max_ctas), for an
+// Nvfp4GemmWeights image: n a multiple of 64, k of 128; `out` nvfp4_expanded_bytes(count, n, k).
+cudaError_t launch_expand_nvfp4(const void* image, int32_t num_experts, int32_t n, int32_t k, int32_t first_expert,
                                 int32_t count, const int32_t* expert_offsets, void* out, int max_ctas,
                                 cudaStream_t stream);
 

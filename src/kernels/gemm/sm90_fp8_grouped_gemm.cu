@@ -21,11 +21,13 @@ MEGAMOE_GROUPED_GEMM_CONFIGS_FP8(MEGAMOE_GROUPED_GEMM_EXTERN)
 MEGAMOE_GROUPED_GEMM_CONFIGS_BF16(MEGAMOE_GROUPED_GEMM_EXTERN)
 MEGAMOE_GROUPED_GEMM_CONFIGS_BF16_SCALED(MEGAMOE_GROUPED_GEMM_EXTERN)
 MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4(MEGAMOE_GROUPED_GEMM_EXTERN_FP4)
+MEGAMOE_GROUPED_GEMM_CONFIGS_NVFP4(MEGAMOE_GROUPED_GEMM_EXTERN_FP4)
 
 const char* to_string(GemmDtype d) {
   switch (d) {
     case GemmDtype::kFp8Block: return "fp8-block";
     case GemmDtype::kMxfp4: return "mxfp4";
+    case GemmDtype::kNvfp4: return "nvfp4";
     default: return "bf16";
   }
 }
@@ -122,6 +124,8 @@ Status current_device(DeviceInfo* info) {
 
 Status validate_grouped_gemm(const GroupedGemmArgs& a) {
   const bool mxfp4 = a.dtype == GemmDtype::kMxfp4;
+  const bool nvfp4 = a.dtype == GemmDtype::kNvfp4;  // bf16 A; FP4 weights like mxfp4's
+  const bool fp4 = mxfp4 || nvfp4;
   const bool fp8 = a.dtype == GemmDtype::kFp8Block || mxfp4;  // the A side and the scale handling
   const bool swiglu = a.epilogue != GemmEpilogue::kStoreBf16;
   const int64_t eb = fp8 ? 1 : 2;
@@ -135,8 +139,13 @@ Status validate_grouped_gemm(const GroupedGemmArgs& a) {
   if (a.epilogue == GemmEpilogue::kSwigluBf16 && fp8) return bad("epilogue", "swiglu-bf16", "needs dtype bf16");
   if (int32_t(a.epilogue) < 0 || int32_t(a.epilogue) > int32_t(GemmEpilogue::kSwigluBf16Scaled))
     return bad("epilogue", std::to_string(int(a.epilogue)), "must be one of GemmEpilogue's values (0-3)");
-  if (a.epilogue == GemmEpilogue::kSwigluBf16Scaled) {
-    if (fp8) return bad("epilogue", "swiglu-bf16-scaled", "needs dtype bf16");
+  if (a.epilogue == GemmEpilogue::kSwigluBf16 && nvfp4)
+    return bad("epilogue", "swiglu-bf16", "dtype nvfp4 runs swiglu-bf16-scaled (the image's global scales)");
+  if (a.epilogue == GemmEpilogue::kSwigluBf16Scaled && nvfp4) {
+    if (a.b_expert_scale != nullptr)
+      return bad("b_expert_scale", "set", "must be null with dtype nvfp4 (the global scales are the image's first region)");
+  } else if (a.epilogue == GemmEpilogue::kSwigluBf16Scaled) {
+    if (fp8) return bad("epilogue", "swiglu-bf16-scaled", "needs dtype bf16 or nvfp4");
     if (a.b_expert_scale == nullptr)
       return bad("b_expert_scale", "null", "required for swiglu-bf16-scaled (fp32 [num_experts])");
   } else if (a.b_expert_scale != nullptr) {
@@ -164,6 +173,9 @@ Status validate_grouped_gemm(const GroupedGemmArgs& a) {
   if (lda < a.k || (lda * eb) % 16 != 0) return bad("lda", std::to_string(lda), "must be >= k with a row stride multiple of 16 bytes");
   if (a.layout == GroupedLayout::kContiguous && a.expert_offsets == nullptr) return bad("expert_offsets", "null", "required for the contiguous layout");
   if (a.layout == GroupedLayout::kMasked && a.masked_counts == nullptr) return bad("masked_counts", "null", "required for the masked layout");
+  if (nvfp4 && (a.b_scales != nullptr || a.a_scales != nullptr))
+    return bad(a.b_scales != nullptr ? "b_scales" : "a_scales", "set",
+               "must be null with dtype nvfp4 (bf16 A; b is the weights' image, scales included)");
   if (fp8) {
     if (a.a_scales == nullptr || (a.b_scales == nullptr && !mxfp4))
       return bad("a_scales/b_scales", "null", "required for fp8-block");
@@ -194,6 +206,16 @@ Status validate_grouped_gemm(const GroupedGemmArgs& a) {
   if (t.num_sms < 0) return bad("tiles.num_sms", std::to_string(t.num_sms), "must be >= 0");
   if (t.cluster < 0 || t.cluster > 2) return bad("tiles.cluster", std::to_string(t.cluster), "must be 0, 1 or 2");
   if (t.cluster == 2 && a.dtype != GemmDtype::kFp8Block) return bad("tiles.cluster", "2", "clusters of 2 need dtype fp8-block");
+  if (nvfp4) {
+    if (a.n % 256 != 0) return bad("n", std::to_string(a.n), "must be a multiple of 256 with dtype nvfp4 (256-wide tiles)");
+    if (t.block_m != 0 && t.block_m != 16 && t.block_m != 32)
+      return bad("tiles.block_m", std::to_string(t.block_m), "dtype nvfp4 runs 16- or 32-row tiles");
+    if (t.block_n != 0 && t.block_n != 256) return bad("tiles.block_n", std::to_string(t.block_n), "dtype nvfp4 runs 256-wide tiles");
+    if (t.fp4_math_wg != 0 && t.fp4_math_wg != 2)
+      return bad("tiles.fp4_math_wg", std::to_string(t.fp4_math_wg), "dtype nvfp4 runs two math warpgroups per tile (0 or 2)");
+    if (t.ctas_per_sm != 0 && t.ctas_per_sm != 1)
+      return bad("tiles.ctas_per_sm", std::to_string(t.ctas_per_sm), "dtype nvfp4 runs one CTA per SM (0 or 1)");
+  }
   if (t.cluster == 2 && t.block_m != 0 && t.block_m != 128)
     return bad("tiles.cluster", "2", "clusters of 2 need 128-row tiles (tiles.block_m " + std::to_string(t.block_m) + ")");
   if (t.cluster == 2 && t.block_n == 128) return bad("tiles.cluster", "2", "clusters of 2 need 256-wide tiles");
@@ -207,8 +229,8 @@ Status validate_grouped_gemm(const GroupedGemmArgs& a) {
     return bad("probe", std::to_string(int(a.probe)), "must be one of GemmProbe's values (0-4)");
   if (a.probe != GemmProbe::kNone && a.trace_max_tiles <= 0)
     return bad("probe", std::to_string(int(a.probe)), "needs the timeline (trace, trace_max_tiles > 0)");
-  if ((t.block_m == 16 || t.block_m == 32) && !fp8)
-    return bad("tiles.block_m", std::to_string(t.block_m), "16- and 32-row tiles need dtype fp8-block");
+  if ((t.block_m == 16 || t.block_m == 32) && !fp8 && !nvfp4)
+    return bad("tiles.block_m", std::to_string(t.block_m), "16- and 32-row tiles need dtype fp8-block, mxfp4 or nvfp4");
   if (mxfp4) {
     if (a.n % 256 != 0) return bad("n", std::to_string(a.n), "must be a multiple of 256 with dtype mxfp4 (256-wide tiles)");
     if (t.block_m != 0 && t.block_m != 16 && t.block_m != 32 && t.block_m != 64)
@@ -223,6 +245,8 @@ Status validate_grouped_gemm(const GroupedGemmArgs& a) {
     if (t.ctas_per_sm < 0 || t.ctas_per_sm > 2)
       return bad("tiles.ctas_per_sm", std::to_string(t.ctas_per_sm),
                  "must be 0 (the default, " + std::to_string(kDefaultFp4CtasPerSm) + "), 1 or 2 CTAs per SM");
+  } else if (nvfp4) {
+    // checked above
   } else if (t.fp4_math_wg != 0) {
     return bad("tiles.fp4_math_wg", std::to_string(t.fp4_math_wg),
                std::string("must be 0 with dtype ") + to_string(a.dtype) + " (math warpgroups of the mxfp4 tiles)");
@@ -230,8 +254,9 @@ Status validate_grouped_gemm(const GroupedGemmArgs& a) {
     return bad("tiles.ctas_per_sm", std::to_string(t.ctas_per_sm),
                std::string("must be 0 with dtype ") + to_string(a.dtype) + " (two CTAs per SM: mxfp4 16-row tiles)");
   }
-  if (int32_t(a.dtype) < 0 || int32_t(a.dtype) > int32_t(GemmDtype::kMxfp4))
-    return bad("dtype", std::to_string(int(a.dtype)), "must be fp8-block, bf16 or mxfp4");
+  if (int32_t(a.dtype) < 0 || int32_t(a.dtype) > int32_t(GemmDtype::kNvfp4))
+    return bad("dtype", std::to_string(int(a.dtype)), "must be fp8-block, bf16, mxfp4 or nvfp4");
+  (void)fp4;
   return Status::ok();
 }
 
@@ -240,6 +265,7 @@ Status plan_grouped_gemm(const GroupedGemmArgs& args, GroupedGemmPlan* plan) {
   DeviceInfo dev;
   MEGAMOE_RETURN_IF_ERROR(current_device(&dev));
   const bool mxfp4 = args.dtype == GemmDtype::kMxfp4;
+  const bool nvfp4 = args.dtype == GemmDtype::kNvfp4;
   const bool fp8 = args.dtype == GemmDtype::kFp8Block || mxfp4;
   const bool masked = args.layout == GroupedLayout::kMasked;
   const bool swiglu = args.epilogue != GemmEpilogue::kStoreBf16;
@@ -269,6 +295,12 @@ Status plan_grouped_gemm(const GroupedGemmArgs& args, GroupedGemmPlan* plan) {
     cfg.cluster = 1;
     const int32_t cps = args.tiles.ctas_per_sm != 0 ? args.tiles.ctas_per_sm : kDefaultFp4CtasPerSm;
     cfg.ctas_per_sm = cfg.block_m == 16 && cfg.fp4_math_wg == 2 ? cps : 1;
+  } else if (nvfp4) {  // MEGAMOE_GROUPED_GEMM_CONFIGS_NVFP4: 16 rows up to 16 per expert, else 32
+    cfg.fp4_math_wg = 2;
+    cfg.block_m = args.tiles.block_m != 0 ? args.tiles.block_m : hint.m_per_expert <= 16 ? 16 : 32;
+    cfg.block_n = 256;
+    cfg.cluster = 1;
+    cfg.ctas_per_sm = 1;
   } else {
     cfg.fp4_math_wg = 0;
     cfg.ctas_per_sm = 0;
@@ -277,7 +309,7 @@ Status plan_grouped_gemm(const GroupedGemmArgs& args, GroupedGemmPlan* plan) {
   if (args.tile_counter == nullptr) cfg.round_robin = true;
   plan->tiles = cfg;
   plan->fp8 = fp8;
-  plan->weight_fp4 = mxfp4;
+  plan->weight_fp4 = mxfp4 || nvfp4;
   plan->epilogue = args.epilogue;
   plan->empty = args.m_rows == 0;  // no rows: nothing to compute (masked max_m = 0 too)
   plan->grid = 0;
@@ -288,8 +320,8 @@ Status plan_grouped_gemm(const GroupedGemmArgs& args, GroupedGemmPlan* plan) {
   MEGAMOE_RETURN_IF_ERROR(make_map(&plan->tmap_a, CU_TENSOR_MAP_DATA_TYPE_UINT8, args.a, uint64_t(args.k) * eb, a_rows,
                                    lda * eb, 128, cfg.block_m, true, "A"));
   // B boxes: the whole tile's rows, or half of them with clusters (each CTA of a pair loads one half).
-  // mxfp4 weights load by bulk copies (no tensor map).
-  if (mxfp4)
+  // FP4 weights load by bulk copies (no tensor map).
+  if (mxfp4 || nvfp4)
     plan->tmap_b = plan->tmap_a;  // unused
   else
     MEGAMOE_RETURN_IF_ERROR(make_map(&plan->tmap_b, CU_TENSOR_MAP_DATA_TYPE_UINT8, args.b, uint64_t(args.k) * eb,
@@ -322,7 +354,7 @@ Status plan_grouped_gemm(const GroupedGemmArgs& args, GroupedGemmPlan* plan) {
   p.masked_counts = args.masked_counts;
   // mxfp4: the image starts with the block scales; the scaled bf16 SwiGLU: its per-expert scales
   // (bf16 tiles read no B scales)
-  p.sfb = mxfp4                                                ? static_cast<const float*>(args.b)
+  p.sfb = mxfp4 || nvfp4                                       ? static_cast<const float*>(args.b)
           : args.epilogue == GemmEpilogue::kSwigluBf16Scaled ? args.b_expert_scale
                                                                : args.b_scales;
   p.d = args.d;
@@ -378,7 +410,7 @@ Status launch_grouped_gemm_plan(const GroupedGemmPlan& plan, cudaStream_t stream
     err = launch_grouped_gemm_config<GroupedGemmConfig<BM, BN, FP8, EPI, CL>>(plan.tmap_a, plan.tmap_b, plan.tmap_sfa, \
                                                                          plan.tmap_d, p, plan.grid, stream, &launched);
 #define MEGAMOE_DISPATCH_FP4(BM, BN, FP8, EPI, CL, W4, WG, CPS)                                                 \
-  if (w4 && cfg.block_m == BM && cfg.block_n == BN && p_epi == EPI && cfg.fp4_math_wg == WG &&                  \
+  if (w4 && cfg.block_m == BM && cfg.block_n == BN && fp8 == FP8 && p_epi == EPI && cfg.fp4_math_wg == WG &&     \
       cfg.ctas_per_sm == CPS)                                                                                    \
     err = launch_grouped_gemm_config<GroupedGemmConfig<BM, BN, FP8, EPI, CL, W4, WG, CPS>>(                      \
         plan.tmap_a, plan.tmap_b, plan.tmap_sfa, plan.tmap_d, p, plan.grid, stream, &launched);
@@ -386,6 +418,7 @@ Status launch_grouped_gemm_plan(const GroupedGemmPlan& plan, cudaStream_t stream
   MEGAMOE_GROUPED_GEMM_CONFIGS_BF16(MEGAMOE_DISPATCH)
   MEGAMOE_GROUPED_GEMM_CONFIGS_BF16_SCALED(MEGAMOE_DISPATCH)
   MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4(MEGAMOE_DISPATCH_FP4)
+  MEGAMOE_GROUPED_GEMM_CONFIGS_NVFP4(MEGAMOE_DISPATCH_FP4)
 #undef MEGAMOE_DISPATCH
 #undef MEGAMOE_DISPATCH_FP4
   if (used != nullptr) used->grid = launched;

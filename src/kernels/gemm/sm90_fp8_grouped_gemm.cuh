@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, Cfg::kCtasPerSm)
     if constexpr (Cfg::kFp8) ptx::tma_prefetch_desc(&tmap_sfa);
     if (p.tma_store) ptx::tma_prefetch_desc(&tmap_d);
   }
-  if constexpr (Cfg::kWeightFp4) {  // the shift table, before build_schedule's barrier
+  if constexpr (Cfg::kWeightMxfp4) {  // the shift table, before build_schedule's barrier
     for (int i = threadIdx.x; i < Cfg::kFp4TableRows; i += blockDim.x) {
       uint32_t lo, hi;
       fmt::mxfp4_shift_table_row(i + fmt::kMxfp4MinShift, &lo, &hi);
@@ -185,6 +185,8 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, Cfg::kCtasPerSm)
         const DefaultRowSink sink{p};
         if constexpr (Cfg::kSwapAB && Cfg::kEpilogue == GemmEpilogue::kStoreBf16)
           epilogue_store_swapped<Cfg>(sm, acc, tile, sink, p.row_weight);
+        else if constexpr (Cfg::kSwapAB && !Cfg::kFp8)
+          epilogue_swiglu_swapped_bf16<Cfg>(sm, acc, tile, p);
         else if constexpr (Cfg::kSwapAB)
           epilogue_swiglu_swapped<Cfg>(sm, acc, tile, p);
         else if constexpr (Cfg::kEpilogue == GemmEpilogue::kStoreBf16)
@@ -343,6 +345,13 @@ cudaError_t launch_grouped_gemm_config(const CUtensorMap& tmap_a, const CUtensor
 #define MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4_2CTA(X)         \
   X(16, 256, true, GemmEpilogue::kStoreBf16, 1, true, 2, 2) \
   X(16, 256, true, GemmEpilogue::kSwigluFp8, 1, true, 2, 2)
+// nvfp4 weights in the pipeline (bf16 tokens; FC1 the scaled bf16 SwiGLU, FC2 bf16 rows), two math
+// warpgroups, one CTA per SM: sm90_grouped_gemm_nvfp4_inst.cu.
+#define MEGAMOE_GROUPED_GEMM_CONFIGS_NVFP4(X)                         \
+  X(16, 256, false, GemmEpilogue::kStoreBf16, 1, true, 2, 1)         \
+  X(16, 256, false, GemmEpilogue::kSwigluBf16Scaled, 1, true, 2, 1)  \
+  X(32, 256, false, GemmEpilogue::kStoreBf16, 1, true, 2, 1)         \
+  X(32, 256, false, GemmEpilogue::kSwigluBf16Scaled, 1, true, 2, 1)
 #define MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4(X) \
   MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4_1WG(X)   \
   MEGAMOE_GROUPED_GEMM_CONFIGS_MXFP4_2WG(X)   \

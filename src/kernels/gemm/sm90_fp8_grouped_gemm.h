@@ -12,6 +12,12 @@
 //                    scales, then the pieces), b_scales unused (null). Swapped 16- and 32-row tiles,
 //                    256 wide, only (n a multiple of 256), with one or two math warpgroups per tile
 //                    (tiles.fp4_math_wg); the values are fmt::mxfp4_to_fp8_128x128's.
+//   dtype kNvfp4:    A bf16 (as kBf16); B nvfp4 as gemm_weights.h's Nvfp4GemmWeights lays it out: b =
+//                    its device image (the per-expert global scales, then the pieces), b_scales and
+//                    b_expert_scale unused (null). Swapped 16- and 32-row tiles, 256 wide, two math
+//                    warpgroups; the weights expand in the pipeline to expand_nvfp4_to_bf16's values
+//                    (exact), the global scale is applied by kSwigluBf16Scaled (from the image) and
+//                    left to the caller with kStoreBf16 (row_weight).
 //
 // Grouped M layouts (see grouped_scheduler.h):
 //   kContiguous  A [m_rows, K]; expert e owns rows [expert_offsets[e], expert_offsets[e+1]) (device
@@ -53,7 +59,7 @@
 
 namespace megamoe::gemm {
 
-enum class GemmDtype { kFp8Block, kBf16, kMxfp4 };
+enum class GemmDtype { kFp8Block, kBf16, kMxfp4, kNvfp4 };
 // GroupedLayout: grouped_scheduler.h (host and device).
 // The epilogue, as the host API names it and as the kernel's template parameter (GroupedGemmConfig).
 enum class GemmEpilogue : int32_t {

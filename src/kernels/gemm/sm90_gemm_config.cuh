@@ -67,6 +67,11 @@ struct GroupedGemmParams {
 __device__ __forceinline__ const uint8_t* mxfp4_pieces(const GroupedGemmParams& p) {
   return reinterpret_cast<const uint8_t*>(p.sfb) + mxfp4_pieces_offset(p.num_experts, p.n, p.k);
 }
+// nvfp4 weights: sfb points at the device image of Nvfp4GemmWeights, the per-expert global scales first
+// (what the scaled SwiGLU epilogue reads as sfb[expert]), the pieces from nvfp4_pieces_offset() on.
+__device__ __forceinline__ const uint8_t* nvfp4_pieces(const GroupedGemmParams& p) {
+  return reinterpret_cast<const uint8_t*>(p.sfb) + nvfp4_pieces_offset(p.num_experts);
+}
 
 template <int kBlockM_, int kBlockN_, bool kFp8_, GemmEpilogue kEpilogue_, int kCluster_ = 1, bool kWeightFp4_ = false,
           int kFp4MathWG_ = 1, int kCtasPerSm_ = 1>
@@ -81,6 +86,12 @@ struct GroupedGemmConfig {
   // (math_k_block_swapped_fp4) and applies the 128 x 128 block scales as fp8-block's sb. The A
   // side (tokens e4m3 + 1x128 scales) is fp8-block's.
   static constexpr bool kWeightFp4 = kWeightFp4_;
+  // FP4 weights with bf16 tokens (kFp8 false) are nvfp4 (gemm_weights.h's Nvfp4GemmWeights): the same
+  // swapped tiles, with bf16 wgmma (k16) on A registers of e2m1 x e4m3 block scale (exact in bf16), K
+  // blocks of 128 (the A slot two bf16 boxes of 64 columns), no scales per K block (the accumulators run
+  // over the whole K).
+  static constexpr bool kWeightMxfp4 = kWeightFp4 && kFp8;
+  static constexpr bool kWeightNvfp4 = kWeightFp4 && !kFp8;
   // mxfp4 weights: math warpgroups per tile, 1 or 2. Two: warpgroup w expands and multiplies half w
   // of every 128-row chunk (slabs w and 2 + w of the weight slot: 64 gate rows and their 64 up rows in
   // the SwiGLU order), so each expands half the codes and issues half the wgmmas of a K block; both
@@ -98,7 +109,9 @@ struct GroupedGemmConfig {
   static constexpr int kCluster = kCluster_;
   static constexpr int kBHalfRows = kBlockN / kCluster;  // weight rows one CTA loads per K block (shared tile)
   static constexpr int kBlockKBytes = 128;            // one 128-byte swizzle row per tile row
-  static constexpr int kBlockK = kFp8 ? 128 : 64;     // elements per K block
+  // elements per K block (nvfp4: 128 bf16 tokens, two 128-byte swizzle rows per token row)
+  static constexpr int kBlockK = kFp8 || kWeightNvfp4 ? 128 : 64;
+  static constexpr int kASubTiles = kBlockK * (kFp8 ? 1 : 2) / kBlockKBytes;  // 128-byte-wide A boxes per K block
   // BLOCK_M 16 or 32 (decode, fp8; bf16 rows or the SwiGLU + fp8 requant out): operands swapped. The
   // weights are wgmma's A (M = the tile's BLOCK_N weight rows in m64 halves), the BLOCK_M tokens its B
   // (N = 16 or 32): 16 / 32 MACs per weight byte instead of the 64 an m64 tile of 1-32 real rows
@@ -113,8 +126,11 @@ struct GroupedGemmConfig {
   static constexpr int kSwapHalves = kSwapAB ? 2 / kNumMathWG : 2;
   static constexpr int kNumThreads = 128 * (kNumMathWG + 1);
   static constexpr int kMathThreads = 128 * kNumMathWG;
-  static constexpr int kStageA = kBlockM * kBlockKBytes;
-  static constexpr int kStageB = kWeightFp4 ? int(kBlockN / kFp4SlabRows * kFp4SlabBytes) : kBlockN * kBlockKBytes;
+  static constexpr int kStageA = kBlockM * kBlockKBytes * kASubTiles;
+  static constexpr int kStageB = kWeightMxfp4   ? int(kBlockN / kFp4SlabRows * kFp4SlabBytes)
+                                 : kWeightNvfp4 ? int(kBlockN / 64 * kNvfp4SlabBytes)
+                                                : kBlockN * kBlockKBytes;
+  static constexpr int64_t kPieceBytes = kWeightMxfp4 ? kFp4SlabBytes : kNvfp4SlabBytes;  // FP4: one 64-row slab
   // A scales: a box of BLOCK_M + 4 fp32 starting at the tile's first row rounded down to 4 (a 16-byte
   // aligned start in global memory, whatever the segment offset); slots 128-byte aligned for TMA.
   static constexpr int kSfaBox = kBlockM + 4;
@@ -124,14 +140,15 @@ struct GroupedGemmConfig {
   static constexpr int kStageBytes = kStageA + kStageB + kStageSFA + kStageSFB + 16 + 32;  // + 2 barriers + tile record
   // kWeightFp4: the shift table, 8 e4m3 magnitudes for each shift in [kMxfp4MinShift, 6].
   static constexpr int kFp4TableRows = 6 - fmt::kMxfp4MinShift + 1;
-  static constexpr int kFp4TableBytes = kWeightFp4 ? kFp4TableRows * 8 : 0;
+  static constexpr int kFp4TableBytes = kWeightMxfp4 ? kFp4TableRows * 8 : 0;
   static constexpr int kClaimBytes = kCluster > 1 ? 2 * 16 + 2 * 4 : 0;  // 2 x {claim_full, claim_empty} + 2 values
   // bf16-store epilogue staging: per math warp 16 rows x 64 columns of bf16 (2 KiB), see
   // epilogue_store_bf16; swapped: the tile's BLOCK_M token rows of BLOCK_N bf16.
-  // Swapped SwiGLU: BLOCK_M token rows of 128 e4m3 codes + the math warps' per-token amax.
+  // Swapped SwiGLU: BLOCK_M token rows of 128 e4m3 codes + the math warps' per-token amax; bf16 out
+  // (nvfp4): BLOCK_M token rows of 128 bf16.
   static constexpr int kStageOut = kEpilogue == GemmEpilogue::kStoreBf16
                                        ? (kSwapAB ? kBlockM * kBlockN * 2 : kNumMathWG * 4 * 2048)
-                                   : kSwapAB ? kBlockM * 128 + kNumMathWG * 4 * kBlockM * 4
+                                   : kSwapAB ? (kFp8 ? kBlockM * 128 + kNumMathWG * 4 * kBlockM * 4 : kBlockM * 256)
                                              : 0;
   // Per CTA: the 227 KiB a CTA may hold with one per SM; with two, half of the SM's 228 KiB less the
   // 1 KiB the hardware reserves per CTA.
@@ -163,20 +180,22 @@ struct GroupedGemmConfig {
                 "setmaxnreg budgets fit the registers the CTA launches with");
   static_assert(kBlockM == 16 || kBlockM == 32 || kBlockM == 64 || kBlockM == 128, "BLOCK_M is 16, 32, 64 or 128");
   static_assert(kEpilogue != GemmEpilogue::kSwigluBf16Scaled || !kFp8, "the scaled SwiGLU epilogue: bf16");
-  static_assert(!kSwapAB || (kFp8 && (kEpilogue == GemmEpilogue::kStoreBf16 || kEpilogue == GemmEpilogue::kSwigluFp8)),
-                "16- and 32-row tiles: fp8, bf16 rows or SwiGLU + fp8 out");
+  static_assert(!kSwapAB || (kFp8 && (kEpilogue == GemmEpilogue::kStoreBf16 || kEpilogue == GemmEpilogue::kSwigluFp8)) ||
+                    (kWeightNvfp4 && (kEpilogue == GemmEpilogue::kStoreBf16 || kEpilogue == GemmEpilogue::kSwigluBf16Scaled)),
+                "16- and 32-row tiles: fp8 (bf16 rows or SwiGLU + fp8 out) or nvfp4 (bf16 rows or the scaled bf16 SwiGLU)");
   static_assert(kBlockN == 128 || kBlockN == 256, "BLOCK_N is 128 or 256");
   static_assert(kEpilogue == GemmEpilogue::kStoreBf16 || kBlockN == 256, "SwiGLU tiles hold 128 gate + 128 up columns");
   static_assert(kStages >= 3, "pipeline too shallow");
   static_assert(kCluster == 1 || (kCluster == 2 && kFp8 && kBlockM == 128 && !kSwapAB),
                 "clusters of 2: fp8 tiles of 128 rows");
-  static_assert(!kWeightFp4 || (kFp8 && kSwapAB && kBlockN == 256 && kCluster == 1),
-                "mxfp4 weights: swapped 16-, 32- and 64-row tiles, 256 wide, no clusters");
+  static_assert(!kWeightFp4 || (kSwapAB && kBlockN == 256 && kCluster == 1),
+                "FP4 weights: swapped 16-, 32- and 64-row tiles, 256 wide, no clusters");
+  static_assert(!kWeightNvfp4 || (kBlockM <= 32 && kCtasPerSm == 1), "nvfp4 weights: 16- and 32-row tiles, one CTA per SM");
   static_assert(!kWeightFp4 || kBlockM <= 32 || kFp4MathWG == 2,
                 "mxfp4 64-row tiles: two math warpgroups (one would hold 2 x 128 accumulators + 64 A registers)");
-  static_assert(kFp4MathWG == 1 || (kFp4MathWG == 2 && kWeightFp4), "two math warpgroups per tile: mxfp4 weights");
+  static_assert(kFp4MathWG == 1 || (kFp4MathWG == 2 && kWeightFp4), "two math warpgroups per tile: FP4 weights");
   static_assert(!kSwapAB || kSwapHalves * kNumMathWG == 2, "the swapped chunk's two halves split over the math warpgroups");
-  static_assert(kCtasPerSm == 1 || (kCtasPerSm == 2 && kWeightFp4 && kBlockM == 16 && kFp4MathWG == 2),
+  static_assert(kCtasPerSm == 1 || (kCtasPerSm == 2 && kWeightMxfp4 && kBlockM == 16 && kFp4MathWG == 2),
                 "two CTAs per SM: mxfp4 16-row tiles with two math warpgroups");
   static_assert(kStageB % 1024 == 0, "the weight and staging slots after B stay 1024-aligned");
 
@@ -242,7 +261,7 @@ struct GroupedGemmSmem {
       s.claim_val = reinterpret_cast<int32_t*>(p);
       p += 2 * 4;
     }
-    if constexpr (Cfg::kWeightFp4) {  // 8-byte aligned: after the barriers, no claims (no clusters)
+    if constexpr (Cfg::kWeightMxfp4) {  // 8-byte aligned: after the barriers, no claims (no clusters)
       s.fp4_table = reinterpret_cast<uint2*>(p);
       p += Cfg::kFp4TableBytes;
     }

@@ -1,6 +1,6 @@
 // sm90_gemm_epilogue.cuh — the grouped GEMM's epilogues, run by the math warpgroups from their accumulators:
 // bf16 rows through a Sink (epilogue_store_bf16, epilogue_store_swapped) and SwiGLU + requant
-// (epilogue_swiglu, epilogue_swiglu_swapped).
+// (epilogue_swiglu, epilogue_swiglu_swapped) or to bf16 (epilogue_swiglu, epilogue_swiglu_swapped_bf16).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -374,6 +374,44 @@ __device__ __forceinline__ void epilogue_swiglu_swapped(const GroupedGemmSmem<Cf
         p.sfd[t.expert * p.sfd_expert_stride + int64_t(t.n_block) * p.ld_sfd + m] = scale[s];
       }
     }
+  }
+}
+
+// The scaled bf16 SwiGLU of a swapped tile (nvfp4 weights, kSwigluBf16Scaled): gate and up each
+// fp32(acc * s), s = p.sfb[expert] (the image's global scale), then h = silu(gate) * up rounded to bf16,
+// as epilogue_swiglu computes it; staged as token rows ([BLOCK_M][128] bf16, 256 bytes each) and stored
+// 16 bytes at a time. Named barrier 1 over the math threads (as epilogue_swiglu_swapped).
+template <class Cfg>
+__device__ __forceinline__ void epilogue_swiglu_swapped_bf16(const GroupedGemmSmem<Cfg>& sm, const SwappedAcc<Cfg>& acc,
+                                                             const GroupedTile& t, const GroupedGemmParams& p) {
+  static_assert(Cfg::kNumChunks == 2 && Cfg::kEpilogue == GemmEpilogue::kSwigluBf16Scaled, "gate and up chunks, bf16 out");
+  constexpr int kM = Cfg::kBlockM, kTok = kM / 4, kHalves = Cfg::kSwapHalves;
+  const int tid = threadIdx.x % 128, lane = tid % 32, q = lane % 4, warp = tid / 32;
+  const int half0 = swapped_math_wg<Cfg>() * kHalves;
+  const int math_tid = Cfg::kNumMathWG == 1 ? tid : int(threadIdx.x % Cfg::kMathThreads);  // as in epilogue_store_swapped
+  __nv_bfloat16* const rows = reinterpret_cast<__nv_bfloat16*>(sm.out);  // [kM tokens][128]
+  static_assert(kM * 256 <= Cfg::kStageOut, "staging holds the token rows");
+  const float es = p.sfb[t.expert];
+  ptx::named_barrier_sync(1, Cfg::kMathThreads);  // the previous tile's copy-out has read the staging
+#pragma unroll
+  for (int h = 0; h < kHalves; ++h)
+#pragma unroll
+    for (int s = 0; s < kTok; ++s) {
+      const int tok = swapped_token(s, q), i = (s / 2) * 4 + s % 2;  // registers i (row m0) and i + 2 (m0 + 8)
+      const float v0 = swiglu(__fmul_rn(acc[0][h][i], es), __fmul_rn(acc[1][h][i], es));
+      const float v1 = swiglu(__fmul_rn(acc[0][h][i + 2], es), __fmul_rn(acc[1][h][i + 2], es));
+      const uint32_t b2 = kernels::cvt_bf16x2(v0, v1);
+      const int row = 64 * (half0 + h) + 16 * warp + lane / 4;
+      reinterpret_cast<uint16_t*>(rows)[tok * 128 + row] = uint16_t(b2 & 0xFFFFu);
+      reinterpret_cast<uint16_t*>(rows)[tok * 128 + row + 8] = uint16_t(b2 >> 16);
+    }
+  ptx::named_barrier_sync(1, Cfg::kMathThreads);
+#pragma unroll
+  for (int idx = math_tid; idx < kM * 16; idx += Cfg::kMathThreads) {  // kM token rows x 16 pieces of 16 bytes
+    const int tok = idx / 16, piece = idx % 16;
+    if (tok < t.rows)
+      *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p.d) + int64_t(t.row0 + tok) * p.ld_d + t.n_block * 128 +
+                                piece * 8) = ptx::lds_v4(ptx::smem_addr(rows + tok * 128 + piece * 8));
   }
 }
 

@@ -115,7 +115,7 @@ __device__ __forceinline__ void math_tile(const GroupedGemmSmem<Cfg>& sm, PipeSt
   }
 }
 
-// ---- swapped operands (BLOCK_M 16 or 32, fp8; mxfp4 weights also 64) --------------------------------------
+// ---- swapped operands (BLOCK_M 16 or 32, fp8 and nvfp4; mxfp4 weights also 64) --------------------------------------
 //
 // The weights are wgmma's A: the tile's BLOCK_N weight rows in m64 halves (chunk c, half h: rows
 // 128c + 64h ..), read from the B slot; the tile's BLOCK_M token rows are wgmma's B (N = BLOCK_M), the
@@ -303,13 +303,109 @@ __device__ __forceinline__ void math_k_block_swapped_fp4(const GroupedGemmSmem<C
   pipe.advance(Cfg::kStages);
 }
 
+// ---- nvfp4 weights (Cfg::kWeightNvfp4, swapped tiles) ---------------------------------------------------
+//
+// The weight slot holds the tile's four 64-row pieces of gemm_weights.h's nvfp4 layout (K blocks of 128:
+// eight k16 steps), sliced over the math warpgroups as for mxfp4. Each thread reads, per slab, two 16-byte
+// runs of codes (its eight words: steps 0-1, 2-3, 4-5 and 6-7 of its rows m0 and m0 + 8) and its two rows'
+// 8-byte scale runs, expands every word into four bf16x2 A registers (fmt::fp4_word_to_bf16x2_pow120) and
+// multiplies each pair by its (row, step) block scale (fmt::nvfp4_scale_bf16x2: e4m3 x 2^-120 as bf16):
+// the exact e2m1 x scale products. The token slot is two 64-column bf16 boxes (steps 0-3, 4-7). The
+// wgmmas accumulate straight into acc over the whole K (bf16 tokens carry no scale; the global scale
+// is the epilogue's).
+template <int kTokens>
+__device__ __forceinline__ void wgmma_swapped_bf16_rs(float (&d)[kTokens / 2], const uint32_t (&a)[4], uint64_t desc_x,
+                                                      int scale_d) {
+  static_assert(kTokens == 16 || kTokens == 32, "swapped nvfp4 tiles: 16 or 32 tokens");
+  if constexpr (kTokens == 16)
+    ptx::wgmma_m64n16k16_bf16_rs(d, a, desc_x, scale_d);
+  else
+    ptx::wgmma_m64n32k16_bf16_rs(d, a, desc_x, scale_d);
+}
+
+template <class Cfg, bool kFirst>
+__device__ __forceinline__ void math_k_block_swapped_nvfp4(const GroupedGemmSmem<Cfg>& sm, PipeState& pipe,
+                                                           SwappedAcc<Cfg>& acc) {
+  constexpr int kHalves = Cfg::kSwapHalves, kSteps = Cfg::kBlockK / 16;
+  static_assert(kSteps == 8 && Cfg::kASubTiles == 2, "nvfp4: K blocks of 128, two token boxes");
+  const int tid = threadIdx.x % 128, lane = tid % 32;
+  const int m0 = (tid / 32) * 16 + lane / 4;  // this thread's fragment rows in each slab: m0, m0 + 8
+  const int half0 = swapped_math_wg<Cfg>() * kHalves;
+  ptx::mbar_wait(&sm.full[pipe.stage], pipe.phase);
+  const uint64_t desc_x = ptx::make_sw128_desc(sm.a + pipe.stage * Cfg::kStageA);
+  constexpr uint64_t kBoxDesc = Cfg::kBlockM * Cfg::kBlockKBytes / 16;  // the second box, in descriptor units
+  const uint8_t* w_tile = sm.b + pipe.stage * Cfg::kStageB;
+  uint32_t a[Cfg::kNumChunks][kHalves][kSteps][4];  // [chunk][this warpgroup's half][k16 step][register]
+#pragma unroll
+  for (int c = 0; c < Cfg::kNumChunks; ++c)
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h) {
+      const uint8_t* slab = w_tile + (2 * c + half0 + h) * kNvfp4SlabBytes;
+      const uint4 f0 = *reinterpret_cast<const uint4*>(slab + 16 * tid);
+      const uint4 f1 = *reinterpret_cast<const uint4*>(slab + 2048 + 16 * tid);
+      const uint2 sw0 = *reinterpret_cast<const uint2*>(slab + kNvfp4SlabCodeBytes + 8 * m0);
+      const uint2 sw1 = *reinterpret_cast<const uint2*>(slab + kNvfp4SlabCodeBytes + 8 * (m0 + 8));
+      const uint32_t words[4][2] = {{f0.x, f0.y}, {f0.z, f0.w}, {f1.x, f1.y}, {f1.z, f1.w}};  // [step pair][row]
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        uint32_t r0[4], r1[4];
+        fmt::fp4_word_to_bf16x2_pow120(words[j][0], r0);
+        fmt::fp4_word_to_bf16x2_pow120(words[j][1], r1);
+        const uint32_t sc0 = j < 2 ? sw0.x : sw0.y, sc1 = j < 2 ? sw1.x : sw1.y;  // steps 0-3, 4-7
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {  // step 2j + t: pairs 2t (columns 2q, 2q + 1) and 2t + 1 (+ 8)
+          const int st = 2 * j + t;
+          const uint32_t s0 = fmt::nvfp4_scale_bf16x2(sc0, st % 4), s1 = fmt::nvfp4_scale_bf16x2(sc1, st % 4);
+          a[c][h][st][0] = ptx::mul_bf16x2(r0[2 * t], s0);
+          a[c][h][st][1] = ptx::mul_bf16x2(r1[2 * t], s1);
+          a[c][h][st][2] = ptx::mul_bf16x2(r0[2 * t + 1], s0);
+          a[c][h][st][3] = ptx::mul_bf16x2(r1[2 * t + 1], s1);
+        }
+      }
+    }
+#pragma unroll
+  for (int c = 0; c < Cfg::kNumChunks; ++c)
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h) {
+      ptx::fence_operands(acc[c][h]);
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s) ptx::fence_operands(a[c][h][s]);
+    }
+  ptx::wgmma_fence();
+#pragma unroll
+  for (int c = 0; c < Cfg::kNumChunks; ++c)
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h)
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s)
+        wgmma_swapped_bf16_rs<Cfg::kBlockM>(acc[c][h], a[c][h][s], desc_x + (s / 4) * kBoxDesc + 2 * (s % 4),
+                                            (kFirst && s == 0) ? 0 : 1);
+  ptx::wgmma_commit();
+  ptx::wgmma_wait<0>();
+#pragma unroll
+  for (int c = 0; c < Cfg::kNumChunks; ++c)
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h) {
+      ptx::fence_operands(acc[c][h]);
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s) ptx::fence_operands(a[c][h][s]);
+    }
+  __syncwarp();
+  release_slot<Cfg>(sm, pipe.stage, lane);
+  pipe.advance(Cfg::kStages);
+}
+
 template <class Cfg>
 __device__ __forceinline__ void math_tile_swapped(const GroupedGemmSmem<Cfg>& sm, PipeState& pipe,
                                                   const GroupedGemmParams& p, const GroupedTile& t,
                                                   SwappedAcc<Cfg>& acc) {
   const int box0 = sfa_first_row(p, t) - sfa_box_start(p, t);  // the tile's first token in the scale slot
   // invariant: num_kb >= 1 (validate_grouped_gemm: K a positive multiple of 128)
-  if constexpr (Cfg::kWeightFp4) {
+  if constexpr (Cfg::kWeightNvfp4) {
+    (void)box0;
+    math_k_block_swapped_nvfp4<Cfg, true>(sm, pipe, acc);
+    for (int kb = 1; kb < p.k / Cfg::kBlockK; ++kb) math_k_block_swapped_nvfp4<Cfg, false>(sm, pipe, acc);
+  } else if constexpr (Cfg::kWeightFp4) {
     math_k_block_swapped_fp4<Cfg, true>(sm, pipe, box0, acc);
     for (int kb = 1; kb < p.k / Cfg::kBlockK; ++kb) math_k_block_swapped_fp4<Cfg, false>(sm, pipe, box0, acc);
   } else {

@@ -34,11 +34,15 @@ __device__ __forceinline__ void produce_tile(const GroupedGemmSmem<Cfg>& sm, Pip
     uint64_t* full = &sm.full[pipe.stage];
     if (kb == 0) publish_tile<Cfg>(sm, pipe.stage, tile_id, t);  // released by the arrive below
     ptx::mbar_arrive_expect_tx(full, Cfg::kTxBytes);
-    ptx::tma_load_2d(sm.a + pipe.stage * Cfg::kStageA, tmap_a, full, kb * Cfg::kBlockKBytes, t.row0);
+#pragma unroll
+    for (int j = 0; j < Cfg::kASubTiles; ++j)  // nvfp4: two 64-column bf16 boxes per K block
+      ptx::tma_load_2d(sm.a + pipe.stage * Cfg::kStageA + j * Cfg::kBlockM * Cfg::kBlockKBytes, tmap_a, full,
+                       (kb * Cfg::kASubTiles + j) * Cfg::kBlockKBytes, t.row0);
     if constexpr (Cfg::kWeightFp4) {
-      // The tile's BLOCK_N / 64 pieces of K block kb: one contiguous run ([E][K/128][N/64] pieces).
-      const int64_t piece = (int64_t(t.expert) * num_kb + kb) * (p.n / kFp4SlabRows) + t.n_block * (Cfg::kBlockN / kFp4SlabRows);
-      ptx::bulk_load_1d(sm.b + pipe.stage * Cfg::kStageB, mxfp4_pieces(p) + piece * kFp4SlabBytes, Cfg::kStageB, full);
+      // The tile's BLOCK_N / 64 pieces of K block kb: one contiguous run ([E][K / BLOCK_K][N/64] pieces).
+      const int64_t piece = (int64_t(t.expert) * num_kb + kb) * (p.n / 64) + t.n_block * (Cfg::kBlockN / 64);
+      const uint8_t* pieces = Cfg::kWeightMxfp4 ? mxfp4_pieces(p) : nvfp4_pieces(p);
+      ptx::bulk_load_1d(sm.b + pipe.stage * Cfg::kStageB, pieces + piece * Cfg::kPieceBytes, Cfg::kStageB, full);
     } else if constexpr (kEvictFirst) {
       ptx::tma_load_2d_hint(sm.b + pipe.stage * Cfg::kStageB, tmap_b, full, kb * Cfg::kBlockKBytes, b_row, b_policy);
     } else {
@@ -135,7 +139,10 @@ __device__ __forceinline__ void produce_tile_pair(const GroupedGemmSmem<Cfg>& sm
     // The partner's half may land first: its transaction bytes count down before this expect counts
     // them up, and the phase cannot complete while this arrival is still pending.
     ptx::mbar_arrive_expect_tx(full, Cfg::kTxBytes);
-    ptx::tma_load_2d(sm.a + pipe.stage * Cfg::kStageA, tmap_a, full, kb * Cfg::kBlockKBytes, t.row0);
+#pragma unroll
+    for (int j = 0; j < Cfg::kASubTiles; ++j)  // nvfp4: two 64-column bf16 boxes per K block
+      ptx::tma_load_2d(sm.a + pipe.stage * Cfg::kStageA + j * Cfg::kBlockM * Cfg::kBlockKBytes, tmap_a, full,
+                       (kb * Cfg::kASubTiles + j) * Cfg::kBlockKBytes, t.row0);
     uint8_t* const b = sm.b + pipe.stage * Cfg::kStageB;
     if constexpr (kShared) {
       ptx::tma_load_2d_multicast(b + rank * kHalf * Cfg::kBlockKBytes, tmap_b, full, kb * Cfg::kBlockKBytes,

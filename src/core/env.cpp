@@ -56,6 +56,7 @@ EnvKnobs read_env() {
   k.gemm_fp4_ctas_per_sm = text("MEGAMOE_GEMM_FP4_CTAS_PER_SM");
   k.mxfp4_expand_rows = text("MEGAMOE_MXFP4_EXPAND_ROWS");
   k.mxfp4_expand_mib = text("MEGAMOE_MXFP4_EXPAND_MIB");
+  k.nvfp4_expand_rows = text("MEGAMOE_NVFP4_EXPAND_ROWS");
   k.rank = text("MEGAMOE_RANK");
   k.world_size = text("MEGAMOE_WORLD_SIZE");
   k.local_rank = text("MEGAMOE_LOCAL_RANK");

@@ -42,6 +42,11 @@ struct EnvKnobs {
   // (default 1024): more local experts than fit are expanded and multiplied a chunk at a time. Kept
   // as given; validated by routed_mxfp4_expand_bytes() at the layer's warmup, naming the variable.
   std::string mxfp4_expand_mib;
+  // MEGAMOE_NVFP4_EXPAND_ROWS: from how many rows per expert a routed nvfp4 layer expands its weights
+  // to bf16 each forward and runs bf16's GEMM tiles, "off" or a positive integer (default:
+  // routed_nvfp4_expand_rows's); the scratch is bounded by MEGAMOE_MXFP4_EXPAND_MIB as mxfp4's.
+  // Kept as given; validated by routed_nvfp4_expand_rows() at the layer's warmup, naming the variable.
+  std::string nvfp4_expand_rows;
   // MEGAMOE_LOG: 0 quiet, 1 warnings and selection (default), 2 verbose.
   int log_level = 1;
   // One process per GPU (comm.h NcclBootstrap::from_env, set by `megamoe launch` or an engine's

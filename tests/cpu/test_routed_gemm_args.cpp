@@ -141,16 +141,19 @@ TEST(RoutedGemmArgs, Mxfp4WeightsRunTheGemmsMxfp4Mode) {
   }
 }
 
-// nvfp4 weights (bf16 dispatch): both GEMMs bf16 on the expanded weights, FC1 with the scaled SwiGLU
-// epilogue reading w13's per-expert global scales, FC2 the plain store into the combine rows with the
-// pool's row weights (into which the pool build folds w2's global scales), no scales anywhere else;
-// the bf16 intermediate; for every preset and tile knob. Without the global scales FC1 is refused.
-TEST(RoutedGemmArgs, Nvfp4WeightsRunTheBf16GemmsWithTheGlobalScalesInFp32) {
+// nvfp4 weights (bf16 dispatch), FP4 in HBM: both GEMMs the nvfp4 GEMM on the layer's images (FC1's
+// scaled SwiGLU reads the image's global scales, no b_expert_scale; 16- or 32-row tiles: a larger BLOCK_M
+// knob is left to the GEMM), FC2 the plain store into the combine rows with the pool's row weights (into
+// which the pool build folds w2's global scales); at prefill (make_routed_expanded_gemm_args) both bf16
+// on the expansion, FC1 with b_expert_scale = w13's global scales and the knob's bf16 tiles; no scales
+// anywhere else; the bf16 intermediate; for every preset whose hidden runs 256-wide tiles and every
+// tile knob. On the expansion without the global scales FC1 is refused.
+TEST(RoutedGemmArgs, Nvfp4WeightsRunTheNvfp4GemmOnTheImagesAndBf16OnTheExpansion) {
   int checked = 0;
   for (const Preset& p : kPresets) {
     for (int64_t ep : {1, 8}) {
       if (p.experts % ep != 0) continue;
-      for (int32_t bm : {0, 16, 64, 128}) {
+      for (int32_t bm : {0, 16, 32, 64, 128}) {
         MoeGeometry g;
         g.hidden = p.hidden;
         g.intermediate = p.intermediate;
@@ -161,33 +164,48 @@ TEST(RoutedGemmArgs, Nvfp4WeightsRunTheBf16GemmsWithTheGlobalScalesInFp32) {
         MoeConfig c;
         c.weight_format = WeightFormat::kNvfp4;
         c.dispatch_format = DispatchFormat::kBf16;
-        c.knobs.block_m = bm == 16 ? 0 : bm;  // bf16 tiles: 64 or 128 rows
+        c.knobs.block_m = bm;
         EXPECT_EQ(c.intermediate_format(), DispatchFormat::kBf16);
         const WorkspaceLayout l = WorkspaceLayout::make(workspace_params(g, c));
         EXPECT_EQ(l.params.intermediate_format, kWsBf16);
         RoutedGemmBuffers b = fake_buffers(g);
-        b.w13_scales = b.w2_scales = b.a_scales = nullptr;  // bf16: no block or activation scales
+        b.w13_scales = b.w2_scales = b.a_scales = nullptr;  // bf16 tokens: no block or activation scales
         float* const expert_scale = reinterpret_cast<float*>(uintptr_t(3) << 40);
         b.w13_expert_scale = expert_scale;
+        const bool gate_ok = routed_format_gate(g, c).is_ok();
+        EXPECT_EQ(gate_ok, p.hidden % 256 == 0) << p.name << ": " << routed_format_gate(g, c).message();
+        if (!gate_ok) continue;
         gemm::GroupedGemmArgs fc1, fc2;
-        const Status st = make_routed_gemm_args(g, c, l, b, 0, 0, &fc1, &fc2);
+        Status st = make_routed_gemm_args(g, c, l, b, 0, 0, &fc1, &fc2);
         ASSERT_TRUE(st.is_ok()) << p.name << " EP" << ep << " block_m " << bm << ": " << st.to_string();
-        EXPECT_EQ(fc1.dtype, gemm::GemmDtype::kBf16);
-        EXPECT_EQ(fc2.dtype, gemm::GemmDtype::kBf16);
+        EXPECT_EQ(fc1.dtype, gemm::GemmDtype::kNvfp4);
+        EXPECT_EQ(fc2.dtype, gemm::GemmDtype::kNvfp4);
         EXPECT_EQ(fc1.epilogue, gemm::GemmEpilogue::kSwigluBf16Scaled);
-        EXPECT_EQ(fc1.b_expert_scale, expert_scale);
+        EXPECT_EQ(fc1.b_expert_scale, nullptr);  // the image's
+        EXPECT_EQ(fc1.b, b.w13);
         EXPECT_EQ(fc2.epilogue, gemm::GemmEpilogue::kStoreBf16);
-        EXPECT_EQ(fc2.b_expert_scale, nullptr);
         EXPECT_EQ(fc2.row_weight, b.pool_weight);
         EXPECT_EQ(fc2.row_map, b.pool_dst);
         EXPECT_EQ(fc2.num_peer_d, static_cast<int32_t>(ep));
         EXPECT_EQ(fc1.a_scales, nullptr);
         EXPECT_EQ(fc1.b_scales, nullptr);
         EXPECT_EQ(fc2.b_scales, nullptr);
-        EXPECT_EQ(fc1.tiles.block_m, bm == 16 ? 0 : bm);
-        EXPECT_TRUE(routed_format_gate(g, c).is_ok()) << p.name << ": " << routed_format_gate(g, c).message();
+        EXPECT_EQ(fc1.tiles.block_m, bm == 16 || bm == 32 ? bm : 0);
+        // prefill: bf16 on the expansion
+        void* const expanded = reinterpret_cast<void*>(uintptr_t(5) << 40);
+        st = make_routed_expanded_gemm_args(g, c, l, b, expanded, 0, &fc1, &fc2);
+        ASSERT_TRUE(st.is_ok()) << p.name << " EP" << ep << " block_m " << bm << ": " << st.to_string();
+        EXPECT_EQ(fc1.dtype, gemm::GemmDtype::kBf16);
+        EXPECT_EQ(fc2.dtype, gemm::GemmDtype::kBf16);
+        EXPECT_EQ(fc1.b, expanded);
+        EXPECT_EQ(fc2.b, expanded);
+        EXPECT_EQ(fc1.epilogue, gemm::GemmEpilogue::kSwigluBf16Scaled);
+        EXPECT_EQ(fc1.b_expert_scale, expert_scale);
+        EXPECT_EQ(fc2.b_expert_scale, nullptr);
+        EXPECT_EQ(fc2.row_weight, b.pool_weight);
+        EXPECT_EQ(fc1.tiles.block_m, bm == 16 || bm == 32 ? 0 : bm);  // bf16 tiles: 64 or 128 rows
         b.w13_expert_scale = nullptr;
-        const Status missing = make_routed_gemm_args(g, c, l, b, 0, 0, &fc1, &fc2);
+        const Status missing = make_routed_expanded_gemm_args(g, c, l, b, expanded, 0, &fc1, &fc2);
         ASSERT_FALSE(missing.is_ok());
         EXPECT_NE(missing.message().find("b_expert_scale=null"), std::string::npos) << missing.message();
         ++checked;
@@ -195,6 +213,24 @@ TEST(RoutedGemmArgs, Nvfp4WeightsRunTheBf16GemmsWithTheGlobalScalesInFp32) {
     }
   }
   EXPECT_GT(checked, 30);
+}
+
+// The nvfp4 prefill expansion: off, the default threshold, bf16's two bytes per weight in the chunk
+// bound, and a bad knob named.
+TEST(RoutedGemmArgs, Nvfp4ExpansionThresholdAndScratch) {
+  MoeGeometry g = deepseek_v3_geometry(32, 1, 8192);  // 2048 rows per expert at T_max
+  RoutedMxfp4Expansion x;
+  ASSERT_TRUE(routed_nvfp4_expansion(g, "", "", &x).is_ok());
+  EXPECT_EQ(x.threshold_rows, kDefaultNvfp4ExpandRows);
+  EXPECT_TRUE(x.expands());
+  const int64_t per_expert = 2 * 2048 * 7168 * 2;
+  EXPECT_EQ(x.chunk_experts, std::min<int64_t>(32, kDefaultMxfp4ExpandBytes / per_expert));
+  EXPECT_EQ(x.scratch_bytes, x.chunk_experts * per_expert);
+  ASSERT_TRUE(routed_nvfp4_expansion(g, "off", "", &x).is_ok());
+  EXPECT_FALSE(x.expands());
+  const Status bad = routed_nvfp4_expansion(g, "many", "", &x);
+  ASSERT_FALSE(bad.is_ok());
+  EXPECT_NE(bad.message().find("MEGAMOE_NVFP4_EXPAND_ROWS"), std::string::npos) << bad.message();
 }
 
 TEST(RoutedGemmArgs, TheBucketHintFollowsTheRowsReceived) {

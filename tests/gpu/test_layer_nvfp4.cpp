@@ -1,6 +1,8 @@
 // nvfp4 expert weights (e2m1 + e4m3 per 16 + fp32 global scale per expert matrix) in the GPU
-// backends on an H200, the first step of docs/GEMM.md "nvfp4": the codes times their block scales
-// expanded to bf16 at upload (exact), the bf16 GEMMs, w13's global scale on FC1's accumulators (the
+// backends on an H200 (docs/GEMM.md "nvfp4"): routed keeps them FP4 in HBM (the nvfp4 GEMM's images:
+// e2m1 x block scale expanded to bf16 in the pipeline, exact; at prefill the same expansion into a bf16
+// scratch and the bf16 GEMM on it, bit for bit the in-pipeline path: Sm90Nvfp4Prefill), mega expands
+// them to bf16 at upload and runs the bf16 GEMMs; w13's global scale on FC1's accumulators (the
 // scaled SwiGLU epilogue), w2's folded into each slot's row weight (routed: the pool build; mega: the
 // in-kernel placement); bf16 dispatch and intermediate (MoeConfig::intermediate_format). Routed runs
 // the bf16 wire only; mega every wire and the owner reduce. Against the cpu backend on the same nvfp4
@@ -24,6 +26,8 @@
 #include <vector>
 
 #include "core/backends.h"
+#include "core/env.h"
+#include "kernels/routed/routed_gemm_args.h"
 #include "megamoe/formats.h"
 #include "megamoe/layer.h"
 #include "reference/error_model.h"
@@ -74,6 +78,24 @@ MoeConfig nvfp4_config(Backend backend, CombineDtype combine = CombineDtype::kBf
   c.backend = backend;
   return c;
 }
+
+// An environment knob set to `value` for the scope (null: unset), read again on entry and exit.
+struct EnvScope {
+  EnvScope(const char* name, const char* value) : name_(name) {
+    if (value) setenv(name, value, 1);
+    else unsetenv(name);
+    reload_env_knobs();
+  }
+  ~EnvScope() {
+    unsetenv(name_);
+    reload_env_knobs();
+  }
+  EnvScope(const EnvScope&) = delete;
+  EnvScope& operator=(const EnvScope&) = delete;
+
+ private:
+  const char* name_;
+};
 
 class Sm90Nvfp4Layer : public ::testing::TestWithParam<Nvfp4LayerCase> {};
 
@@ -205,24 +227,74 @@ TEST(Sm90Nvfp4MegaVsRouted, BitwiseEqualAtTheSameTiles) {
     c.knobs.block_m = bc.block_m;
     c.knobs.block_n = 256;
     c.output_scale = bc.output_scale;
-    std::vector<std::vector<uint16_t>> y[2], y_cpu, unused;
-    const Backend backends[2] = {Backend::kMega, Backend::kRouted};
-    for (int b = 0; b < 2; ++b) {
+    // routed twice: the nvfp4 GEMM on its images (16- and 32-row tiles: the knob's BLOCK_M is mega's
+    // and the expansion's), and the bf16 GEMM on the expansion at the knob's tiles
+    std::vector<std::vector<uint16_t>> y[3], y_cpu, unused;
+    const Backend backends[3] = {Backend::kMega, Backend::kRouted, Backend::kRouted};
+    for (int b = 0; b < 3; ++b) {
+      const EnvScope rows("MEGAMOE_NVFP4_EXPAND_ROWS", b == 2 ? "1" : "off");
       Harness h(problem, c, bc.R > 1 ? GroupKind::kSharedGpu : GroupKind::kNcclGpus, backends[b]);
       ASSERT_TRUE(h.build()) << bc.name << " " << to_string(backends[b]);
       ASSERT_EQ(h.gpu_layer(0)->backend(), backends[b]);
       ASSERT_TRUE(h.run(problem.ranks, &y[b], b == 0 ? &y_cpu : &unused)) << bc.name << " " << to_string(backends[b]);
     }
-    for (int r = 0; r < bc.R; ++r) {
-      ASSERT_EQ(y[0][r].size(), y[1][r].size());
-      int64_t differ = 0;
-      for (size_t i = 0; i < y[0][r].size(); ++i) differ += y[0][r][i] != y[1][r][i];
-      std::printf("[nvfp4] mega vs routed %s rank %d (T=%lld): %lld of %zu outputs differ; rel-L2 vs cpu backend %.3e\n",
-                  bc.name, r, static_cast<long long>(bc.tokens[r]), static_cast<long long>(differ), y[0][r].size(),
-                  y[0][r].empty() ? 0.0 : rel_l2_bf16(y[0][r], y_cpu[r]));
-      EXPECT_EQ(differ, 0) << bc.name << " rank " << r;
-    }
+    for (int v = 1; v < 3; ++v)
+      for (int r = 0; r < bc.R; ++r) {
+        ASSERT_EQ(y[0][r].size(), y[v][r].size());
+        int64_t differ = 0;
+        for (size_t i = 0; i < y[0][r].size(); ++i) differ += y[0][r][i] != y[v][r][i];
+        std::printf("[nvfp4] mega vs routed (%s) %s rank %d (T=%lld): %lld of %zu outputs differ; rel-L2 vs cpu "
+                    "backend %.3e\n",
+                    v == 1 ? "nvfp4 GEMM" : "bf16 on the expansion", bc.name, r, static_cast<long long>(bc.tokens[r]),
+                    static_cast<long long>(differ), y[0][r].size(),
+                    y[0][r].empty() ? 0.0 : rel_l2_bf16(y[0][r], y_cpu[r]));
+        EXPECT_EQ(differ, 0) << bc.name << " rank " << r;
+      }
   }
+}
+
+// Prefill sizes on routed: a pool of 2048 rows against the cpu backend on the nvfp4 GEMM's tiles
+// (MEGAMOE_NVFP4_EXPAND_ROWS off) and on the bf16 GEMM over the expansion (forced: all experts at once,
+// and chunks under 1 MiB: two tiny experts' w13 as bf16), the paths bit for bit equal (the same products:
+// the expansion is the GEMM's own, and the bf16 tiles sum them as the nvfp4 ones do, Nvfp4Gemm); then
+// the default threshold at T = 4096 (1024 rows per expert) expanding by itself, a repeat and a graph
+// replay bitwise.
+TEST(Sm90Nvfp4Prefill, RoutedPoolOf2048Rows_ExpandedEqualsInPipeline) {
+  MEGAMOE_REQUIRE_SM90_GPUS(1);
+  Nvfp4LayerCase p{"EP1_Tiny_T512", Backend::kRouted, 512, 256, 16, 4, 1, 512, Routing::kUniform};
+  MoeProblem problem = reference::make_random_problem(geometry(p), 99, {512});
+  MoeConfig c = nvfp4_config(Backend::kRouted);
+  std::vector<std::vector<uint16_t>> y[3];
+  for (int expand = 0; expand < 3; ++expand) {
+    const EnvScope rows("MEGAMOE_NVFP4_EXPAND_ROWS", expand ? "1" : "off");
+    const EnvScope mib("MEGAMOE_MXFP4_EXPAND_MIB", expand == 2 ? "1" : nullptr);
+    Harness h(problem, c, GroupKind::kNcclGpus, Backend::kRouted);
+    ASSERT_TRUE(h.build());
+    std::vector<std::vector<uint16_t>> y_cpu;
+    ASSERT_TRUE(h.run(problem.ranks, &y[expand], &y_cpu));
+    const double err = rel_l2_bf16(y[expand][0], y_cpu[0]);
+    std::printf("[nvfp4] routed EP1 T512 (%s): rel-L2 vs cpu backend = %.3e\n",
+                expand == 2 ? "expanded to bf16, chunks" : expand ? "expanded to bf16" : "in-pipeline expansion", err);
+    EXPECT_LE(err, reference::same_points_bound_one_forward(CombineDtype::kBf16, 512).rel_l2);
+  }
+  for (int v = 1; v < 3; ++v) {
+    int64_t diffs = 0;
+    for (size_t i = 0; i < y[0][0].size(); ++i) diffs += y[0][0][i] != y[v][0][i];
+    std::printf("[nvfp4] routed EP1 T512: %lld of %zu outputs differ between the in-pipeline and the expanded path%s\n",
+                (long long)diffs, y[0][0].size(), v == 2 ? " (chunks)" : "");
+    EXPECT_EQ(diffs, 0);
+  }
+}
+
+TEST(Sm90Nvfp4Prefill, RoutedT4096ExpandsByTheDefaultThreshold) {
+  MEGAMOE_REQUIRE_SM90_GPUS(1);
+  Nvfp4LayerCase p{"EP1_Tiny_T4096_DefaultExpand", Backend::kRouted, 512, 256, 16, 4, 1, 4096, Routing::kUniform};
+  ASSERT_GE(routed_rows_per_expert(geometry(p), 4096 * 4), kDefaultNvfp4ExpandRows);
+  MoeProblem problem = reference::make_random_problem(geometry(p), 7, {4096});
+  const EnvScope rows("MEGAMOE_NVFP4_EXPAND_ROWS", nullptr);
+  Harness h(problem, nvfp4_config(Backend::kRouted), GroupKind::kNcclGpus, Backend::kRouted);
+  ASSERT_TRUE(h.build());
+  check_fp4_layer(h, problem, CombineDtype::kBf16, "nvfp4", p.test_name());
 }
 
 }  // namespace

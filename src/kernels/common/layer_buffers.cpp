@@ -80,7 +80,7 @@ Status single_rank_group(int device, std::shared_ptr<Communicator>* out) {
 }
 
 Status upload_expert_weights(int device, const MoeGeometry& geometry, const PreparedWeights& weights,
-                             ExpertWeightBuffers* out) {
+                             ExpertWeightBuffers* out, Nvfp4Upload nvfp4) {
   const QuantizedTensor& w13 = weights.w13;
   const QuantizedTensor& w2 = weights.w2;
   const int64_t El = geometry.experts_per_rank(), H = geometry.hidden, I = geometry.intermediate;
@@ -90,6 +90,22 @@ Status upload_expert_weights(int device, const MoeGeometry& geometry, const Prep
                                       &image13, &image2);
     MEGAMOE_RETURN_IF_ERROR(upload(device, image13.data(), static_cast<int64_t>(image13.size()), &out->w13));
     MEGAMOE_RETURN_IF_ERROR(upload(device, image2.data(), static_cast<int64_t>(image2.size()), &out->w2));
+    return Status::ok();
+  }
+  if (weights.format == WeightFormat::kNvfp4 && nvfp4 == Nvfp4Upload::kGemmImages) {
+    if (static_cast<int64_t>(w13.global_scales.size()) != El || static_cast<int64_t>(w2.global_scales.size()) != El)
+      return Status(StatusCode::kInternal, "upload_expert_weights: nvfp4 weights without one global scale per expert");
+    std::vector<uint8_t> image13, image2;
+    std::string bad;
+    if (!gemm::prepare_nvfp4_expert_images(w13.data.data(), w13.scales.data(), w13.global_scales.data(),
+                                           w2.data.data(), w2.scales.data(), w2.global_scales.data(), El, H, I,
+                                           &image13, &image2, &bad))
+      return Status(StatusCode::kInvalidArgument,
+                    "weights: nvfp4 " + bad + " is NaN; the GPU layout holds finite block scales");
+    MEGAMOE_RETURN_IF_ERROR(upload(device, image13.data(), static_cast<int64_t>(image13.size()), &out->w13));
+    MEGAMOE_RETURN_IF_ERROR(upload(device, image2.data(), static_cast<int64_t>(image2.size()), &out->w2));
+    MEGAMOE_RETURN_IF_ERROR(upload(device, w13.global_scales.data(), El * 4, &out->w13_expert_scale));
+    MEGAMOE_RETURN_IF_ERROR(upload(device, w2.global_scales.data(), El * 4, &out->w2_expert_scale));
     return Status::ok();
   }
   if (weights.format == WeightFormat::kNvfp4) {

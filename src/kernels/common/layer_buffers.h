@@ -52,11 +52,15 @@ Status single_rank_group(int device, std::shared_ptr<Communicator>* out);
 // (gemm::expand_nvfp4_to_bf16: e2m1 x e4m3 block scale, exact), then as bf16 weights, and each
 // matrix's fp32 global scales [E_local] apart (w13_expert_scale: FC1's scaled SwiGLU epilogue;
 // w2_expert_scale: folded into FC2's row weights by the pool build).
+// nvfp4 with Nvfp4Upload::kGemmImages (the routed backend): w13 and w2 are the nvfp4 GEMM's device
+// images instead (gemm_weights.h's Nvfp4GemmWeights: FP4 stays FP4 in HBM, the global scales inside
+// and apart as above); a NaN block scale is refused, naming the matrix, expert, row and block.
 struct ExpertWeightBuffers {
   std::shared_ptr<DeviceBuffer> w13, w13_scales, w2, w2_scales, w13_expert_scale, w2_expert_scale;
 };
+enum class Nvfp4Upload { kBf16, kGemmImages };
 Status upload_expert_weights(int device, const MoeGeometry& geometry, const PreparedWeights& weights,
-                             ExpertWeightBuffers* out);
+                             ExpertWeightBuffers* out, Nvfp4Upload nvfp4 = Nvfp4Upload::kBf16);
 
 // The same buffers, bit for bit what upload_expert_weights makes of prepare_weights(source), made on
 // `device` from a device-resident source that check_device_weights() accepted (config.weight_format

@@ -20,7 +20,10 @@ struct RoutedGemmBuffers {
   const float* w13_scales = nullptr;
   const void* w2 = nullptr;
   const float* w2_scales = nullptr;
-  const float* w13_expert_scale = nullptr;  // nvfp4: fp32 [E_local] w13 global scales (FC1's scaled SwiGLU)
+  const float* w13_expert_scale = nullptr;  // nvfp4: fp32 [E_local] w13 global scales (FC1's scaled SwiGLU
+                                            // on the bf16 expansion; the nvfp4 GEMM reads its image's)
+  // nvfp4: w13 / w2 are the bf16 expansion (make_routed_expanded_gemm_args), not the GEMM's images
+  bool nvfp4_bf16 = false;
   float* a_scales = nullptr;      // fp8: the pool's activation scales M-major, [H/128][pool_rows]
   void* expert_out = nullptr;     // FC2's bf16 rows when the combine reads them here
   int32_t* tile_counters = nullptr;  // [4]: FC1's pair, then FC2's (per layer)
@@ -103,6 +106,25 @@ struct RoutedMxfp4Expansion {
 Status routed_mxfp4_expansion(const MoeGeometry& geometry, const std::string& rows_knob, const std::string& mib_knob,
                               RoutedMxfp4Expansion* out);
 
+// Prefill with nvfp4 weights (FP4 in HBM: the GEMM's images, gemm_weights.h): from this many rows
+// per expert the layer expands both images to bf16 in the same kind of scratch (gemm::
+// launch_expand_nvfp4, before each GEMM; twice mxfp4's bytes per expert, chunked under the same
+// MEGAMOE_MXFP4_EXPAND_MIB bound) and runs the bf16 GEMM's 64- and 128-row tiles on them: the same
+// products (the expansion is the nvfp4 GEMM's own), where the in-pipeline 16- and 32-row tiles would
+// expand every weight once per 32 rows. Measured on one H200 (docs/PERF.md): the in-pipeline path is
+// faster at 128 rows per expert (deepseek-v3 dims on 32 experts 1656 vs 1986 us, qwen3-30b-a3b 802
+// vs 917), the expansion at 256 (2344 vs 2959, 1143 vs 1477); the lines cross at 161-173 rows.
+constexpr int64_t kDefaultNvfp4ExpandRows = 160;
+
+// MEGAMOE_NVFP4_EXPAND_ROWS as given (EnvKnobs::nvfp4_expand_rows): as routed_mxfp4_expand_rows, with
+// kDefaultNvfp4ExpandRows when unset.
+Status routed_nvfp4_expand_rows(const std::string& knob, int64_t* out);
+
+// What a routed nvfp4 layer of this geometry does at prefill (as routed_mxfp4_expansion: chunk_experts
+// whole experts' w13 as bf16, 2I x H x 2 bytes, within the MiB bound).
+Status routed_nvfp4_expansion(const MoeGeometry& geometry, const std::string& rows_knob, const std::string& mib_knob,
+                              RoutedMxfp4Expansion* out);
+
 // fc1: pool_x -> SwiGLU (+ fp8 requant) -> intermediate; fc2: intermediate -> combine rows or
 // expert_out. gemm_sms > 0 bounds both grids (a shared device's SM budget). fp4_math_wg: mxfp4
 // weights' math warpgroups per tile for both (1 or 2; 0: the GEMM's default); ignored for other
@@ -114,7 +136,8 @@ Status make_routed_gemm_args(const MoeGeometry& geometry, const MoeConfig& confi
 // The two GEMMs of an mxfp4 layer on its weights expanded into `expanded` (gemm::launch_expand_mxfp4
 // of buffers.w13, then of buffers.w2, into the same bytes): fp8-block GEMMs with b = expanded and
 // b_scales = the images' own block scales; everything else as make_routed_gemm_args makes it for
-// fp8-block weights. Validated.
+// fp8-block weights. nvfp4 (gemm::launch_expand_nvfp4): bf16 GEMMs with b = expanded, FC1's scaled
+// SwiGLU with b_expert_scale = buffers.w13_expert_scale. Validated.
 Status make_routed_expanded_gemm_args(const MoeGeometry& geometry, const MoeConfig& config,
                                       const WorkspaceLayout& layout, const RoutedGemmBuffers& buffers,
                                       const void* expanded, int gemm_sms, gemm::GroupedGemmArgs* fc1,

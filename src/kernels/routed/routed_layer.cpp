@@ -10,18 +10,19 @@
 // Formats: fp8-block or mxfp4 weights with fp8-block dispatch (mxfp4: the GEMMs' mxfp4 mode, the
 // e2m1 codes expanded to e4m3 in the pipeline; 16- and 32-row tiles only, hidden a multiple of 256),
 // or bf16 weights with bf16 dispatch; every combine wire; no in-kernel FC2 reduce. nvfp4 weights with
-// bf16 dispatch run as bf16 weights (e2m1 x e4m3 block scale expanded to bf16 exactly at upload),
-// each expert's global scales in fp32: w13's on FC1's accumulators (the scaled SwiGLU epilogue),
-// w2's folded into FC2's row weights by the pool build; so only with the bf16 wire written by FC2
-// (no owner reduce), where FC2 applies those row weights.
+// bf16 dispatch stay FP4 in HBM (the nvfp4 GEMM's images: e2m1 x e4m3 block scale expanded to bf16
+// exactly in the pipeline, 16- and 32-row tiles, hidden a multiple of 256; at prefill expanded into a
+// bf16 scratch for the bf16 GEMM, below), each expert's global scales in fp32: w13's on FC1's
+// accumulators (the scaled SwiGLU epilogue), w2's folded into FC2's row weights by the pool build; so
+// only with the bf16 wire written by FC2 (no owner reduce), where FC2 applies those row weights.
 //
 // Buffers and who shares them (layer.h states the rules for callers):
 // - the symmetric workspace (EpTransport, WorkspacePool): every layer of one WorkspaceKey (geometry,
 //   options, rank, group, device, lane);
 // - scratch of the same key (KeyScratch below): the M-major copy of the pool's activation scales that
 //   FC1 reads, FC2's bf16 rows [pool_rows, H] where the combine reads them (a quantised wire or
-//   the owner reduce), and mxfp4's prefill expansion (a chunk of experts within
-//   MEGAMOE_MXFP4_EXPAND_MIB, when T_max reaches the threshold). Layers of one key run one after
+//   the owner reduce), and the FP4 prefill expansion (mxfp4 to e4m3, nvfp4 to bf16; a chunk of experts
+//   within MEGAMOE_MXFP4_EXPAND_MIB, when T_max reaches the format's threshold). Layers of one key run one after
 //   another on one stream, so sharing is safe;
 //   forward() refuses two host threads inside it at once for one key (the one misuse cheap to see);
 // - per layer: the prepared weights and the GEMMs' tile counters (in the transport's scratch, zeroed
@@ -163,6 +164,9 @@ class RoutedMoeLayer final : public MoeLayer {
     if (config_.weight_format == WeightFormat::kMxfp4)
       MEGAMOE_RETURN_IF_ERROR(routed_mxfp4_expansion(geometry_, env_knobs().mxfp4_expand_rows,
                                                      env_knobs().mxfp4_expand_mib, &expansion));
+    if (config_.weight_format == WeightFormat::kNvfp4)
+      MEGAMOE_RETURN_IF_ERROR(routed_nvfp4_expansion(geometry_, env_knobs().nvfp4_expand_rows,
+                                                     env_knobs().mxfp4_expand_mib, &expansion));
     expand_rows_ = expansion.expands() && P > 0 ? expansion.threshold_rows : 0;  // 0: no forward expands
     expand_chunk_ = static_cast<int32_t>(expansion.chunk_experts);
     if (expand_rows_ > 0) {
@@ -173,12 +177,17 @@ class RoutedMoeLayer final : public MoeLayer {
       const int64_t bytes = expansion.scratch_bytes;
       if (!scratch->fp4_expanded || scratch->fp4_expanded_bytes < bytes) {
         if (Status st = device_alloc(device_, bytes, &scratch->fp4_expanded); !st.is_ok())
-          return Status(st.code(), "the routed mxfp4 layer's prefill expansion scratch (" + str(bytes) + " bytes: " +
-                                       str(expansion.chunk_experts) + " experts x 2I x H e4m3, from " +
-                                       str(expansion.threshold_rows) +
-                                       " rows per expert; MEGAMOE_MXFP4_EXPAND_MIB bounds it, "
-                                       "MEGAMOE_MXFP4_EXPAND_ROWS=off drops it): " +
-                                       st.message());
+          return Status(st.code(), nvfp4()
+                                       ? "the routed nvfp4 layer's prefill expansion scratch (" + str(bytes) +
+                                             " bytes: " + str(expansion.chunk_experts) + " experts x 2I x H bf16, from " +
+                                             str(expansion.threshold_rows) +
+                                             " rows per expert; MEGAMOE_MXFP4_EXPAND_MIB bounds it, "
+                                             "MEGAMOE_NVFP4_EXPAND_ROWS=off drops it): " + st.message()
+                                       : "the routed mxfp4 layer's prefill expansion scratch (" + str(bytes) +
+                                             " bytes: " + str(expansion.chunk_experts) + " experts x 2I x H e4m3, from " +
+                                             str(expansion.threshold_rows) +
+                                             " rows per expert; MEGAMOE_MXFP4_EXPAND_MIB bounds it, "
+                                             "MEGAMOE_MXFP4_EXPAND_ROWS=off drops it): " + st.message());
         scratch->fp4_expanded_bytes = bytes;
       }
       fp4_expanded_ = scratch->fp4_expanded;
@@ -325,6 +334,7 @@ class RoutedMoeLayer final : public MoeLayer {
   bool fp8() const {
     return config_.weight_format == WeightFormat::kFp8Block || config_.weight_format == WeightFormat::kMxfp4;
   }
+  bool nvfp4() const { return config_.weight_format == WeightFormat::kNvfp4; }
 
   // Both GEMMs' arguments (make_routed_gemm_args) for the current config and the plans made from
   // them: built at warmup and again when set_knobs changes the knobs. Keeps the old ones on failure.
@@ -422,7 +432,8 @@ class RoutedMoeLayer final : public MoeLayer {
         for (gemm::GroupedGemmArgs a : f == 0 ? plan->fc1 : plan->fc2) {
           a.num_experts = c.count;
           a.expert_offsets += e0;
-          a.b_scales += static_cast<int64_t>(e0) * (a.n / 128) * (a.k / 128);
+          if (a.b_scales != nullptr) a.b_scales += static_cast<int64_t>(e0) * (a.n / 128) * (a.k / 128);
+          if (a.b_expert_scale != nullptr) a.b_expert_scale += e0;  // nvfp4's bf16 expansion
           MEGAMOE_RETURN_IF_ERROR(gemm::validate_grouped_gemm(a));
           (f == 0 ? c.fc1 : c.fc2).push_back(a);
         }
@@ -566,11 +577,11 @@ class RoutedMoeLayer final : public MoeLayer {
         for (int f = 0; f < 2; ++f) {
           if (f == 1) MEGAMOE_RETURN_IF_ERROR(mark(3, stream));
           for (const GemmPlan::Chunk& c : plan->chunks) {
-            MEGAMOE_CUDA_CHECK(f == 0 ? gemm::launch_expand_mxfp4(w13_->ptr, El, 2 * I, static_cast<int32_t>(H),
-                                                                  c.first, c.count, offsets, expanded, gemm_sms_,
-                                                                  stream)
-                                      : gemm::launch_expand_mxfp4(w2_->ptr, El, static_cast<int32_t>(H), I, c.first,
-                                                                  c.count, offsets, expanded, gemm_sms_, stream));
+            const auto expand = nvfp4() ? gemm::launch_expand_nvfp4 : gemm::launch_expand_mxfp4;
+            MEGAMOE_CUDA_CHECK(f == 0 ? expand(w13_->ptr, El, 2 * I, static_cast<int32_t>(H), c.first, c.count,
+                                               offsets, expanded, gemm_sms_, stream)
+                                      : expand(w2_->ptr, El, static_cast<int32_t>(H), I, c.first, c.count, offsets,
+                                               expanded, gemm_sms_, stream));
             for (const gemm::GroupedGemmArgs& a : f == 0 ? c.fc1 : c.fc2)
               MEGAMOE_RETURN_IF_ERROR(gemm::launch_grouped_gemm(a, stream));
           }
@@ -614,7 +625,7 @@ class RoutedMoeLayer final : public MoeLayer {
     if (device_weights)
       MEGAMOE_RETURN_IF_ERROR(prepare_device_expert_weights(device_, geometry_, config_, *device_weights, &w));
     else
-      MEGAMOE_RETURN_IF_ERROR(upload_expert_weights(device_, geometry_, weights_, &w));
+      MEGAMOE_RETURN_IF_ERROR(upload_expert_weights(device_, geometry_, weights_, &w, Nvfp4Upload::kGemmImages));
     w13_ = std::move(w.w13);
     w13_scales_ = std::move(w.w13_scales);
     w2_ = std::move(w.w2);
@@ -658,16 +669,20 @@ class RoutedMoeLayer final : public MoeLayer {
 // Knobs as GEMM tiles; 0 leaves the field to the GEMM's heuristic for the forward's bucket. A
 // BLOCK_N the GEMM cannot run for this N (not 128/256, not dividing N, or not 256 for SwiGLU) is left
 // to the heuristic too, and so are mxfp4 tiles the GEMM has no configuration for (BLOCK_M other than
-// 16, 32 or 64 — 64 with two math warpgroups only, make_routed_gemm_args —, BLOCK_N other than 256).
+// 16, 32 or 64 — 64 with two math warpgroups only, make_routed_gemm_args —, BLOCK_N other than 256),
+// nvfp4 GEMM tiles other than 16 or 32 rows and 256 wide, and bf16 tiles of 16 or 32 rows.
 // (The pool is not padded, so any BLOCK_M runs any segment.)
-gemm::GemmTileConfig tiles_for(const MoeConfig& c, int32_t n, bool swiglu, int gemm_sms) {
+gemm::GemmTileConfig tiles_for(const MoeConfig& c, int32_t n, bool swiglu, int gemm_sms, bool nvfp4_gemm) {
   const bool fp8 = c.weight_format == WeightFormat::kFp8Block;
   const bool mxfp4 = c.weight_format == WeightFormat::kMxfp4;
   gemm::GemmTileConfig t;
   t.block_m = c.knobs.block_m;
   if (mxfp4 && t.block_m != 16 && t.block_m != 32 && t.block_m != 64) t.block_m = 0;
+  if (nvfp4_gemm && t.block_m != 16 && t.block_m != 32) t.block_m = 0;
+  const bool bf16_gemm = !fp8 && !mxfp4 && !nvfp4_gemm;  // bf16 weights or nvfp4's bf16 expansion: 64 and 128 rows
+  if (bf16_gemm && (t.block_m == 16 || t.block_m == 32)) t.block_m = 0;
   const int32_t bn = c.knobs.block_n;
-  const bool bn_ok = swiglu || mxfp4 ? bn == 256 : ((bn == 128 || bn == 256) && n % bn == 0);
+  const bool bn_ok = swiglu || mxfp4 || nvfp4_gemm ? bn == 256 : ((bn == 128 || bn == 256) && n % bn == 0);
   t.block_n = bn_ok ? bn : 0;
   t.num_sms = c.knobs.num_sms;
   if (gemm_sms > 0) t.num_sms = t.num_sms > 0 ? std::min(t.num_sms, gemm_sms) : gemm_sms;
@@ -795,12 +810,51 @@ Status routed_mxfp4_expansion(const MoeGeometry& g, const std::string& rows_knob
   return Status::ok();
 }
 
+Status routed_nvfp4_expand_rows(const std::string& knob, int64_t* out) {
+  if (knob.empty()) {
+    *out = kDefaultNvfp4ExpandRows;
+    return Status::ok();
+  }
+  if (knob == "off") {
+    *out = 0;
+    return Status::ok();
+  }
+  if (int64_t v = 0; parse_positive(knob, &v)) {
+    *out = v;
+    return Status::ok();
+  }
+  return invalid_argument("environment knob", "MEGAMOE_NVFP4_EXPAND_ROWS", "'" + knob + "'",
+                          "must be 'off' or a positive integer (rows per expert from which routed nvfp4 layers "
+                          "expand their weights to bf16 for the GEMMs; unset: " +
+                              str(kDefaultNvfp4ExpandRows) + ")");
+}
+
+Status routed_nvfp4_expansion(const MoeGeometry& g, const std::string& rows_knob, const std::string& mib_knob,
+                              RoutedMxfp4Expansion* out) {
+  RoutedMxfp4Expansion x;
+  int64_t max_bytes = 0;
+  MEGAMOE_RETURN_IF_ERROR(routed_nvfp4_expand_rows(rows_knob, &x.threshold_rows));
+  MEGAMOE_RETURN_IF_ERROR(routed_mxfp4_expand_bytes(mib_knob, &max_bytes));
+  x.t_max_rows = routed_rows_per_expert(g, g.max_tokens_per_rank * g.top_k);
+  x.chunk_experts = routed_mxfp4_expand_chunk(g, max_bytes / 2);  // bf16: two bytes per weight
+  if (x.threshold_rows > 0 && g.max_tokens_per_rank > 0 && x.t_max_rows >= x.threshold_rows)
+    x.scratch_bytes = gemm::nvfp4_expanded_bytes(x.chunk_experts, 2 * g.intermediate, g.hidden);
+  *out = x;
+  return Status::ok();
+}
+
 Status make_routed_expanded_gemm_args(const MoeGeometry& g, const MoeConfig& c, const WorkspaceLayout& l,
                                       const RoutedGemmBuffers& b, const void* expanded, int gemm_sms,
                                       gemm::GroupedGemmArgs* fc1, gemm::GroupedGemmArgs* fc2) {
+  if (c.weight_format == WeightFormat::kNvfp4) {
+    RoutedGemmBuffers bx = b;
+    bx.w13 = bx.w2 = expanded;
+    bx.nvfp4_bf16 = true;
+    return make_routed_gemm_args(g, c, l, bx, gemm_sms, 0, fc1, fc2);
+  }
   if (c.weight_format != WeightFormat::kMxfp4)
     return Status(StatusCode::kInternal, std::string("expanded GEMM arguments for weight_format=") +
-                                             to_string(c.weight_format) + " (mxfp4 only)");
+                                             to_string(c.weight_format) + " (mxfp4 or nvfp4 only)");
   MoeConfig fp8 = c;
   fp8.weight_format = WeightFormat::kFp8Block;
   RoutedGemmBuffers bx = b;
@@ -815,7 +869,8 @@ Status make_routed_gemm_args(const MoeGeometry& g, const MoeConfig& c, const Wor
                              gemm::GroupedGemmArgs* fc1_out, gemm::GroupedGemmArgs* fc2_out) {
   const bool mxfp4 = c.weight_format == WeightFormat::kMxfp4;
   const bool fp8 = c.weight_format == WeightFormat::kFp8Block || mxfp4;  // e4m3 activations, 1x128 scales
-  const bool nvfp4 = c.weight_format == WeightFormat::kNvfp4;  // bf16 GEMMs on the expanded weights
+  const bool nvfp4 = c.weight_format == WeightFormat::kNvfp4;
+  const bool nvfp4_gemm = nvfp4 && !b.nvfp4_bf16;  // the nvfp4 GEMM on the images (else bf16 on the expansion)
   const int64_t P = l.pool_rows, H = g.hidden, I = g.intermediate;
   const int32_t El = static_cast<int32_t>(g.experts_per_rank());
   // invariant: P is a multiple of 4, the leading dimension of the M-major scale arrays below.
@@ -823,12 +878,16 @@ Status make_routed_gemm_args(const MoeGeometry& g, const MoeConfig& c, const Wor
     return Status(StatusCode::kInternal, "routed GEMMs: pool_rows=" + str(P) + " is not a multiple of 4 (WorkspaceLayout)");
   char* base = b.workspace;
   gemm::GroupedGemmArgs fc1;  // FC1 + SwiGLU (+ fp8 requant): pool_x -> intermediate
-  fc1.dtype = mxfp4 ? gemm::GemmDtype::kMxfp4 : fp8 ? gemm::GemmDtype::kFp8Block : gemm::GemmDtype::kBf16;
+  fc1.dtype = mxfp4        ? gemm::GemmDtype::kMxfp4
+              : fp8        ? gemm::GemmDtype::kFp8Block
+              : nvfp4_gemm ? gemm::GemmDtype::kNvfp4
+                           : gemm::GemmDtype::kBf16;
   fc1.layout = gemm::GroupedLayout::kContiguous;
   fc1.epilogue = fp8     ? gemm::GemmEpilogue::kSwigluFp8
                  : nvfp4 ? gemm::GemmEpilogue::kSwigluBf16Scaled
                          : gemm::GemmEpilogue::kSwigluBf16;
-  if (nvfp4) fc1.b_expert_scale = b.w13_expert_scale;  // FC2's: in the pool build's row weights
+  // FC2's global scale: in the pool build's row weights; FC1's: the image's (nvfp4 GEMM) or apart
+  if (nvfp4 && !nvfp4_gemm) fc1.b_expert_scale = b.w13_expert_scale;
   fc1.num_experts = El;
   fc1.n = static_cast<int32_t>(2 * I);
   fc1.k = static_cast<int32_t>(H);
@@ -839,7 +898,7 @@ Status make_routed_gemm_args(const MoeGeometry& g, const MoeConfig& c, const Wor
   fc1.d = base + l.intermediate.offset;
   fc1.ldd = I;
   fc1.pow2_scales = c.pow2_scales;
-  fc1.tiles = tiles_for(c, fc1.n, /*swiglu=*/true, gemm_sms);
+  fc1.tiles = tiles_for(c, fc1.n, /*swiglu=*/true, gemm_sms, nvfp4_gemm);
   fc1.expected_m_per_expert = routed_rows_per_expert(g, g.max_tokens_per_rank * g.top_k);
   if (fp8) {
     fc1.a_scales = b.a_scales;
@@ -873,7 +932,7 @@ Status make_routed_gemm_args(const MoeGeometry& g, const MoeConfig& c, const Wor
     fc2.peer_d_rows = static_cast<int32_t>(b.rows_per_rank);
     for (int r = 0; r < b.num_ranks; ++r) fc2.peer_d[r] = b.peer_combine[r];
   }
-  fc2.tiles = tiles_for(c, fc2.n, /*swiglu=*/false, gemm_sms);
+  fc2.tiles = tiles_for(c, fc2.n, /*swiglu=*/false, gemm_sms, nvfp4_gemm);
   if (mxfp4) {
     fc1.tiles.fp4_math_wg = fc2.tiles.fp4_math_wg = fp4_math_wg;
     const bool one_wg = fp4_math_wg == 1 || (fp4_math_wg == 0 && gemm::kDefaultFp4MathWG == 1);
@@ -907,6 +966,10 @@ Status routed_format_gate(const MoeGeometry& g, const MoeConfig& c) {
     return Status(StatusCode::kUnavailable, std::string("the routed backend has no ") + to_string(c.weight_format) +
                                                 " grouped GEMM yet (fp8-block, mxfp4, nvfp4 or bf16 weights)");
   MEGAMOE_RETURN_IF_ERROR(mxfp4_shape_gate("routed", g, c));
+  if (c.weight_format == WeightFormat::kNvfp4 && g.hidden % 256 != 0)
+    return Status(StatusCode::kUnavailable, "the routed backend: geometry.hidden=" + str(g.hidden) +
+                                                " must be a multiple of 256 with weight_format=nvfp4 (FC2's N = "
+                                                "hidden runs the nvfp4 GEMM's 256-wide tiles)");
   if (c.weight_format == WeightFormat::kNvfp4 && !routed_fc2_writes_combine(c))
     return Status(StatusCode::kUnavailable,
                   std::string("the routed backend runs weight_format=nvfp4 with combine_dtype=bf16 and no owner "
